@@ -1,0 +1,35 @@
+# `make train` and `make test` work on a fresh clone: they create .venv and install into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# pip is asked for these exact releases where they are available (this machine keeps them on
+# disk); pyproject.toml itself admits any torch >= 2.4.
+TORCH_PIN ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: install train test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIN) || $(PY) -m pip install --quiet torch torchvision
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+train: install
+	$(PY) -m trainkit.train +exp=mnist $(ARGS)
+
+test: install
+	$(PY) -m ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check .
+
+bench: install
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

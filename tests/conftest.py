@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fakes import write_fake_mnist
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def mnist_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data root with small, learnable MNIST-format files (not the official ones)."""
+    return write_fake_mnist(tmp_path_factory.mktemp("data"))
+
+
+def offline_env(**extra: str) -> dict[str, str]:
+    """The environment for a subprocess that must not reach the network.
+
+    Proxies pointed at a closed local port make any download fail at once, here and on a
+    machine that is online.
+    """
+    env = dict(os.environ)
+    env.pop("TRAINKIT_DATA_DIR", None)
+    dead = "http://127.0.0.1:9"
+    env.update(http_proxy=dead, https_proxy=dead, HTTP_PROXY=dead, HTTPS_PROXY=dead,
+               no_proxy="", NO_PROXY="", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run_train(*overrides: str, env: dict[str, str] | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run the real entry point, ``python -m trainkit.train``, in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "trainkit.train", *overrides],
+        cwd=REPO, env=env or offline_env(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def tiny_run(run_dir: Path, data_root: Path, *extra: str) -> list[str]:
+    """Overrides for a few-step MNIST run on the fake files."""
+    return [
+        "+exp=mnist", f"hydra.run.dir={run_dir}", f"data.root={data_root}",
+        "data.verify=false", "data.download=false", "data.batch_size=32",
+        "data.eval_batch_size=64", "trainer.log_every_n_steps=2", *extra,
+    ]
+
+
+@pytest.fixture(scope="session")
+def real_mnist_root() -> Path:
+    """The real MNIST under TRAINKIT_DATA_DIR; the test is skipped where there is none."""
+    root = os.environ.get("TRAINKIT_DATA_DIR")
+    if not root or not (Path(root) / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").is_file():
+        pytest.skip("real MNIST not found under TRAINKIT_DATA_DIR")
+    return Path(root)

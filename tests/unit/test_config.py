@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
+
+from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
+from trainkit.errors import ConfigError
+from trainkit.train import CONFIG_DIR
+
+EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "exp").glob("*.yaml"))
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("exp", EXPERIMENTS)
+def test_every_experiment_composes_into_typed_settings(exp: str) -> None:
+    cfg = _compose(f"+exp={exp}")
+    settings = OmegaConf.to_object(cfg)
+    assert isinstance(settings, TrainConfig)
+    assert isinstance(settings.trainer, TrainerConfig)
+    for node in ("model", "optim", "sched"):
+        assert "_target_" in cfg[node], f"{exp}: {node} has no _target_"
+
+
+def test_mnist_experiment_exists() -> None:
+    assert "mnist" in EXPERIMENTS
+
+
+def test_contract_keys_exist() -> None:
+    cfg = _compose("+exp=mnist")
+    for key in ("trainer.max_epochs", "trainer.max_steps", "trainer.precision",
+                "trainer.accumulate_grad_batches", "trainer.gradient_clip_val",
+                "trainer.device", "trainer.seed", "trainer.compile",
+                "trainer.activation_checkpointing", "trainer.log_every_n_steps",
+                "data.root", "data.batch_size", "data.num_workers", "data.pin_memory",
+                "data.verify", "checkpoint.every_n_steps", "checkpoint.keep_last",
+                "checkpoint.resume"):
+        OmegaConf.select(cfg, key, throw_on_missing=True)
+        assert key.split(".")[-1] in cfg[key.split(".")[0]], key
+
+
+def test_data_root_defaults_to_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAINKIT_DATA_DIR", "/somewhere/data")
+    assert _compose("+exp=mnist").data.root == "/somewhere/data"
+    monkeypatch.delenv("TRAINKIT_DATA_DIR")
+    assert _compose("+exp=mnist").data.root == "./data"
+
+
+def test_precision_given_as_number_becomes_text() -> None:
+    settings = OmegaConf.to_object(_compose("+exp=mnist", "trainer.precision=32"))
+    assert settings.trainer.precision == "32"
+
+
+def test_wrong_type_fails_while_composing() -> None:
+    with pytest.raises(Exception) as info:
+        _compose("+exp=mnist", "data.batch_size=abc")
+    cause = info.value.__cause__ or info.value
+    assert isinstance(cause, ValidationError)
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("data.batch_size=-1", "data.batch_size must be >= 1"),
+        ("data.batch_size=0", "data.batch_size must be >= 1"),
+        ("trainer.precision=fp8", "trainer.precision='fp8' is not one of"),
+        ("trainer.accumulate_grad_batches=0", "accumulate_grad_batches must be >= 1"),
+        ("trainer.max_steps=-5", "trainer.max_steps must be >= -1"),
+        ("trainer.max_epochs=-1", "trainer.max_epochs must be >= 1"),
+        ("trainer.gradient_clip_val=-1.0", "gradient_clip_val must be > 0"),
+        ("checkpoint.keep_last=0", "checkpoint.keep_last must be >= 1"),
+    ],
+)
+def test_out_of_range_values_fail_with_the_key(override: str, fragment: str) -> None:
+    cfg = _compose("+exp=mnist", override)
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
+        OmegaConf.to_object(cfg)
+
+
+def test_configs_are_plain_python_without_hydra() -> None:
+    assert TrainerConfig(max_steps=10).max_steps == 10
+    assert DataConfig(batch_size=4).batch_size == 4
+    assert CheckpointConfig(resume=None).resume is None
+    with pytest.raises(ConfigError):
+        TrainerConfig(accumulate_grad_batches=True)  # a bool is not a count
+
+
+def test_library_never_imports_hydra() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, trainkit, trainkit.trainer, trainkit.data, trainkit.env; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+
+def _env(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "trainkit.env", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_report_lists_versions_and_passes_sanity_check() -> None:
+    result = _env()
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"torch                      {torch.__version__}" in out or torch.__version__ in out
+    for key in ("torchvision", "CUDA (torch build)", "cuDNN", "NCCL", "CUDA available",
+                "MPS available", "CPU cores / torch threads", "distributed env"):
+        assert key in out
+    assert "sanity check" in out and ": ok" in out
+
+
+def test_report_shows_distributed_variables() -> None:
+    import os
+
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_PORT="29555")
+    result = subprocess.run([sys.executable, "-m", "trainkit.env"], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert "MASTER_PORT=29555" in result.stdout
+
+
+def test_unavailable_device_is_one_line_and_nonzero() -> None:
+    if torch.cuda.is_available():
+        return
+    result = _env("--device", "cuda")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CUDA is not available" in lines[0]

@@ -1,0 +1,117 @@
+"""Typed settings with range checks. Plain dataclasses: usable without Hydra.
+
+The Hydra entry point registers these as structured configs, so a wrong *type* fails while
+composing; ``__post_init__`` checks *ranges* and runs both from Python and when Hydra's config is
+turned into these objects (``OmegaConf.to_object``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainkit.errors import ConfigError
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+
+
+@dataclass
+class TrainerConfig:
+    """How to train. ``max_steps`` counts optimizer steps; -1 means no step limit."""
+
+    max_epochs: int = 1
+    max_steps: int = -1
+    precision: str = "32"
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
+    device: str = "auto"
+    seed: int = 0
+    compile: bool = False
+    channels_last: bool = False
+    activation_checkpointing: list[str] = field(default_factory=list)
+    log_every_n_steps: int = 50
+    eval_every_n_epochs: int = 1
+
+    def __post_init__(self) -> None:
+        _check_int("trainer.max_epochs", self.max_epochs, minimum=1)
+        _check_int("trainer.max_steps", self.max_steps, minimum=-1)
+        if self.max_steps == 0:
+            raise ConfigError("trainer.max_steps=0 trains nothing: use a positive number or -1")
+        self.precision = str(self.precision)
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"trainer.precision={self.precision!r} is not one of {', '.join(PRECISIONS)}"
+            )
+        _check_int("trainer.accumulate_grad_batches", self.accumulate_grad_batches, minimum=1)
+        if self.gradient_clip_val is not None and not self.gradient_clip_val > 0:
+            raise ConfigError(
+                f"trainer.gradient_clip_val must be > 0 or null, got {self.gradient_clip_val}"
+            )
+        if self.gradient_clip_algorithm not in ("norm", "value"):
+            raise ConfigError(
+                f"trainer.gradient_clip_algorithm={self.gradient_clip_algorithm!r}: "
+                "use 'norm' or 'value'"
+            )
+        _check_int("trainer.seed", self.seed, minimum=0)
+        _check_int("trainer.log_every_n_steps", self.log_every_n_steps, minimum=1)
+        _check_int("trainer.eval_every_n_epochs", self.eval_every_n_epochs, minimum=1)
+        self.activation_checkpointing = list(self.activation_checkpointing)
+
+
+@dataclass
+class DataConfig:
+    """Where the data lives and how it is batched."""
+
+    name: str = "mnist"
+    root: str = field(default_factory=lambda: os.environ.get("TRAINKIT_DATA_DIR", "./data"))
+    batch_size: int = 128
+    eval_batch_size: int = 1000
+    num_workers: int = 0
+    pin_memory: bool | None = None  # null: on exactly when training on CUDA
+    verify: bool = True
+    download: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("data.batch_size", self.batch_size, minimum=1)
+        _check_int("data.eval_batch_size", self.eval_batch_size, minimum=1)
+        _check_int("data.num_workers", self.num_workers, minimum=0)
+
+
+@dataclass
+class CheckpointConfig:
+    """When to save and what to resume from (``auto``: newest valid in the run dir; null: never)."""
+
+    every_n_steps: int = 0  # 0: only at the end of the run
+    keep_last: int = 3
+    resume: str | None = "auto"
+    save_last: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("checkpoint.every_n_steps", self.every_n_steps, minimum=0)
+        _check_int("checkpoint.keep_last", self.keep_last, minimum=1)
+
+
+@dataclass
+class TrainConfig:
+    """Everything one run of ``python -m trainkit.train`` needs.
+
+    ``model``, ``optim`` and ``sched`` are ``_target_`` nodes: the edges where users plug in
+    their own classes.
+    """
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    model: Any = None
+    optim: Any = None
+    sched: Any = None
+    task: str = "classification"
+
+
+def _check_int(key: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {value}")

@@ -1,0 +1,66 @@
+"""Console and ``train.log`` lines, and the TensorBoard writer (a null writer off rank 0)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+LOGGER_NAME = "trainkit"
+_FORMAT = "%(asctime)s %(message)s"
+_DATEFMT = "%H:%M:%S"
+
+
+def setup_logging(run_dir: str | Path | None, is_main: bool = True) -> logging.Logger:
+    """Send trainkit's log lines to stdout and ``<run_dir>/train.log`` (rank 0 only).
+
+    Idempotent per run directory, and it replaces handlers left by a previous run in the same
+    process (Hydra multirun, notebooks). Other ranks print warnings and errors only.
+    """
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    log_file = str(Path(run_dir).resolve() / "train.log") if run_dir and is_main else None
+    if any(getattr(h, "_trainkit_file", "unset") == log_file for h in logger.handlers):
+        return logger
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    formatter = logging.Formatter(_FORMAT, _DATEFMT)
+    console = logging.StreamHandler(sys.stdout)
+    console.setLevel(logging.INFO if is_main else logging.WARNING)
+    handlers: list[logging.Handler] = [console]
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        handler._trainkit_file = log_file  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    return logger
+
+
+class NullWriter:
+    """Stands in for SummaryWriter where nothing should be written (other ranks, no run dir)."""
+
+    def add_scalar(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def add_hparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def make_writer(run_dir: str | Path | None, is_main: bool = True) -> Any:
+    """TensorBoard's ``SummaryWriter`` into ``<run_dir>/tb`` on rank 0, else a null writer."""
+    if run_dir is None or not is_main:
+        return NullWriter()
+    from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
+
+    return SummaryWriter(log_dir=str(Path(run_dir) / "tb"))

@@ -1,0 +1,5 @@
+"""Example networks for the bundled experiments."""
+
+from trainkit.models.mnist import MnistNet
+
+__all__ = ["MnistNet"]

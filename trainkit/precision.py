@@ -1,0 +1,93 @@
+"""Mixed precision as one object: autocast, loss scaling, backward, unscale, step, state."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from trainkit.errors import TrainkitError
+
+_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class Precision:
+    """Runs forward passes under autocast and optimizer steps through a GradScaler for fp16.
+
+    ``"32"`` is plain fp32. ``"bf16-mixed"`` autocasts to bfloat16 (CPU and recent GPUs) and needs
+    no scaler. ``"16-mixed"`` autocasts to float16 and scales the loss so small gradients survive;
+    a step whose gradients overflowed is skipped by the scaler, and :meth:`step` returns False so
+    the caller does not advance its LR scheduler.
+
+    Example:
+        >>> precision = Precision("bf16-mixed", torch.device("cpu"))
+        >>> with precision.autocast():
+        ...     loss = model(x).sum()  # doctest: +SKIP
+        >>> precision.backward(loss)  # doctest: +SKIP
+        >>> stepped = precision.step(optimizer)  # doctest: +SKIP
+    """
+
+    def __init__(self, mode: str = "32", device: torch.device | str = "cpu") -> None:
+        self.mode = str(mode)
+        self.device = torch.device(device)
+        if self.mode != "32" and self.mode not in _DTYPES:
+            raise TrainkitError(f"unknown precision {mode!r}: use 32, bf16-mixed or 16-mixed")
+        self.dtype = _DTYPES.get(self.mode)
+        _check_supported(self.mode, self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.mode == "16-mixed" else None
+        self._unscaled: set[int] = set()  # optimizers unscaled since the last step
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Context for the forward pass and loss."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients to their true size (before clipping or reading their norm)."""
+        if self.scaler is not None and id(optimizer) not in self._unscaled:
+            self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer unless fp16 gradients overflowed; True when it stepped."""
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        self.unscale_(optimizer)
+        # GradScaler.step() syncs on this same flag (it has no public getter); reading it
+        # first costs no second wait.
+        found_inf = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        overflow = any(v.item() for v in found_inf.values())
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        self._unscaled.clear()
+        return not overflow
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("mode") != self.mode:
+            raise TrainkitError(
+                f"checkpoint was trained with precision {state.get('mode')!r} but this run uses "
+                f"{self.mode!r}: set trainer.precision={state.get('mode')} to resume it"
+            )
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def _check_supported(mode: str, device: torch.device) -> None:
+    if mode == "bf16-mixed" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise TrainkitError(
+            f"bf16-mixed needs a GPU with bfloat16 support (compute capability 8.0+); "
+            f"{torch.cuda.get_device_name(device)} has none: use trainer.precision=16-mixed"
+        )
+    if mode == "16-mixed" and device.type not in ("cuda", "cpu", "mps"):
+        raise TrainkitError(f"16-mixed is not supported on {device.type}: use bf16-mixed or 32")

@@ -1,0 +1,37 @@
+"""LR schedules built from the number of optimizer steps the run will take.
+
+Each factory takes ``(optimizer, total_steps, ...)`` so configs need not know the data size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
+
+
+def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int, *, pct_start: float = 0.25,
+              div_factor: float = 25.0, final_div_factor: float = 1e4) -> LRScheduler:
+    """Warm up to each group's ``lr``, then anneal to nearly zero (cosine), in ``total_steps``."""
+    max_lr = [group["lr"] for group in optimizer.param_groups]
+    return OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=pct_start,
+                      div_factor=div_factor, final_div_factor=final_div_factor)
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, *,
+                  warmup_steps: int = 0, min_ratio: float = 0.0) -> LRScheduler:
+    """Linear warm-up for ``warmup_steps``, then cosine decay to ``min_ratio`` x lr."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return LambdaLR(optimizer, factor)
+
+
+def constant(optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:
+    """Keep each group's ``lr`` unchanged."""
+    return LambdaLR(optimizer, lambda step: 1.0)

@@ -1,0 +1,101 @@
+"""One optimizer step over an accumulation window: weighting, no_sync, clipping, skipped steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from trainkit.device import move_to_device
+from trainkit.distributed import sync_gradients
+from trainkit.precision import Precision
+
+Batch = Any
+Forward = Callable[[nn.Module, Batch], tuple[Any, Any]]
+Criterion = Callable[[Any, Any], torch.Tensor]
+
+
+def default_forward(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
+    """``(inputs, targets)`` batches: run the model on the inputs, return outputs and targets."""
+    inputs, targets = batch
+    return model(inputs), targets
+
+
+def batch_size(batch: Batch) -> int:
+    """Samples in a batch: the leading size of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            try:
+                return batch_size(item)
+            except TypeError:
+                continue
+    raise TypeError(f"cannot tell the number of samples in a batch of type {type(batch).__name__}")
+
+
+def windows(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
+    """Group batches into accumulation windows of ``k``; the last one may be shorter."""
+    window: list[Batch] = []
+    for batch in batches:
+        window.append(batch)
+        if len(window) == k:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # the window's mean loss, detached, on the device (reading it syncs)
+    grad_norm: torch.Tensor | None  # total norm before clipping; None without norm clipping
+    stepped: bool  # False when the fp16 scaler skipped the step
+    samples: int
+
+
+def train_window(
+    model: nn.Module,
+    window: Sequence[Batch],
+    *,
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    criterion: Criterion,
+    forward: Forward,
+    device: torch.device,
+    clip_val: float | None = None,
+    clip_algorithm: str = "norm",
+) -> StepResult:
+    """Forward/backward every micro-batch of ``window``, then one (possibly skipped) step.
+
+    Each micro-batch's mean loss is weighted by its share of the window's samples, so k batches
+    of b give the same gradient as one batch of k*b, and a short last window (end of epoch) is
+    the mean over the samples it has, not divided by the full window size.
+    """
+    sizes = [batch_size(b) for b in window]
+    total = sum(sizes)
+    loss_sum = torch.zeros((), device=device)
+    for i, (batch, n) in enumerate(zip(window, sizes)):
+        batch = move_to_device(batch, device)
+        with sync_gradients(model, sync=i == len(window) - 1):
+            with precision.autocast():
+                outputs, targets = forward(model, batch)
+                loss = criterion(outputs, targets)
+            if len(window) > 1:
+                loss = loss * (n / total)
+            precision.backward(loss)
+        loss_sum += loss.detach().float()
+    grad_norm = None
+    if clip_val is not None:
+        precision.unscale_(optimizer)  # clip true gradients, not loss-scaled ones
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if clip_algorithm == "norm":
+            grad_norm = nn.utils.clip_grad_norm_(params, clip_val)
+        else:
+            nn.utils.clip_grad_value_(params, clip_val)
+    stepped = precision.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum, grad_norm, stepped, total)

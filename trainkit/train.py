@@ -1,0 +1,113 @@
+"""``python -m trainkit.train +exp=mnist``: compose the config with Hydra, then train.
+
+This is the only module that imports Hydra. ``train(cfg, run_dir)`` reads top to bottom:
+settings -> runtime -> data -> model -> optimizer -> trainer.fit -> summary.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trainkit.config import TrainConfig
+from trainkit.data import build_loaders
+from trainkit.errors import TrainkitError
+from trainkit.logging import setup_logging
+from trainkit.rng import seed_everything
+from trainkit.runtime import Runtime
+from trainkit.trainer import Trainer
+
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
+    """Run one training job described by a composed config; return its summary."""
+    settings: TrainConfig = OmegaConf.to_object(cfg)  # type checks done; ranges checked here
+    runtime = Runtime.from_env(settings.trainer.device)
+    log = setup_logging(run_dir, runtime.is_main)
+    seed_everything(settings.trainer.seed)
+
+    train_data, val_data, num_classes = build_loaders(
+        settings.data, runtime, seed=settings.trainer.seed,
+        channels_last=settings.trainer.channels_last,
+    )
+    model = instantiate(cfg.model, _convert_="all")
+    optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
+    trainer = Trainer(settings.trainer, run_dir=run_dir, checkpoint=settings.checkpoint,
+                      runtime=runtime, run_config=OmegaConf.to_container(cfg, resolve=True))
+    scheduler = None
+    if cfg.sched is not None:
+        total_steps = trainer.planned_steps(len(train_data))
+        scheduler = instantiate(cfg.sched, optimizer=optimizer, total_steps=total_steps)
+
+    from torchmetrics.classification import MulticlassAccuracy  # heavy import: after data is up
+
+    summary = trainer.fit(
+        model, optimizer, train_data, scheduler=scheduler, val_data=val_data,
+        metrics={"acc": MulticlassAccuracy(num_classes, average="micro")},
+    )
+    accuracy = summary["metrics"].get("val/acc", float("nan"))
+    log.info("done: test accuracy %.4f after %d steps in %.1f s; run dir %s",
+             accuracy, summary["global_step"], summary["wall_time_s"], run_dir)
+    return summary
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    train(cfg, HydraConfig.get().runtime.output_dir)
+
+
+def main() -> None:
+    """Run the Hydra app; print user errors as one line and exit non-zero."""
+    want_traceback = bool(os.environ.get("HYDRA_FULL_ERROR"))
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra's errors reach us unprinted
+    try:
+        _hydra_main()
+    except TrainkitError as err:
+        _fail(str(err))
+    except (HydraException, OmegaConfBaseException) as err:
+        if want_traceback:
+            raise
+        _fail(f"config error: {_one_line(err)}")
+
+
+def _fail(message: str) -> None:
+    print(f"trainkit: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _one_line(err: BaseException) -> str:
+    """Fold Hydra/OmegaConf's multi-line messages into one line, keeping what says how to fix."""
+    text = str(err).split("Config search path")[0]
+    parts: list[str] = []
+    listing = False
+    for line in (raw.strip() for raw in text.splitlines()):
+        if not line:
+            continue
+        if parts and (parts[-1].endswith(":") or listing):
+            parts[-1] += (", " if listing else " ") + line  # "options in 'exp':" then one a line
+            listing = True
+        else:
+            parts.append(line)
+            listing = False
+    cause = err.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        first = str(cause).strip().splitlines()[0]
+        key = getattr(cause, "full_key", None)
+        parts.append(first + (f" (key: {key})" if key else ""))
+    return "; ".join(parts)
+
+
+if __name__ == "__main__":
+    main()
