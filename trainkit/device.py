@@ -89,18 +89,23 @@ def move_to_device(batch: T, device: torch.device | str) -> T:
 
 def _move(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):
+        if obj.device == device:
+            return obj
         non_blocking = device.type == "cuda" and obj.device.type == "cpu" and obj.is_pinned()
         return obj.to(device, non_blocking=non_blocking)
+    cls = type(obj)
+    if cls is tuple or cls is list:  # the common case first: it runs every step
+        return cls(_move(v, device) for v in obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return cls(*(_move(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return cls(_move(v, device) for v in obj)
     if isinstance(obj, Mapping):
         moved = {k: _move(v, device) for k, v in obj.items()}
         try:
-            return type(obj)(moved)  # keeps OrderedDict, BatchEncoding-like dict subclasses
+            return cls(moved)  # keeps OrderedDict and other dict subclasses
         except TypeError:  # e.g. defaultdict, whose constructor wants a factory first
             return moved
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_move(v, device) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_move(v, device) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changes = {f.name: _move(getattr(obj, f.name), device) for f in dataclasses.fields(obj)
                    if f.init}

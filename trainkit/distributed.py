@@ -26,8 +26,10 @@ def sync_gradients(model: nn.Module, sync: bool) -> contextlib.AbstractContextMa
     Accumulating k micro-batches only needs gradients averaged across ranks once, on the last one.
     Without DDP this is a no-op.
     """
-    inner = model._orig_mod if hasattr(model, "_orig_mod") else model
-    if not sync and isinstance(inner, nn.parallel.DistributedDataParallel):
+    if sync:  # checked first: this runs every step, and Module attribute misses are slow
+        return contextlib.nullcontext()
+    inner = model._modules.get("_orig_mod", model)  # through torch.compile's wrapper
+    if isinstance(inner, nn.parallel.DistributedDataParallel):
         return inner.no_sync()
     return contextlib.nullcontext()
 

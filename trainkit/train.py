@@ -6,10 +6,12 @@ settings -> runtime -> data -> model -> optimizer -> trainer.fit -> summary.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -29,6 +31,8 @@ from trainkit.trainer import Trainer
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+# Users who set HYDRA_FULL_ERROR=1 get full tracebacks; read before main() sets it for itself.
+_SHOW_TRACEBACK = os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
@@ -65,24 +69,29 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    train(cfg, HydraConfig.get().runtime.output_dir)
+    # Errors are reported here, inside the job: past this point Hydra would add its own lines.
+    with _errors_as_one_line():
+        train(cfg, HydraConfig.get().runtime.output_dir)
 
 
 def main() -> None:
-    """Run the Hydra app; print user errors as one line and exit non-zero."""
-    want_traceback = bool(os.environ.get("HYDRA_FULL_ERROR"))
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra's errors reach us unprinted
-    try:
+    """Run the Hydra app; user errors print as one line and exit with status 2."""
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us unprinted
+    with _errors_as_one_line():
         _hydra_main()
-    except TrainkitError as err:
-        _fail(str(err))
-    except (HydraException, OmegaConfBaseException) as err:
-        if want_traceback:
+
+
+@contextlib.contextmanager
+def _errors_as_one_line() -> Iterator[None]:
+    try:
+        yield
+    except (TrainkitError, HydraException, OmegaConfBaseException) as err:
+        if _SHOW_TRACEBACK:
             raise
-        _fail(f"config error: {_one_line(err)}")
+        _fail(str(err) if isinstance(err, TrainkitError) else f"config error: {_one_line(err)}")
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     print(f"trainkit: {message}", file=sys.stderr)
     sys.exit(2)
 

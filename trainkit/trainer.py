@@ -125,7 +125,7 @@ class Trainer:
 
         metrics = {name: m.to(device) for name, m in (metrics or {}).items()}
         results: dict[str, float] = {}
-        loss_acc, loss_count = torch.zeros((), device=device), 0  # read only at log steps
+        losses: list[torch.Tensor] = []  # device scalars, read (one sync) only at log steps
         window_start, samples_at_window = time.perf_counter(), self.state.samples_seen
         state = self.state
         done = state.global_step >= total_steps
@@ -146,15 +146,15 @@ class Trainer:
                 state.global_step += 1
                 state.batch_in_epoch += len(window)
                 state.samples_seen += result.samples
-                loss_acc += result.loss
-                loss_count += 1
+                losses.append(result.loss)
                 if state.global_step % cfg.log_every_n_steps == 0:
                     now = time.perf_counter()
-                    self._log_train(writer, optimizer, loss_acc.item() / loss_count,
+                    mean_loss = torch.stack(losses).float().mean().item()
+                    self._log_train(writer, optimizer, mean_loss,
                                     (state.samples_seen - samples_at_window) / (now - window_start),
                                     total_steps)
-                    loss_acc.zero_()
-                    loss_count, window_start, samples_at_window = 0, now, state.samples_seen
+                    losses.clear()
+                    window_start, samples_at_window = now, state.samples_seen
                 every = self.checkpoint_config.every_n_steps
                 if every and state.global_step % every == 0:
                     self._save(model, optimizer, scheduler, periodic=True)
@@ -243,7 +243,7 @@ class Trainer:
             "epoch": self.state.epoch,
             "rng": rng.get_rng_state(),
             "config": self.run_config,
-            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
+            "versions": {"torch": str(torch.__version__), "cuda": torch.version.cuda},
         }
 
     # -- internals ----------------------------------------------------------------------------

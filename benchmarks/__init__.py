@@ -1,0 +1,1 @@
+"""Runnable benchmarks; `python -m benchmarks` runs them all (`make bench`)."""

@@ -1,0 +1,166 @@
+"""The real entry point, `python -m trainkit.train`, in subprocesses on generated MNIST files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import offline_env, run_train, tiny_run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path) -> Path:
+    run_dir = tmp_path_factory.mktemp("run")
+    result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_epochs=2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def test_summary_follows_the_contract(finished_run: Path) -> None:
+    summary = json.loads((finished_run / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["world_size"] == 1
+    assert summary["epoch"] == 2
+    assert summary["global_step"] == 2 * 16  # 512 samples / batch 32, two epochs
+    assert summary["wall_time_s"] > 0 and summary["samples_per_s"] > 0
+    assert 0.0 <= summary["metrics"]["val/acc"] <= 1.0
+    assert summary["metrics"]["val/loss"] > 0
+    # the generated digits are easy: a working loop learns them in two short epochs
+    assert summary["metrics"]["val/acc"] > 0.5
+
+
+def test_last_checkpoint_is_plain_and_loadable(finished_run: Path) -> None:
+    state = torch.load(finished_run / "checkpoints" / "last.pt", map_location="cpu",
+                       weights_only=True)
+    assert state["global_step"] == 32
+    assert {"model", "optimizer", "scheduler", "precision", "rng", "config"} <= state.keys()
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["model"])
+    assert state["config"]["trainer"]["max_epochs"] == 2
+    assert not list((finished_run / "checkpoints").glob(".*tmp"))
+
+
+def test_tensorboard_has_loss_and_lr(finished_run: Path) -> None:
+    events = EventAccumulator(str(finished_run / "tb"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    for tag in ("train/loss", "train/lr", "val/acc", "val/loss"):
+        assert tag in tags, tags
+    assert len(events.Scalars("train/loss")) == 32 // 2  # log_every_n_steps=2
+    assert [e.step for e in events.Scalars("val/acc")] == [16, 32]  # once per epoch
+
+
+def test_train_log_holds_the_console_lines(finished_run: Path) -> None:
+    text = (finished_run / "train.log").read_text()
+    assert "training MnistNet" in text
+    assert "val/acc" in text and "done: test accuracy" in text
+    assert "\r" not in text
+
+
+def test_hydra_saved_the_composed_config(finished_run: Path) -> None:
+    assert (finished_run / ".hydra" / "config.yaml").is_file()
+
+
+def test_rerun_in_same_dir_resumes_and_matches_an_uninterrupted_run(
+    tmp_path: Path, mnist_root: Path
+) -> None:
+    common = ("sched=constant", "trainer.max_epochs=3")
+    straight = tmp_path / "straight"
+    assert run_train(*tiny_run(straight, mnist_root, *common, "trainer.max_steps=20")
+                     ).returncode == 0
+    resumed = tmp_path / "resumed"
+    first = run_train(*tiny_run(resumed, mnist_root, *common, "trainer.max_steps=11"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    # the same command with a larger budget continues from step 11 (mid-epoch), not from 0
+    second = run_train(*tiny_run(resumed, mnist_root, *common, "trainer.max_steps=20"))
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resumed from" in second.stdout and "at step 11" in second.stdout
+    a = torch.load(straight / "checkpoints" / "last.pt", weights_only=True)["model"]
+    b = torch.load(resumed / "checkpoints" / "last.pt", weights_only=True)["model"]
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_multirun_sweeps_learning_rates(tmp_path: Path, mnist_root: Path) -> None:
+    overrides = [o for o in tiny_run(tmp_path, mnist_root, "trainer.max_steps=3")
+                 if not o.startswith("hydra.run.dir")]
+    result = run_train("-m", *overrides, "optim.lr=0.01,0.05", f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lrs = []
+    for job in ("0", "1"):
+        state = torch.load(tmp_path / job / "checkpoints" / "last.pt", weights_only=True)
+        lrs.append(state["config"]["optim"]["lr"])
+        assert json.loads((tmp_path / job / "summary.json").read_text())["global_step"] == 3
+    assert lrs == [0.01, 0.05]
+
+
+BAD_INPUTS = [
+    ("data.batch_size=-4", "data.batch_size must be >= 1"),
+    ("data.batch_size=2.5", "data.batch_size"),
+    ("trainer.precision=fp8", "trainer.precision"),
+    ("trainer.device=cuda", "CUDA is not available"),
+    ("trainer.accumulate_grad_batches=0", "accumulate_grad_batches must be >= 1"),
+    ("trainer.max_steps=-3", "trainer.max_steps must be >= -1"),
+    ("trainer.max_epochs=-1", "trainer.max_epochs must be >= 1"),
+    ("trainer.no_such_key=1", "no_such_key"),
+    ("optim._target_=torch.optim.NoSuchOptimizer", "NoSuchOptimizer"),
+]
+
+
+@pytest.mark.parametrize(("override", "fragment"), BAD_INPUTS)
+def test_bad_input_is_one_line_and_nonzero(tmp_path: Path, mnist_root: Path, override: str,
+                                            fragment: str) -> None:
+    if override == "trainer.device=cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    result = run_train(*tiny_run(tmp_path / "run", mnist_root, "trainer.max_steps=2"), override)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("trainkit: ") and fragment in lines[0], lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_unknown_experiment_lists_the_known_ones(tmp_path: Path) -> None:
+    result = run_train("+exp=nope", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "exp/nope" in lines[0] and "mnist" in lines[0], result.stderr
+
+
+def test_missing_data_offline_names_the_files(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    # download stays on (the default): offline it must fail fast with one line
+    result = run_train("+exp=mnist", f"hydra.run.dir={tmp_path / 'run'}", f"data.root={empty}")
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "train-images-idx3-ubyte" in lines[0] and "t10k-labels-idx1-ubyte" in lines[0]
+    assert "download failed" in lines[0]
+
+
+def test_bad_input_deletes_no_checkpoint(tmp_path: Path, mnist_root: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert run_train(*tiny_run(run_dir, mnist_root, "trainer.max_steps=2")).returncode == 0
+    before = (run_dir / "checkpoints" / "last.pt").read_bytes()
+    log_before = (run_dir / "train.log").read_text()
+    result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_steps=2"),
+                       "trainer.precision=16-mixed")  # a checkpoint of another precision
+    assert result.returncode != 0
+    assert "precision" in result.stderr.strip().splitlines()[-1]
+    assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
+    assert (run_dir / "train.log").read_text().startswith(log_before)
+
+
+@pytest.mark.realdata
+def test_mnist_reaches_99_percent_on_real_data(tmp_path: Path, real_mnist_root: Path) -> None:
+    env = offline_env(TRAINKIT_DATA_DIR=str(real_mnist_root))
+    result = run_train("+exp=mnist", f"hydra.run.dir={tmp_path}", env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["metrics"]["val/acc"] >= 0.99, summary

@@ -1,0 +1,46 @@
+"""trainkit: a small, fast, dependable PyTorch training harness.
+
+Use it whole (``Trainer(...).fit(...)``, or ``python -m trainkit.train +exp=mnist``) or piece by
+piece: devices, in-memory loaders, mixed precision, the step, checkpoints, logging.
+"""
+
+from trainkit.checkpoint import CheckpointManager, load_checkpoint, save_atomic
+from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
+from trainkit.data import InMemoryLoader, build_loaders
+from trainkit.datasets import TensorData, load_mnist
+from trainkit.device import available_devices, move_to_device, resolve_device
+from trainkit.errors import ConfigError, TrainkitError
+from trainkit.precision import Precision
+from trainkit.rng import seed_everything
+from trainkit.runtime import Runtime
+from trainkit.step import StepResult, train_window, windows
+from trainkit.trainer import Trainer, TrainState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointManager",
+    "ConfigError",
+    "DataConfig",
+    "InMemoryLoader",
+    "Precision",
+    "Runtime",
+    "StepResult",
+    "TensorData",
+    "TrainConfig",
+    "TrainState",
+    "Trainer",
+    "TrainerConfig",
+    "TrainkitError",
+    "available_devices",
+    "build_loaders",
+    "load_checkpoint",
+    "load_mnist",
+    "move_to_device",
+    "resolve_device",
+    "save_atomic",
+    "seed_everything",
+    "train_window",
+    "windows",
+]
