@@ -107,7 +107,6 @@ class TrainConfig:
     model: Any = None
     optim: Any = None
     sched: Any = None
-    task: str = "classification"
 
 
 def _check_int(key: str, value: Any, *, minimum: int) -> None:
