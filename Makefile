@@ -13,7 +13,6 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN) || $(PY) -m pip install --quiet torch torchvision
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)

@@ -15,6 +15,10 @@ def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int, *, pct_start: 
               div_factor: float = 25.0, final_div_factor: float = 1e4) -> LRScheduler:
     """Warm up to each group's ``lr``, then anneal to nearly zero (cosine), in ``total_steps``."""
     max_lr = [group["lr"] for group in optimizer.param_groups]
+    if total_steps > 1 and pct_start * total_steps <= 1:
+        # OneCycleLR divides by zero when its warm-up phase is shorter than one step (short
+        # smoke runs): give it just over one.
+        pct_start = min(1.0, 1.5 / total_steps)
     return OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=pct_start,
                       div_factor=div_factor, final_div_factor=final_div_factor)
 

@@ -142,3 +142,19 @@ def test_precision_state_round_trips() -> None:
 def test_unknown_precision() -> None:
     with pytest.raises(TrainkitError, match="unknown precision"):
         Precision("fp8", CPU)
+
+
+@pytest.mark.parametrize("total", [1, 2, 3, 4, 5, 9, 100])
+def test_one_cycle_survives_short_runs(total: int) -> None:
+    from trainkit.schedules import one_cycle
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    scheduler = one_cycle(optimizer, total)
+    lrs = []
+    for _ in range(total):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert max(lrs) <= 0.1 + 1e-12 and all(lr >= 0 for lr in lrs)
+    if total >= 5:
+        assert lrs[0] < max(lrs) and lrs[-1] < max(lrs)  # warms up, then anneals
