@@ -125,9 +125,12 @@ class Trainer:
 
         metrics = {name: m.to(device) for name, m in (metrics or {}).items()}
         results: dict[str, float] = {}
-        losses: list[torch.Tensor] = []  # device scalars, read (one sync) only at log steps
-        window_start, samples_at_window = time.perf_counter(), self.state.samples_seen
+        # Losses stay on the device and are read (one sync) only at log steps.
+        losses: list[torch.Tensor] = []
+        loss_count = 0
         state = self.state
+        samples_at_start = state.samples_seen
+        window_start, samples_at_window = time.perf_counter(), state.samples_seen
         done = state.global_step >= total_steps
         while not done and state.epoch < cfg.max_epochs:
             _set_epoch(train_data, state.epoch, state.batch_in_epoch)
@@ -147,13 +150,16 @@ class Trainer:
                 state.batch_in_epoch += len(window)
                 state.samples_seen += result.samples
                 losses.append(result.loss)
+                loss_count += 1
+                if len(losses) >= 256:  # fold, so rare logging does not hold a tensor per step
+                    losses = [torch.stack(losses).float().sum()]
                 if state.global_step % cfg.log_every_n_steps == 0:
                     now = time.perf_counter()
-                    mean_loss = torch.stack(losses).float().mean().item()
+                    mean_loss = torch.stack(losses).float().sum().item() / loss_count
                     self._log_train(writer, optimizer, mean_loss,
                                     (state.samples_seen - samples_at_window) / (now - window_start),
                                     total_steps)
-                    losses.clear()
+                    losses, loss_count = [], 0
                     window_start, samples_at_window = now, state.samples_seen
                 every = self.checkpoint_config.every_n_steps
                 if every and state.global_step % every == 0:
@@ -174,6 +180,9 @@ class Trainer:
                 log.info("epoch %d step %d %s", state.epoch, state.global_step,
                          " ".join(f"{k} {v:.4f}" for k, v in results.items()))
 
+        if val_data is not None and not results:  # resumed a finished run: report it again
+            results = self.evaluate(model, val_data, criterion=criterion, metrics=metrics,
+                                    forward=forward)
         wall = time.perf_counter() - started
         if self.checkpoint_config.save_last:
             periodic = bool(self.checkpoint_config.every_n_steps)
@@ -185,7 +194,9 @@ class Trainer:
             "epoch": state.epoch,
             "skipped_steps": state.skipped_steps,
             "wall_time_s": wall,
-            "samples_per_s": state.samples_seen * self.runtime.world_size / wall if wall else 0.0,
+            # this process's own work: a resumed run does not count what came before
+            "samples_per_s": (state.samples_seen - samples_at_start) * self.runtime.world_size
+                             / wall if wall else 0.0,
             "world_size": self.runtime.world_size,
         }
         self._write_summary(summary)

@@ -84,6 +84,13 @@ def test_rerun_in_same_dir_resumes_and_matches_an_uninterrupted_run(
     b = torch.load(resumed / "checkpoints" / "last.pt", weights_only=True)["model"]
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    # once more: the run is finished, nothing trains, and the summary still reports metrics
+    third = run_train(*tiny_run(resumed, mnist_root, *common, "trainer.max_steps=20"))
+    assert third.returncode == 0, third.stderr[-2000:]
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["global_step"] == 20 and "val/acc" in summary["metrics"]
+    again = torch.load(resumed / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(again[k], b[k]) for k in b)
 
 
 def test_multirun_sweeps_learning_rates(tmp_path: Path, mnist_root: Path) -> None:
