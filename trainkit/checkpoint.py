@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainkit.errors import TrainkitError
+from trainkit.errors import TrainkitError, one_line
 
 log = logging.getLogger("trainkit")
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
@@ -56,8 +56,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        reason = " ".join(str(err).split())[:300]
-        raise TrainkitError(f"checkpoint {path} cannot be read ({reason})") from None
+        raise TrainkitError(f"checkpoint {path} cannot be read ({one_line(err)})") from None
     if not isinstance(state, dict) or "model" not in state or "global_step" not in state:
         raise TrainkitError(f"{path} is not a trainkit checkpoint (no 'model'/'global_step' keys)")
     return state

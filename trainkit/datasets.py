@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from trainkit.errors import TrainkitError
+from trainkit.errors import TrainkitError, one_line
 
 # md5 of the uncompressed files torchvision leaves in <root>/MNIST/raw.
 MNIST_MD5 = {
@@ -67,7 +67,7 @@ def load_mnist(
         try:
             MNIST(str(root), train=train, download=True)
         except Exception as err:  # offline, proxy, disk full: all end the same way for the user
-            why = f"download failed: {_one_line(err)}"
+            why = f"download failed: {one_line(err)}"
             raise TrainkitError(_missing_message(raw, missing, why)) from None
         missing = [name for name in MNIST_MD5 if not (raw / name).is_file()]
     if missing:
@@ -79,7 +79,7 @@ def load_mnist(
     try:
         ds = MNIST(str(root), train=train, download=False)
     except Exception as err:
-        raise TrainkitError(f"cannot read MNIST files in {raw}: {_one_line(err)}") from None
+        raise TrainkitError(f"cannot read MNIST files in {raw}: {one_line(err)}") from None
     if len(ds.data) != len(ds.targets):
         raise TrainkitError(f"MNIST {split} files in {raw} disagree: "
                             f"{len(ds.data)} images but {len(ds.targets)} labels")
@@ -101,7 +101,3 @@ def _missing_message(raw: Path, missing: list[str], why: str) -> str:
         f"{', '.join(MNIST_MD5)} (uncompressed) in {raw}, or point data.root / TRAINKIT_DATA_DIR "
         "at a folder that holds MNIST/raw"
     )
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__

@@ -94,12 +94,10 @@ def _move(obj: Any, device: torch.device) -> Any:
         non_blocking = device.type == "cuda" and obj.device.type == "cpu" and obj.is_pinned()
         return obj.to(device, non_blocking=non_blocking)
     cls = type(obj)
-    if cls is tuple or cls is list:  # the common case first: it runs every step
-        return cls(_move(v, device) for v in obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return cls(*(_move(v, device) for v in obj))
+    # Sequences before Mapping: isinstance against an ABC is slow, and this runs every step.
     if isinstance(obj, (list, tuple)):
-        return cls(_move(v, device) for v in obj)
+        items = (_move(v, device) for v in obj)
+        return cls(*items) if hasattr(obj, "_fields") else cls(items)  # namedtuple or not
     if isinstance(obj, Mapping):
         moved = {k: _move(v, device) for k, v in obj.items()}
         try:

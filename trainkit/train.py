@@ -88,7 +88,9 @@ def _errors_as_one_line() -> Iterator[None]:
     except (TrainkitError, HydraException, OmegaConfBaseException) as err:
         if _SHOW_TRACEBACK:
             raise
-        _fail(str(err) if isinstance(err, TrainkitError) else f"config error: {_one_line(err)}")
+        if isinstance(err, TrainkitError):
+            _fail(str(err))
+        _fail(f"config error: {_fold_hydra_message(err)}")
 
 
 def _fail(message: str) -> NoReturn:
@@ -96,7 +98,7 @@ def _fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
-def _one_line(err: BaseException) -> str:
+def _fold_hydra_message(err: BaseException) -> str:
     """Fold Hydra/OmegaConf's multi-line messages into one line, keeping what says how to fix."""
     text = str(err).split("Config search path")[0]
     parts: list[str] = []

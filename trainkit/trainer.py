@@ -29,6 +29,7 @@ from trainkit.device import move_to_device
 from trainkit.distributed import barrier, unwrap
 from trainkit.errors import TrainkitError
 from trainkit.logging import make_writer, setup_logging
+from trainkit.metrics import DeviceMean
 from trainkit.precision import Precision
 from trainkit.runtime import Runtime
 from trainkit.step import Criterion, Forward, batch_size, default_forward, train_window, windows
@@ -125,9 +126,7 @@ class Trainer:
 
         metrics = {name: m.to(device) for name, m in (metrics or {}).items()}
         results: dict[str, float] = {}
-        # Losses stay on the device and are read (one sync) only at log steps.
-        losses: list[torch.Tensor] = []
-        loss_count = 0
+        loss_mean = DeviceMean()  # read (one sync) only at log steps
         state = self.state
         samples_at_start = state.samples_seen
         window_start, samples_at_window = time.perf_counter(), state.samples_seen
@@ -149,17 +148,12 @@ class Trainer:
                 state.global_step += 1
                 state.batch_in_epoch += len(window)
                 state.samples_seen += result.samples
-                losses.append(result.loss)
-                loss_count += 1
-                if len(losses) >= 256:  # fold, so rare logging does not hold a tensor per step
-                    losses = [torch.stack(losses).float().sum()]
+                loss_mean.add(result.loss)
                 if state.global_step % cfg.log_every_n_steps == 0:
                     now = time.perf_counter()
-                    mean_loss = torch.stack(losses).float().sum().item() / loss_count
-                    self._log_train(writer, optimizer, mean_loss,
+                    self._log_train(writer, optimizer, loss_mean.pop(),
                                     (state.samples_seen - samples_at_window) / (now - window_start),
                                     total_steps)
-                    losses, loss_count = [], 0
                     window_start, samples_at_window = now, state.samples_seen
                 every = self.checkpoint_config.every_n_steps
                 if every and state.global_step % every == 0:
@@ -171,18 +165,11 @@ class Trainer:
                 state.epoch += 1
                 state.batch_in_epoch = 0
             done = state.global_step >= total_steps
-            if val_data is not None and (done or (end_of_epoch
-                                                 and state.epoch % cfg.eval_every_n_epochs == 0)):
-                results = self.evaluate(model, val_data, criterion=criterion, metrics=metrics,
-                                        forward=forward)
-                for name, value in results.items():
-                    writer.add_scalar(name, value, state.global_step)
-                log.info("epoch %d step %d %s", state.epoch, state.global_step,
-                         " ".join(f"{k} {v:.4f}" for k, v in results.items()))
-
+            due = done or (end_of_epoch and state.epoch % cfg.eval_every_n_epochs == 0)
+            if val_data is not None and due:
+                results = self._validate(model, val_data, writer, criterion, metrics, forward)
         if val_data is not None and not results:  # resumed a finished run: report it again
-            results = self.evaluate(model, val_data, criterion=criterion, metrics=metrics,
-                                    forward=forward)
+            results = self._validate(model, val_data, writer, criterion, metrics, forward)
         wall = time.perf_counter() - started
         if self.checkpoint_config.save_last:
             periodic = bool(self.checkpoint_config.every_n_steps)
@@ -233,6 +220,16 @@ class Trainer:
         results = {"val/loss": loss_sum.item() / max(count, 1)}
         results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
         model.train(was_training)
+        return results
+
+    def _validate(self, model: nn.Module, data: Iterable[Any], writer: Any, criterion: Criterion,
+                  metrics: Mapping[str, Any], forward: Forward) -> dict[str, float]:
+        """Evaluate, then write the results to TensorBoard and the log."""
+        results = self.evaluate(model, data, criterion=criterion, metrics=metrics, forward=forward)
+        for name, value in results.items():
+            writer.add_scalar(name, value, self.state.global_step)
+        log.info("epoch %d step %d %s", self.state.epoch, self.state.global_step,
+                 " ".join(f"{k} {v:.4f}" for k, v in results.items()))
         return results
 
     def planned_steps(self, batches_per_epoch: int) -> int:

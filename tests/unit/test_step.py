@@ -158,3 +158,15 @@ def test_one_cycle_survives_short_runs(total: int) -> None:
     assert max(lrs) <= 0.1 + 1e-12 and all(lr >= 0 for lr in lrs)
     if total >= 5:
         assert lrs[0] < max(lrs) and lrs[-1] < max(lrs)  # warms up, then anneals
+
+
+def test_device_mean_folds_and_resets() -> None:
+    from trainkit.metrics import DeviceMean
+
+    meter = DeviceMean(fold_every=4)
+    for v in range(10):
+        meter.add(torch.tensor(float(v)))
+    assert meter.pop() == pytest.approx(4.5)
+    assert meter.pop() != meter.pop()  # NaN once empty
+    meter.add(torch.tensor(2.0, dtype=torch.bfloat16))
+    assert meter.pop() == 2.0
