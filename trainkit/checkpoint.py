@@ -1,15 +1,23 @@
 """Checkpoints that survive crashes: atomic writes, rotation after durability, safe loading.
 
-Layout inside ``<run>/checkpoints``: ``step_<global_step>.pt`` for periodic saves and ``last.pt``,
-always the newest complete checkpoint. A file being written is named ``.<name>.tmp`` and only
-renamed to its ``.pt`` name after its bytes are on disk.
+Layout inside ``<run>/checkpoints``: ``step_<global_step>.pt`` for periodic saves, ``last.pt``,
+always the newest complete checkpoint, and ``best.pt``, the best by ``checkpoint.monitor`` (kept
+apart from the rotation). A file being written is named ``.<name>.tmp`` and only renamed to its
+``.pt`` name after its bytes are on disk.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import platform
 import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +87,22 @@ class CheckpointManager:
     def last(self) -> Path:
         return self.directory / "last.pt"
 
+    @property
+    def best(self) -> Path:
+        return self.directory / "best.pt"
+
+    def check_writable(self) -> None:
+        """Fail now, not hours into a run, when checkpoints could not be written here."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.directory):
+                pass
+        except OSError as err:
+            raise TrainkitError(
+                f"cannot write checkpoints to {self.directory} ({err.strerror or one_line(err)}): "
+                "choose a writable hydra.run.dir or fix the folder's permissions"
+            ) from None
+
     def step_files(self) -> list[Path]:
         """Periodic checkpoints, oldest first."""
         if not self.directory.is_dir():
@@ -87,9 +111,28 @@ class CheckpointManager:
                  if (m := _STEP_FILE.match(p.name))]
         return [p for _, p in sorted(found)]
 
-    def save(self, state: dict[str, Any], step: int, *, periodic: bool = True) -> Path:
-        """Write ``last.pt`` (and ``step_<step>.pt`` when ``periodic``), then rotate old ones."""
+    def save(self, state: dict[str, Any], step: int, *, periodic: bool = True,
+             best: bool = False) -> Path:
+        """Write ``last.pt`` (and ``step_<step>.pt`` when ``periodic``, ``best.pt`` when ``best``),
+        then rotate old periodic ones. The extra names are hard links to the same bytes.
+
+        Raises:
+            TrainkitError: the file could not be written (disk full, read-only folder); every
+                existing checkpoint is left as it was.
+        """
+        try:
+            return self._save(state, step, periodic=periodic, best=best)
+        except OSError as err:
+            raise TrainkitError(
+                f"cannot write a checkpoint in {self.directory} ({err.strerror or one_line(err)}); "
+                "existing checkpoints are intact: free disk space or fix permissions, then re-run "
+                "the same command to resume"
+            ) from None
+
+    def _save(self, state: dict[str, Any], step: int, *, periodic: bool, best: bool) -> Path:
         target = save_atomic(state, self.last)
+        if best:
+            _link_or_copy(self.last, self.best)
         if periodic:
             numbered = self.directory / f"step_{step:09d}.pt"
             _link_or_copy(self.last, numbered)
@@ -124,14 +167,18 @@ def _link_or_copy(src: Path, dst: Path) -> None:
     tmp = dst.with_name(f".{dst.name}.tmp")
     tmp.unlink(missing_ok=True)
     try:
-        os.link(src, tmp)
-    except OSError:  # filesystems without hard links
-        import shutil
+        try:
+            os.link(src, tmp)
+        except OSError:  # filesystems without hard links
+            import shutil
 
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-    os.replace(tmp, dst)
+            shutil.copyfile(src, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(dst.parent)
 
 
@@ -146,3 +193,46 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def manifest(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What produced a checkpoint: versions, host, git commit and a hash of the resolved config."""
+    from trainkit import __version__
+
+    canonical = json.dumps(config, sort_keys=True, default=str)
+    return {
+        "trainkit": __version__,
+        "torch": str(torch.__version__),
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "argv": list(sys.argv),
+        "git": _git_commit(),
+        "config_sha256": hashlib.sha256(canonical.encode()).hexdigest(),
+    }
+
+
+def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``"key: old -> new"`` for every leaf that differs between two nested configs."""
+    old, new = _flatten(saved), _flatten(current)
+    return [f"{key}: {old.get(key, '<absent>')} -> {new.get(key, '<absent>')}"
+            for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, Mapping):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return {key.rstrip("."): value for key, value in flat.items()}
+
+
+def _git_commit() -> str | None:
+    """The working directory's commit (``-dirty`` when it has changes), None outside a repo."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"],
+                             capture_output=True, text=True, timeout=5, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None

@@ -33,6 +33,8 @@ class TrainerConfig:
     activation_checkpointing: list[str] = field(default_factory=list)
     log_every_n_steps: int = 50
     eval_every_n_epochs: int = 1
+    ema_decay: float | None = None  # e.g. 0.999: evaluate (and checkpoint) an EMA of the weights
+    nonfinite_patience: int = 5  # stop after this many NaN/inf losses in a row; 0: no check
 
     def __post_init__(self) -> None:
         _check_int("trainer.max_epochs", self.max_epochs, minimum=1)
@@ -57,6 +59,9 @@ class TrainerConfig:
         _check_int("trainer.seed", self.seed, minimum=0)
         _check_int("trainer.log_every_n_steps", self.log_every_n_steps, minimum=1)
         _check_int("trainer.eval_every_n_epochs", self.eval_every_n_epochs, minimum=1)
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ConfigError(f"trainer.ema_decay must be in (0, 1) or null, got {self.ema_decay}")
+        _check_int("trainer.nonfinite_patience", self.nonfinite_patience, minimum=0)
         self.activation_checkpointing = list(self.activation_checkpointing)
 
 
@@ -83,14 +88,23 @@ class DataConfig:
 class CheckpointConfig:
     """When to save and what to resume from (``auto``: newest valid in the run dir; null: never)."""
 
-    every_n_steps: int = 0  # 0: only at the end of the run
+    every_n_steps: int = 0  # 0: only at the end of the run (and when preempted)
+    every_n_minutes: float = 0.0  # also save when this much time passed since the last save
     keep_last: int = 3
     resume: str | None = "auto"
     save_last: bool = True
+    monitor: str | None = None  # e.g. "val/acc": keep checkpoints/best.pt by this metric
+    mode: str = "max"  # whether a larger or smaller `monitor` is better
 
     def __post_init__(self) -> None:
         _check_int("checkpoint.every_n_steps", self.every_n_steps, minimum=0)
+        if isinstance(self.every_n_minutes, bool) or not self.every_n_minutes >= 0:
+            raise ConfigError(
+                f"checkpoint.every_n_minutes must be >= 0, got {self.every_n_minutes!r}"
+            )
         _check_int("checkpoint.keep_last", self.keep_last, minimum=1)
+        if self.mode not in ("max", "min"):
+            raise ConfigError(f"checkpoint.mode={self.mode!r}: use 'max' or 'min'")
 
 
 @dataclass

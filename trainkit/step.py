@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -53,8 +54,9 @@ def windows(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
 class StepResult(NamedTuple):
     loss: torch.Tensor  # the window's mean loss, detached, on the device (reading it syncs)
     grad_norm: torch.Tensor | None  # total norm before clipping; None without norm clipping
-    stepped: bool  # False when the fp16 scaler skipped the step
+    stepped: bool  # False when the step was skipped (fp16 overflow or a non-finite loss)
     samples: int
+    finite: bool = True  # False when the loss was NaN or inf (checked only when asked)
 
 
 def train_window(
@@ -68,12 +70,17 @@ def train_window(
     device: torch.device,
     clip_val: float | None = None,
     clip_algorithm: str = "norm",
+    check_finite: bool = False,
 ) -> StepResult:
     """Forward/backward every micro-batch of ``window``, then one (possibly skipped) step.
 
     Each micro-batch's mean loss is weighted by its share of the window's samples, so k batches
     of b give the same gradient as one batch of k*b, and a short last window (end of epoch) is
     the mean over the samples it has, not divided by the full window size.
+
+    With ``check_finite``, a NaN or inf loss skips the optimizer step (``finite=False``). The check
+    reads the loss on the host: free on the CPU, one sync per step on a GPU (fp16 syncs on its
+    overflow flag every step anyway).
     """
     sizes = [batch_size(b) for b in window]
     total = sum(sizes)
@@ -89,6 +96,11 @@ def train_window(
             precision.backward(loss)
         # In place when allowed: a new detached tensor costs ~1% of a tiny model's step.
         losses.append(loss.detach_() if loss._base is None else loss.detach())
+    # Weighted micro-batch losses add up to the window's mean; a single batch needs no op.
+    loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+    if check_finite and not math.isfinite(loss.item()):  # host sync (see docstring)
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss, None, False, total, finite=False)
     grad_norm = None
     if clip_val is not None:
         precision.unscale_(optimizer)  # clip true gradients, not loss-scaled ones
@@ -99,6 +111,4 @@ def train_window(
             nn.utils.clip_grad_value_(params, clip_val)
     stepped = precision.step(optimizer)
     optimizer.zero_grad(set_to_none=True)
-    # Weighted micro-batch losses add up to the window's mean; a single batch needs no op.
-    loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
     return StepResult(loss, grad_norm, stepped, total)

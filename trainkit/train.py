@@ -27,6 +27,7 @@ from trainkit.errors import TrainkitError
 from trainkit.logging import setup_logging
 from trainkit.rng import seed_everything
 from trainkit.runtime import Runtime
+from trainkit.signals import EXIT_PREEMPTED
 from trainkit.trainer import Trainer
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
@@ -71,7 +72,9 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
 def _hydra_main(cfg: DictConfig) -> None:
     # Errors are reported here, inside the job: past this point Hydra would add its own lines.
     with _errors_as_one_line():
-        train(cfg, HydraConfig.get().runtime.output_dir)
+        summary = train(cfg, HydraConfig.get().runtime.output_dir)
+    if summary["status"] == "preempted":
+        sys.exit(EXIT_PREEMPTED)  # documented: checkpoint saved, re-run the command to resume
 
 
 def main() -> None:
@@ -91,11 +94,16 @@ def _errors_as_one_line() -> Iterator[None]:
         if isinstance(err, TrainkitError):
             _fail(str(err))
         _fail(f"config error: {_fold_hydra_message(err)}")
+    except KeyboardInterrupt:  # a second Ctrl-C (or signal) while stopping: abort, no save
+        if _SHOW_TRACEBACK:
+            raise
+        _fail("aborted without saving; re-run the same command to resume from the last "
+              "checkpoint", status=130)
 
 
-def _fail(message: str) -> NoReturn:
+def _fail(message: str, status: int = 2) -> NoReturn:
     print(f"trainkit: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(status)
 
 
 def _fold_hydra_message(err: BaseException) -> str:

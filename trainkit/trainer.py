@@ -1,13 +1,15 @@
 """The training loop, assembled from trainkit's parts.
 
 ``global_step`` counts optimizer steps attempted: one per accumulation window, including the
-rare fp16 steps the GradScaler skips because gradients overflowed (those are counted in
-``skipped_steps`` and do not advance the LR scheduler). ``trainer.max_steps`` therefore bounds
-the data consumed, and a checkpoint's step number always names the same position in the data.
+rare steps that are skipped -- fp16 steps whose gradients overflowed and steps whose loss was NaN
+or inf. Skipped steps are counted in ``skipped_steps`` and do not advance the LR scheduler or the
+EMA. ``trainer.max_steps`` therefore bounds the data consumed, and a checkpoint's step number
+always names the same position in the data.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -15,7 +17,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,18 +25,27 @@ from torch import nn
 
 from trainkit import rng
 from trainkit.activations import apply_activation_checkpointing
-from trainkit.checkpoint import CheckpointManager, load_checkpoint
+from trainkit.checkpoint import CheckpointManager, config_changes, load_checkpoint, manifest
 from trainkit.config import CheckpointConfig, TrainerConfig
 from trainkit.device import move_to_device
 from trainkit.distributed import barrier, unwrap
+from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
 from trainkit.logging import make_writer, setup_logging
 from trainkit.metrics import DeviceMean
 from trainkit.precision import Precision
 from trainkit.runtime import Runtime
+from trainkit.signals import Preemption
 from trainkit.step import Criterion, Forward, batch_size, default_forward, train_window, windows
 
 log = logging.getLogger("trainkit")
+
+# Config keys whose change makes a checkpoint unusable for this run (others only warn).
+_MUST_MATCH = ("model", "data.name", "trainer.precision")
+
+
+class NonFiniteLossError(TrainkitError):
+    """The loss was NaN or inf for ``trainer.nonfinite_patience`` steps in a row."""
 
 
 @dataclass
@@ -45,7 +56,20 @@ class TrainState:
     epoch: int = 0
     batch_in_epoch: int = 0  # batches of `epoch` already trained on
     samples_seen: int = 0
-    skipped_steps: int = 0
+    skipped_steps: int = 0  # fp16 overflows and non-finite losses
+    nonfinite_steps: int = 0
+    nonfinite_streak: int = 0
+    best_metric: float | None = None  # of checkpoint.monitor
+
+
+class Parts(NamedTuple):
+    """The objects one ``fit`` trains; each with state is checkpointed via its state_dict()."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    ema: EMA | None
+    data: Any
 
 
 class Trainer:
@@ -88,6 +112,10 @@ class Trainer:
         )
         if self.run_dir is not None:
             setup_logging(self.run_dir, self.runtime.is_main)
+        if self.checkpoints is not None and self.runtime.is_main:
+            self.checkpoints.check_writable()
+        self._manifest = manifest(self.run_config)
+        self._saved_at: tuple[int, float] = (-1, time.monotonic())  # (step, time) of last save
 
     # -- public -------------------------------------------------------------------------------
 
@@ -102,6 +130,7 @@ class Trainer:
         val_data: Iterable[Any] | None = None,
         metrics: Mapping[str, Any] | None = None,
         forward: Forward = default_forward,
+        preemption: Preemption | None = None,
     ) -> dict[str, Any]:
         """Train until ``max_epochs`` or ``max_steps``, evaluating each epoch; return the summary.
 
@@ -109,86 +138,45 @@ class Trainer:
         :class:`~trainkit.data.InMemoryLoader`, ...); when it has ``set_epoch`` it is called every
         epoch. ``forward(model, batch)`` returns ``(outputs, targets)`` for ``criterion`` and the
         torchmetrics ``metrics``, which are reported as ``val/<name>``.
+
+        SIGTERM, SIGINT, SIGHUP and SIGUSR1 stop the run after the current step with one
+        checkpoint and ``status: "preempted"`` (pass your own :class:`Preemption` to control
+        this). A second signal aborts at once.
+
+        Raises:
+            NonFiniteLossError: ``trainer.nonfinite_patience`` NaN/inf losses in a row; the
+                checkpoints written before are left as they were.
+            TrainkitError: a checkpoint could not be written or does not fit this run.
         """
         cfg = self.config
-        device = self.runtime.device
         model = self._prepare_model(model)
+        ema = EMA(model, cfg.ema_decay) if cfg.ema_decay else None
+        parts = Parts(model, optimizer, scheduler, ema, train_data)
         started = time.perf_counter()
-        self._maybe_resume(model, optimizer, scheduler)
-        steps_per_epoch = math.ceil(len(train_data) / cfg.accumulate_grad_batches)
+        self._maybe_resume(parts)
         total_steps = self.planned_steps(len(train_data))
         writer = make_writer(self.run_dir, self.runtime.is_main)
-        train_model = torch.compile(model) if cfg.compile else model
         log.info("training %s on %s for %d steps (%d per epoch), precision %s, %s",
-                 type(unwrap(model)).__name__, device, total_steps, steps_per_epoch,
-                 cfg.precision, _batch_text(train_data, cfg.accumulate_grad_batches,
-                                            self.runtime.world_size))
-
-        metrics = {name: m.to(device) for name, m in (metrics or {}).items()}
-        results: dict[str, float] = {}
-        loss_mean = DeviceMean()  # read (one sync) only at log steps
-        state = self.state
-        samples_at_start = state.samples_seen
-        window_start, samples_at_window = time.perf_counter(), state.samples_seen
-        done = state.global_step >= total_steps
-        while not done and state.epoch < cfg.max_epochs:
-            _set_epoch(train_data, state.epoch, state.batch_in_epoch)
-            model.train()
-            for window in windows(train_data, cfg.accumulate_grad_batches):
-                result = train_window(
-                    train_model, window, optimizer=optimizer, precision=self.precision,
-                    criterion=criterion, forward=forward, device=device,
-                    clip_val=cfg.gradient_clip_val, clip_algorithm=cfg.gradient_clip_algorithm,
-                )
-                if result.stepped:
-                    if scheduler is not None:
-                        scheduler.step()
-                else:
-                    state.skipped_steps += 1
-                state.global_step += 1
-                state.batch_in_epoch += len(window)
-                state.samples_seen += result.samples
-                loss_mean.add(result.loss)
-                if state.global_step % cfg.log_every_n_steps == 0:
-                    now = time.perf_counter()
-                    self._log_train(writer, optimizer, loss_mean.pop(),
-                                    (state.samples_seen - samples_at_window) / (now - window_start),
-                                    total_steps)
-                    window_start, samples_at_window = now, state.samples_seen
-                every = self.checkpoint_config.every_n_steps
-                if every and state.global_step % every == 0:
-                    self._save(model, optimizer, scheduler, periodic=True)
-                if state.global_step >= total_steps:
-                    break
-            end_of_epoch = state.batch_in_epoch >= len(train_data)
-            if end_of_epoch:
-                state.epoch += 1
-                state.batch_in_epoch = 0
-            done = state.global_step >= total_steps
-            due = done or (end_of_epoch and state.epoch % cfg.eval_every_n_epochs == 0)
-            if val_data is not None and due:
-                results = self._validate(model, val_data, writer, criterion, metrics, forward)
-        if val_data is not None and not results:  # resumed a finished run: report it again
-            results = self._validate(model, val_data, writer, criterion, metrics, forward)
-        wall = time.perf_counter() - started
-        if self.checkpoint_config.save_last:
-            periodic = bool(self.checkpoint_config.every_n_steps)
-            self._save(model, optimizer, scheduler, periodic=periodic)
-        summary = {
-            "status": "completed",
-            "metrics": results,
-            "global_step": state.global_step,
-            "epoch": state.epoch,
-            "skipped_steps": state.skipped_steps,
-            "wall_time_s": wall,
-            # this process's own work: a resumed run does not count what came before
-            "samples_per_s": (state.samples_seen - samples_at_start) * self.runtime.world_size
-                             / wall if wall else 0.0,
-            "world_size": self.runtime.world_size,
-        }
-        self._write_summary(summary)
-        writer.close()
-        return summary
+                 type(unwrap(model)).__name__, self.runtime.device, total_steps,
+                 math.ceil(len(train_data) / cfg.accumulate_grad_batches), cfg.precision,
+                 _batch_text(train_data, cfg.accumulate_grad_batches, self.runtime.world_size))
+        metrics = {name: m.to(self.runtime.device) for name, m in (metrics or {}).items()}
+        evaluate = (lambda: self._validate(parts, val_data, writer, criterion, metrics, forward)
+                    ) if val_data is not None else None
+        samples_at_start = self.state.samples_seen
+        preemption = preemption or Preemption()
+        try:
+            with preemption:
+                status, results = self._train(parts, criterion, forward, evaluate, writer,
+                                              total_steps, preemption)
+        except NonFiniteLossError:
+            self._write_summary("diverged", {}, started, samples_at_start)
+            raise
+        finally:
+            writer.close()
+        if status == "completed" and self.checkpoint_config.save_last:
+            self._save(parts, periodic=bool(self.checkpoint_config.every_n_steps))
+        return self._write_summary(status, results, started, samples_at_start)
 
     @torch.no_grad()
     def evaluate(
@@ -222,37 +210,169 @@ class Trainer:
         model.train(was_training)
         return results
 
-    def _validate(self, model: nn.Module, data: Iterable[Any], writer: Any, criterion: Criterion,
-                  metrics: Mapping[str, Any], forward: Forward) -> dict[str, float]:
-        """Evaluate, then write the results to TensorBoard and the log."""
-        results = self.evaluate(model, data, criterion=criterion, metrics=metrics, forward=forward)
-        for name, value in results.items():
-            writer.add_scalar(name, value, self.state.global_step)
-        log.info("epoch %d step %d %s", self.state.epoch, self.state.global_step,
-                 " ".join(f"{k} {v:.4f}" for k, v in results.items()))
-        return results
-
     def planned_steps(self, batches_per_epoch: int) -> int:
         """Optimizer steps this run will take: the smaller of the epoch and step limits."""
         per_epoch = math.ceil(batches_per_epoch / self.config.accumulate_grad_batches)
         by_epochs = per_epoch * self.config.max_epochs
         return by_epochs if self.config.max_steps < 0 else min(by_epochs, self.config.max_steps)
 
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                   scheduler: Any = None) -> dict[str, Any]:
+    def state_dict(self, parts: Parts) -> dict[str, Any]:
         """Everything a checkpoint holds, each part asked for its own state."""
         return {
-            "model": unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "model": unwrap(parts.model).state_dict(),
+            "optimizer": parts.optimizer.state_dict(),
+            "scheduler": _state_of(parts.scheduler),
             "precision": self.precision.state_dict(),
+            "ema": _state_of(parts.ema),
+            "data": _state_of(parts.data),
             "trainer": asdict(self.state),
             "global_step": self.state.global_step,
             "epoch": self.state.epoch,
             "rng": rng.get_rng_state(),
             "config": self.run_config,
-            "versions": {"torch": str(torch.__version__), "cuda": torch.version.cuda},
+            "manifest": self._manifest,
         }
+
+    def load_state_dict(self, state: Mapping[str, Any], parts: Parts) -> None:
+        """Restore a checkpoint made by :meth:`state_dict` into these objects."""
+        self._check_config(state)
+        try:
+            unwrap(parts.model).load_state_dict(state["model"])
+        except RuntimeError as err:
+            first = str(err).strip().splitlines()
+            raise TrainkitError(f"checkpoint does not fit this model: {' '.join(first[:2])}"
+                                ) from None
+        parts.optimizer.load_state_dict(state["optimizer"])
+        if parts.scheduler is not None and state.get("scheduler") is not None:
+            parts.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state["precision"])
+        if parts.ema is not None:
+            if state.get("ema") is not None:
+                parts.ema.load_state_dict(state["ema"])
+            else:
+                log.warning("checkpoint has no EMA weights: the average starts from here")
+        if state.get("data") is not None and hasattr(parts.data, "load_state_dict"):
+            parts.data.load_state_dict(state["data"])
+        self.state = TrainState(**state["trainer"])
+        rng.set_rng_state(state["rng"])
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _train(self, parts: Parts, criterion: Criterion, forward: Forward, evaluate: Any,
+               writer: Any, total_steps: int,
+               preemption: Preemption) -> tuple[str, dict[str, float]]:
+        """Epochs of steps until done or preempted; returns the status and last val results."""
+        cfg, state, data = self.config, self.state, parts.data
+        train_model = torch.compile(parts.model) if cfg.compile else parts.model
+        results: dict[str, float] = {}
+        loss_mean = DeviceMean()  # read (one sync) only at log steps
+        window_start, samples_at_window = time.perf_counter(), state.samples_seen
+        done = state.global_step >= total_steps
+        while not done and state.epoch < cfg.max_epochs:
+            _set_epoch(data, state.epoch, state.batch_in_epoch)
+            parts.model.train()
+            for window in windows(data, cfg.accumulate_grad_batches):
+                result = train_window(
+                    train_model, window, optimizer=parts.optimizer, precision=self.precision,
+                    criterion=criterion, forward=forward, device=self.runtime.device,
+                    clip_val=cfg.gradient_clip_val, clip_algorithm=cfg.gradient_clip_algorithm,
+                    check_finite=cfg.nonfinite_patience > 0,
+                )
+                self._count(result, parts, len(window))
+                if result.finite:
+                    loss_mean.add(result.loss)
+                if state.global_step % cfg.log_every_n_steps == 0:
+                    now = time.perf_counter()
+                    self._log_train(writer, parts.optimizer, loss_mean.pop(),
+                                    (state.samples_seen - samples_at_window) / (now - window_start),
+                                    total_steps)
+                    window_start, samples_at_window = now, state.samples_seen
+                if preemption.requested:
+                    self._save(parts, periodic=True)
+                    log.warning("stopped at step %d; re-run the same command to resume",
+                                state.global_step)
+                    return "preempted", results
+                if self._checkpoint_due():
+                    self._save(parts, periodic=True)
+                if state.global_step >= total_steps:
+                    break
+            done = state.global_step >= total_steps
+            end_of_epoch = state.batch_in_epoch == 0  # _count rolled over to the next epoch
+            if evaluate and (done or (end_of_epoch and state.epoch % cfg.eval_every_n_epochs == 0)):
+                results = evaluate()
+        if evaluate and not results:  # resumed a finished run: report it again
+            results = evaluate()
+        return "completed", results
+
+    def _count(self, result: Any, parts: Parts, batches: int) -> None:
+        """Advance the counters, scheduler and EMA after one step (or skipped step)."""
+        state = self.state
+        state.global_step += 1
+        state.batch_in_epoch += batches
+        if state.batch_in_epoch >= len(parts.data):  # a checkpoint here resumes at the next epoch
+            state.epoch += 1
+            state.batch_in_epoch = 0
+        state.samples_seen += result.samples
+        if result.stepped:
+            if parts.scheduler is not None:
+                parts.scheduler.step()
+            if parts.ema is not None:
+                parts.ema.update()
+        else:
+            state.skipped_steps += 1
+        if result.finite:
+            state.nonfinite_streak = 0
+            return
+        state.nonfinite_steps += 1
+        state.nonfinite_streak += 1
+        log.warning("step %d: loss is %s; step skipped (%d in a row)", state.global_step,
+                    float(result.loss), state.nonfinite_streak)
+        if state.nonfinite_streak >= self.config.nonfinite_patience:
+            saved = (f"the last checkpoint, {self.checkpoints.last}, is from step "
+                     f"{self._saved_at[0]} and intact"
+                     if self.checkpoints is not None and self._saved_at[0] >= 0 else
+                     "no checkpoint was written")
+            raise NonFiniteLossError(
+                f"stopped at step {state.global_step}: the loss was NaN/inf for "
+                f"{state.nonfinite_streak} steps in a row; {saved}. Lower optim.lr, set "
+                "trainer.gradient_clip_val, use bf16-mixed instead of 16-mixed, or check the data"
+            )
+
+    def _checkpoint_due(self) -> bool:
+        every = self.checkpoint_config.every_n_steps
+        minutes = self.checkpoint_config.every_n_minutes
+        if every and self.state.global_step % every == 0:
+            return True
+        # TODO(distributed): ranks must agree on time-based saves before this runs under DDP.
+        return bool(minutes) and time.monotonic() - self._saved_at[1] >= 60 * minutes
+
+    def _validate(self, parts: Parts, data: Iterable[Any], writer: Any, criterion: Criterion,
+                  metrics: Mapping[str, Any], forward: Forward) -> dict[str, float]:
+        """Evaluate (with the EMA weights when on), log, and keep the best checkpoint."""
+        with parts.ema.applied() if parts.ema is not None else contextlib.nullcontext():
+            results = self.evaluate(parts.model, data, criterion=criterion, metrics=metrics,
+                                    forward=forward)
+        for name, value in results.items():
+            writer.add_scalar(name, value, self.state.global_step)
+        log.info("epoch %d step %d %s", self.state.epoch, self.state.global_step,
+                 " ".join(f"{k} {v:.4f}" for k, v in results.items()))
+        if self._improved(results):
+            self._save(parts, periodic=False, best=True)
+        return results
+
+    def _improved(self, results: Mapping[str, float]) -> bool:
+        monitor = self.checkpoint_config.monitor
+        if not monitor:
+            return False
+        if monitor not in results:
+            raise TrainkitError(f"checkpoint.monitor={monitor!r} is not a metric of this run; "
+                                f"choose one of {', '.join(results)}")
+        value, best = results[monitor], self.state.best_metric
+        maximize = self.checkpoint_config.mode == "max"
+        if best is None or (value > best if maximize else value < best):
+            self.state.best_metric = value
+            return True
+        return False
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -264,8 +384,7 @@ class Trainer:
             apply_activation_checkpointing(model, self.config.activation_checkpointing)
         return model
 
-    def _maybe_resume(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                      scheduler: Any) -> None:
+    def _maybe_resume(self, parts: Parts) -> None:
         resume = self.checkpoint_config.resume
         if resume is None or str(resume).lower() in ("null", "none", ""):
             return
@@ -275,37 +394,33 @@ class Trainer:
                 return
         else:
             state = load_checkpoint(resume)
-        self.load_state_dict(state, model, optimizer, scheduler)
+        self.load_state_dict(state, parts)
+        self._saved_at = (self.state.global_step, time.monotonic())
         log.info("resumed from %s at step %d (epoch %d, batch %d)", state.get("_path", resume),
                  self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
 
-    def load_state_dict(self, state: Mapping[str, Any], model: nn.Module,
-                        optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
-        """Restore a checkpoint made by :meth:`state_dict` into these objects."""
-        saved_model = state.get("config", {}).get("model")
-        if saved_model and self.run_config.get("model") and saved_model != self.run_config["model"]:
+    def _check_config(self, state: Mapping[str, Any]) -> None:
+        """Refuse a checkpoint of another model or dataset; list other config changes."""
+        saved = state.get("config") or {}
+        if not saved or not self.run_config:
+            return
+        changes = config_changes(saved, self.run_config)
+        fatal = [c for c in changes if c.startswith(_MUST_MATCH)]
+        if fatal:
             raise TrainkitError(
-                f"checkpoint {state.get('_path', '')} is of model {saved_model}, this run builds "
-                f"{self.run_config['model']}: use another run dir or checkpoint.resume=null"
+                f"checkpoint {state.get('_path', '')} was made by a different run config "
+                f"({'; '.join(fatal)[:300]}): use another hydra.run.dir or checkpoint.resume=null"
             )
-        try:
-            unwrap(model).load_state_dict(state["model"])
-        except RuntimeError as err:
-            first = str(err).strip().splitlines()
-            raise TrainkitError(f"checkpoint does not fit this model: {' '.join(first[:2])}"
-                                ) from None
-        optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None and state.get("scheduler") is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        self.precision.load_state_dict(state["precision"])
-        self.state = TrainState(**state["trainer"])
-        rng.set_rng_state(state["rng"])
+        if changes:
+            log.warning("resuming with a changed config: %s", "; ".join(changes)[:500])
 
-    def _save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-              *, periodic: bool) -> None:
+    def _save(self, parts: Parts, *, periodic: bool, best: bool = False) -> None:
+        step = self.state.global_step
+        if self._saved_at[0] == step and not best:
+            return  # already saved at this step (say, a periodic save on the last step)
         if self.checkpoints is not None and self.runtime.is_main:
-            self.checkpoints.save(self.state_dict(model, optimizer, scheduler),
-                                  self.state.global_step, periodic=periodic)
+            self.checkpoints.save(self.state_dict(parts), step, periodic=periodic, best=best)
+        self._saved_at = (step, time.monotonic())
         barrier()  # no rank runs ahead of a checkpoint still being written
 
     def _log_train(self, writer: Any, optimizer: torch.optim.Optimizer, loss: float,
@@ -318,13 +433,33 @@ class Trainer:
         log.info("epoch %d step %d/%d loss %.4f lr %.3g %.0f samples/s",
                  self.state.epoch, step, total_steps, loss, lr, samples_per_s)
 
-    def _write_summary(self, summary: dict[str, Any]) -> None:
-        if self.run_dir is None or not self.runtime.is_main:
-            return
-        path = self.run_dir / "summary.json"
-        tmp = path.with_name(".summary.json.tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        tmp.replace(path)
+    def _write_summary(self, status: str, results: dict[str, float], started: float,
+                       samples_at_start: int) -> dict[str, Any]:
+        wall = time.perf_counter() - started
+        state = self.state
+        summary = {
+            "status": status,
+            "metrics": results,
+            "global_step": state.global_step,
+            "epoch": state.epoch,
+            "skipped_steps": state.skipped_steps,
+            "nonfinite_steps": state.nonfinite_steps,
+            "wall_time_s": wall,
+            # this process's own work: a resumed run does not count what came before
+            "samples_per_s": (state.samples_seen - samples_at_start) * self.runtime.world_size
+                             / wall if wall else 0.0,
+            "world_size": self.runtime.world_size,
+        }
+        if self.run_dir is not None and self.runtime.is_main:
+            path = self.run_dir / "summary.json"
+            tmp = path.with_name(".summary.json.tmp")
+            tmp.write_text(json.dumps(summary, indent=2) + "\n")
+            tmp.replace(path)
+        return summary
+
+
+def _state_of(obj: Any) -> Any:
+    return obj.state_dict() if obj is not None and hasattr(obj, "state_dict") else None
 
 
 def _set_epoch(data: Any, epoch: int, start_batch: int) -> None:
