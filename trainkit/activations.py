@@ -6,9 +6,11 @@ forward is patched, not wrapped), so state_dict keys are unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -43,7 +45,9 @@ def apply_activation_checkpointing(model: nn.Module, selectors: Sequence[str]) -
             matched |= keys
             continue
         if "forward" not in vars(module):  # not patched yet
-            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+            module.forward = functools.partial(
+                checkpoint, module.forward, use_reentrant=False,
+                context_fn=functools.partial(_contexts, module))
         matched |= keys
         wrapped.append(name)
     unknown = wanted - matched
@@ -53,3 +57,26 @@ def apply_activation_checkpointing(model: nn.Module, selectors: Sequence[str]) -
             "in the model; use class names (e.g. 'Block') or paths from model.named_modules()"
         )
     return wrapped
+
+
+def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager[None], ...]:
+    """Contexts for the first forward and for the recomputation in backward."""
+    return contextlib.nullcontext(), _norm_stats_frozen(module)
+
+
+@contextlib.contextmanager
+def _norm_stats_frozen(module: nn.Module) -> Iterator[None]:
+    """Undo what the recomputed forward does to batch-norm running statistics.
+
+    Recomputing a block in training mode runs its batch-norm layers a second time, which would
+    fold each batch into the running mean and variance twice.
+    """
+    buffers = [b for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+               for b in m.buffers()]
+    saved = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved):
+                buffer.copy_(value)

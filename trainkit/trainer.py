@@ -339,6 +339,8 @@ class Trainer:
             )
 
     def _checkpoint_due(self) -> bool:
+        if self.state.nonfinite_streak:
+            return False  # weights did not move; keep the last good checkpoint the newest
         every = self.checkpoint_config.every_n_steps
         minutes = self.checkpoint_config.every_n_minutes
         if every and self.state.global_step % every == 0:

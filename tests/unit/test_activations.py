@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -52,3 +54,17 @@ def test_select_by_module_path_and_under_bf16_autocast() -> None:
 def test_a_selector_matching_nothing_is_an_error() -> None:
     with pytest.raises(ConfigError, match="match no module"):
         apply_activation_checkpointing(_model(), ["Blok"])
+
+
+def test_recomputation_leaves_batch_norm_statistics_as_one_forward_does() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    wrapped = copy.deepcopy(plain)
+    apply_activation_checkpointing(wrapped, ["BatchNorm1d"])
+    x = torch.randn(16, 6)
+    for model in (plain, wrapped):
+        model(x).square().mean().backward()
+    for (name, a), b in zip(plain.state_dict().items(), wrapped.state_dict().values()):
+        assert torch.equal(a, b), name
+    for a, b in zip(plain.parameters(), wrapped.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)

@@ -113,6 +113,19 @@ def test_fp16_overflow_skips_the_step() -> None:
         assert torch.equal(value, before[key])
 
 
+@pytest.mark.parametrize("mode", ["32", "bf16-mixed", "16-mixed"])
+def test_a_non_finite_loss_skips_the_step_when_checked(mode: str) -> None:
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    window = _batches([8, 8])
+    window[1][0][0, 0] = float("nan")
+    result, _ = _step(model, window, Precision(mode, CPU), check_finite=True)
+    assert not result.finite and not result.stepped and result.loss.isnan()
+    assert all(p.grad is None for p in model.parameters())  # nothing leaks into the next step
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
 def test_bf16_autocast_runs_on_cpu_and_trains() -> None:
     model = _model()
     precision = Precision("bf16-mixed", CPU)
