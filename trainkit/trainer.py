@@ -155,6 +155,7 @@ class Trainer:
         started = time.perf_counter()
         self._maybe_resume(parts)
         total_steps = self.planned_steps(len(train_data))
+        _check_schedule_length(scheduler, total_steps)
         writer = make_writer(self.run_dir, self.runtime.is_main)
         log.info("training %s on %s for %d steps (%d per epoch), precision %s, %s",
                  type(unwrap(model)).__name__, self.runtime.device, total_steps,
@@ -458,6 +459,17 @@ class Trainer:
             tmp.write_text(json.dumps(summary, indent=2) + "\n")
             tmp.replace(path)
         return summary
+
+
+def _check_schedule_length(scheduler: Any, total_steps: int) -> None:
+    """A resumed one-cycle schedule cannot stretch to a new step budget: say so before training."""
+    planned = getattr(scheduler, "total_steps", None)
+    if isinstance(planned, int) and planned < total_steps:
+        raise TrainkitError(
+            f"the LR schedule was planned for {planned} steps but this run takes {total_steps}: "
+            "keep trainer.max_steps/max_epochs as they were when resuming, or start a new run "
+            "(another hydra.run.dir, or checkpoint.resume=null)"
+        )
 
 
 def _state_of(obj: Any) -> Any:

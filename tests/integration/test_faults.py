@@ -1,0 +1,165 @@
+"""A run killed at any moment loses nothing: real processes, real signals, real disk errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, offline_env, run_train, tiny_run
+
+pytestmark = pytest.mark.slow
+
+# Shuffled data, a one-cycle schedule, AdamW and accumulation windows of 2: everything with
+# state. 40 epochs of 16 batches gives the signals time to land mid-run.
+COMMON = ("trainer.max_epochs=40", "trainer.accumulate_grad_batches=2",
+          "trainer.eval_every_n_epochs=40")
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def _assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path) -> Path:
+    run_dir = tmp_path_factory.mktemp("straight")
+    result = run_train(*tiny_run(run_dir, mnist_root, *COMMON))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return run_dir
+
+
+def _start(run_dir: Path, mnist_root: Path, *extra: str, **popen) -> subprocess.Popen:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = open(run_dir.parent / f"{run_dir.name}.out", "ab")  # noqa: SIM115 (child owns it)
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainkit.train", *tiny_run(run_dir, mnist_root, *COMMON, *extra)],
+        cwd=REPO, env=offline_env(), stdout=out, stderr=subprocess.STDOUT, **popen)
+
+
+def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, timeout: float = 120) -> None:
+    """Block until the run has logged a training step."""
+    deadline = time.monotonic() + timeout
+    log = run_dir / "train.log"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"training ended (status {proc.returncode}) before it could be stopped")
+        if log.is_file() and " step " in log.read_text().split("training MnistNet")[-1]:
+            return
+        time.sleep(0.02)
+    pytest.fail("no training step logged in time")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
+                                    signal.SIGUSR1])
+def test_signal_saves_stops_and_the_same_command_resumes_bit_exactly(
+        tmp_path: Path, mnist_root: Path, straight_run: Path, signum: int) -> None:
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, mnist_root)
+    _wait_for_steps(proc, run_dir)
+    time.sleep(random.Random(signum).uniform(0, 0.5))
+    proc.send_signal(signum)
+    assert proc.wait(timeout=120) == 75  # EXIT_PREEMPTED
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "preempted"
+    stopped_at = summary["global_step"]
+    assert 0 < stopped_at < 320
+    assert torch.load(run_dir / "checkpoints" / "last.pt",
+                      weights_only=True)["global_step"] == stopped_at
+    assert signal.Signals(signum).name in (run_dir / "train.log").read_text()
+
+    resumed = run_train(*tiny_run(run_dir, mnist_root, *COMMON))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"at step {stopped_at}" in resumed.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    _assert_same_weights(run_dir, straight_run)
+
+
+def test_sigkill_at_random_moments_leaves_loadable_checkpoints_and_resumes_exactly(
+        tmp_path: Path, mnist_root: Path, straight_run: Path) -> None:
+    run_dir = tmp_path / "run"
+    chance = random.Random(0)
+    for _ in range(3):
+        proc = _start(run_dir, mnist_root, "checkpoint.every_n_steps=1")
+        _wait_for_steps(proc, run_dir)
+        time.sleep(chance.uniform(0, 0.8))
+        proc.kill()
+        proc.wait(timeout=60)
+        files = sorted((run_dir / "checkpoints").glob("*.pt"))
+        assert files, "no checkpoint written before the kill"
+        for path in files:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            assert {"model", "optimizer", "global_step"} <= state.keys()
+    finished = run_train(*tiny_run(run_dir, mnist_root, *COMMON, "checkpoint.every_n_steps=1"))
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert "resumed from" in finished.stdout
+    _assert_same_weights(run_dir, straight_run)
+
+
+def test_unreadable_newest_checkpoints_fall_back_to_the_previous_one(
+        tmp_path: Path, mnist_root: Path) -> None:
+    run_dir = tmp_path / "run"
+    short = ("trainer.max_steps=6", "checkpoint.every_n_steps=2")
+    assert run_train(*tiny_run(run_dir, mnist_root, *COMMON, *short)).returncode == 0
+    ckpts = run_dir / "checkpoints"
+    (ckpts / "last.pt").write_bytes((ckpts / "last.pt").read_bytes()[:1000])  # truncated
+    (ckpts / "step_000000006.pt").write_bytes(b"not a checkpoint")  # corrupt
+    result = run_train(*tiny_run(run_dir, mnist_root, *COMMON, *short))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "skipping unreadable checkpoint" in result.stdout
+    assert "step_000000004.pt at step 4" in result.stdout
+
+
+def _limit_file_size() -> None:
+    """In the child: files may not grow past 256 KiB, as on a full disk (EFBIG, not a signal)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+
+def test_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(
+        tmp_path: Path, mnist_root: Path) -> None:
+    run_dir = tmp_path / "run"
+    every = "checkpoint.every_n_steps=2"
+    assert run_train(*tiny_run(run_dir, mnist_root, "trainer.max_steps=4", every)
+                     ).returncode == 0
+    before = (run_dir / "checkpoints" / "last.pt").read_bytes()
+    result = subprocess.run(
+        [sys.executable, "-m", "trainkit.train",
+         *tiny_run(run_dir, mnist_root, "trainer.max_steps=12", every)],
+        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300,
+        preexec_fn=_limit_file_size)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot write a checkpoint" in lines[0], result.stderr
+    assert "File too large" in lines[0] and "intact" in lines[0]
+    assert "step 6/12" in result.stdout and "step 8/12" not in result.stdout  # no training on
+    assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+    assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 4
+
+
+def test_divergence_stops_with_one_line_and_status(tmp_path: Path, mnist_root: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_train(*tiny_run(run_dir, mnist_root, "optim.lr=1e30", "trainer.max_steps=40",
+                                 "trainer.nonfinite_patience=3"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "NaN/inf for 3 steps in a row" in lines[0], result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["nonfinite_steps"] == 3
+    assert os.path.getsize(run_dir / "train.log") > 0
