@@ -108,8 +108,8 @@ class CheckpointConfig:
 class TrainConfig:
     """Everything one run of ``python -m trainkit.train`` needs.
 
-    ``model``, ``optim`` and ``sched`` are ``_target_`` nodes: the edges where users plug in
-    their own classes.
+    ``model``, ``optim``, ``sched`` and ``loss`` are ``_target_`` nodes: the edges where users plug
+    in their own classes.
     """
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -118,6 +118,7 @@ class TrainConfig:
     model: Any = None
     optim: Any = None
     sched: Any = None
+    loss: Any = None  # null: plain cross-entropy
 
 
 def _check_int(key: str, value: Any, *, minimum: int) -> None:

@@ -80,7 +80,7 @@ def load_mnist(
     split = "train" if train else "t10k"
     if verify:
         for name in (f"{split}-images-idx3-ubyte", f"{split}-labels-idx1-ubyte"):
-            _check_md5(raw / name, MNIST_MD5[name])
+            check_md5(raw / name, MNIST_MD5[name])
     try:
         ds = MNIST(str(root), train=train, download=False)
     except Exception as err:
@@ -91,7 +91,8 @@ def load_mnist(
     return TensorData(ds.data.unsqueeze(1), ds.targets, MNIST_MEAN, MNIST_STD, num_classes=10)
 
 
-def _check_md5(path: Path, expected: str) -> None:
+def check_md5(path: Path, expected: str) -> None:
+    """Raise a one-line :class:`TrainkitError` unless ``path``'s md5 is ``expected``."""
     digest = hashlib.md5(path.read_bytes(), usedforsecurity=False).hexdigest()
     if digest != expected:
         raise TrainkitError(
@@ -153,7 +154,7 @@ def load_cifar10(
         raise TrainkitError(_cifar_missing(folder, missing, why))
     if verify:
         for name, md5 in files.items():
-            _check_md5(folder / name, md5)
+            check_md5(folder / name, md5)
     *batch_names, meta_name = files
     meta = _read_pickle(folder / meta_name)
     names = meta.get(b"label_names") if isinstance(meta, dict) else None
