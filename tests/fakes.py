@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import pickle
 import struct
 from pathlib import Path
@@ -59,11 +60,17 @@ class _Py2StylePickler(pickle._Pickler):  # type: ignore[name-defined]
     dispatch[bytes] = save_str8
 
 
-def write_py2_pickle(path: Path, obj: object) -> None:
+def py2_pickle(obj: object) -> bytes:
     """Pickle ``obj`` the way CIFAR-10's python files are pickled."""
+    buffer = io.BytesIO()
+    _Py2StylePickler(buffer, protocol=2).dump(obj)
+    return buffer.getvalue()
+
+
+def write_py2_pickle(path: Path, obj: object) -> None:
+    """Write ``obj`` to ``path`` the way CIFAR-10's python files are pickled."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        _Py2StylePickler(f, protocol=2).dump(obj)
+    path.write_bytes(py2_pickle(obj))
 
 
 def fake_cifar_arrays(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

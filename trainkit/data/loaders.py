@@ -146,6 +146,8 @@ def make_loader(
         num_workers: worker processes; None picks :func:`default_num_workers`.
         pin_memory: None means on exactly when ``device`` is CUDA.
         persistent_workers: keep workers between epochs; None means on whenever there are any.
+            Persistent workers are seeded once, so their random streams run on across epochs;
+            turn them off when each epoch's random transforms must repeat exactly on a rerun.
         prefetch_factor: batches each worker loads ahead; None leaves torch's default (2).
         drop_last: drop a last batch smaller than ``batch_size``.
         collate_fn: how samples become a batch; None is torch's default.
