@@ -136,3 +136,16 @@ def test_data_config_checks_augmentation_ranges() -> None:
         DataConfig(random_crop_padding=-1)
     with pytest.raises(ConfigError, match=r"data\.pad_mode"):
         DataConfig(pad_mode="edge")
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect"])
+def test_gpu_gather_path_equals_cpu_slice_path(mode: str) -> None:
+    # the CUDA path (one gather) runs on CPU tensors too: check it against the CPU path
+    from trainkit.data.augment import _by_gather, _by_slices
+
+    g = torch.Generator().manual_seed(2)
+    images = torch.randint(0, 256, (50, 3, 9, 11), dtype=torch.uint8, generator=g)
+    shifts = torch.randint(-3, 4, (2, 50), generator=g)
+    flips = torch.randint(0, 2, (50,), generator=g).bool()
+    assert torch.equal(_by_gather(images, shifts, flips, 3, mode),
+                       _by_slices(images, shifts, flips, 3, mode))
