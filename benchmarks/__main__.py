@@ -8,9 +8,10 @@ import platform
 import time
 from pathlib import Path
 
-from benchmarks import mnist_e2e, overhead
+from benchmarks import gpu_data, loaders, mnist_e2e, overhead
 
-BENCHMARKS = {"mnist_e2e": mnist_e2e.main, "overhead": overhead.main}
+BENCHMARKS = {"mnist_e2e": mnist_e2e.main, "overhead": overhead.main, "loaders": loaders.main,
+              "gpu_data": gpu_data.main}
 
 
 def main() -> None:
@@ -26,6 +27,13 @@ def main() -> None:
     print(f"{'mnist_e2e':<12} {results['mnist_e2e']['median_process_s']:.1f} s whole process, "
           f"val/acc {results['mnist_e2e']['min_val_acc']:.4f}")
     print(f"{'overhead':<12} trainer/loop steps-per-s ratio {results['overhead']['ratio']:.3f}")
+    for name in loaders.AUGMENT:
+        r = results["loaders"][name]
+        print(f"{'loaders':<12} {name}: in-memory / per-sample torchvision samples-per-s ratio "
+              f"{r['ratio']:.1f}")
+    gpu = results["gpu_data"]
+    print(f"{'gpu_data':<12} " + (gpu["skipped"] if "skipped" in gpu else
+          f"CIFAR {gpu['cifar_steps_per_s_bf16_channels_last']:.1f} steps/s bf16+channels_last"))
     print(f"results written to {args.out}")
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakes import write_fake_mnist
+from tests.fakes import write_fake_cifar10, write_fake_mnist
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -16,6 +16,12 @@ REPO = Path(__file__).resolve().parent.parent
 def mnist_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data root with small, learnable MNIST-format files (not the official ones)."""
     return write_fake_mnist(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def cifar_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data root with small, learnable CIFAR-10 files in the real python-pickle format."""
+    return write_fake_cifar10(tmp_path_factory.mktemp("cifar"))
 
 
 def offline_env(**extra: str) -> dict[str, str]:

@@ -6,8 +6,16 @@ piece: devices, in-memory loaders, mixed precision, the step, checkpoints, loggi
 
 from trainkit.checkpoint import CheckpointManager, load_checkpoint, save_atomic
 from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
-from trainkit.data import InMemoryLoader, build_loaders
-from trainkit.datasets import TensorData, load_mnist
+from trainkit.data import (
+    DevicePrefetcher,
+    InMemoryLoader,
+    ResumableLoader,
+    build_loaders,
+    crop_flip,
+    default_num_workers,
+    make_loader,
+)
+from trainkit.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.device import available_devices, move_to_device, resolve_device
 from trainkit.errors import ConfigError, TrainkitError
 from trainkit.precision import Precision
@@ -23,8 +31,10 @@ __all__ = [
     "CheckpointManager",
     "ConfigError",
     "DataConfig",
+    "DevicePrefetcher",
     "InMemoryLoader",
     "Precision",
+    "ResumableLoader",
     "Runtime",
     "StepResult",
     "TensorData",
@@ -35,8 +45,12 @@ __all__ = [
     "TrainkitError",
     "available_devices",
     "build_loaders",
+    "crop_flip",
+    "default_num_workers",
     "load_checkpoint",
+    "load_cifar10",
     "load_mnist",
+    "make_loader",
     "move_to_device",
     "resolve_device",
     "save_atomic",

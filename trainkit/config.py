@@ -14,6 +14,7 @@ from typing import Any
 from trainkit.errors import ConfigError
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+PAD_MODES = ("constant", "reflect")
 
 
 @dataclass
@@ -77,11 +78,21 @@ class DataConfig:
     pin_memory: bool | None = None  # null: on exactly when training on CUDA
     verify: bool = True
     download: bool = True
+    drop_last: bool = False  # training loader: drop a short last batch
+    # Training augmentation, applied to the whole batch on the device: random translation by up
+    # to this many pixels (random crop with padding; 0: off) and horizontal flips.
+    random_crop_padding: int = 0
+    random_flip: bool = False
+    pad_mode: str = "constant"  # what translation uncovers: constant (zeros) or reflect
 
     def __post_init__(self) -> None:
         _check_int("data.batch_size", self.batch_size, minimum=1)
         _check_int("data.eval_batch_size", self.eval_batch_size, minimum=1)
         _check_int("data.num_workers", self.num_workers, minimum=0)
+        _check_int("data.random_crop_padding", self.random_crop_padding, minimum=0)
+        if self.pad_mode not in PAD_MODES:
+            raise ConfigError(f"data.pad_mode={self.pad_mode!r} is not one of "
+                              f"{', '.join(PAD_MODES)}")
 
 
 @dataclass
@@ -111,8 +122,8 @@ class CheckpointConfig:
 class TrainConfig:
     """Everything one run of ``python -m trainkit.train`` needs.
 
-    ``model``, ``optim`` and ``sched`` are ``_target_`` nodes: the edges where users plug in
-    their own classes.
+    ``model``, ``optim``, ``sched`` and ``loss`` are ``_target_`` nodes: the edges where users plug
+    in their own classes.
     """
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -121,6 +132,7 @@ class TrainConfig:
     model: Any = None
     optim: Any = None
     sched: Any = None
+    loss: Any = None  # null: plain cross-entropy
 
 
 def _check_int(key: str, value: Any, *, minimum: int) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import hydra
+import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
@@ -51,6 +52,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
     trainer = Trainer(settings.trainer, run_dir=run_dir, checkpoint=settings.checkpoint,
                       runtime=runtime, run_config=OmegaConf.to_container(cfg, resolve=True))
+    # A criterion from the config (e.g. label smoothing); default: plain cross-entropy.
+    criterion = instantiate(cfg.loss) if cfg.get("loss") is not None else F.cross_entropy
     scheduler = None
     if cfg.sched is not None:
         total_steps = trainer.planned_steps(len(train_data))
@@ -59,7 +62,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     from torchmetrics.classification import MulticlassAccuracy  # heavy import: after data is up
 
     summary = trainer.fit(
-        model, optimizer, train_data, scheduler=scheduler, val_data=val_data,
+        model, optimizer, train_data, criterion=criterion, scheduler=scheduler, val_data=val_data,
         metrics={"acc": MulticlassAccuracy(num_classes, average="micro")},
     )
     accuracy = summary["metrics"].get("val/acc", float("nan"))

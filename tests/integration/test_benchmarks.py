@@ -31,3 +31,21 @@ def test_mnist_e2e_quick() -> None:
     (run,) = result["runs"]
     assert run["process_s"] > run["train_s"] > 0
     assert 0.0 <= run["val_acc"] <= 1.0
+
+
+def test_loaders_quick() -> None:
+    result = _run("benchmarks.loaders")
+    for name in ("mnist", "cifar10"):
+        r = result[name]
+        assert r["in_memory_samples_per_s"] > 0 and r["per_sample_samples_per_s"] > 0
+        assert r["ratio"] == r["in_memory_samples_per_s"] / r["per_sample_samples_per_s"]
+
+
+def test_gpu_data_quick_runs_or_says_why_not() -> None:
+    import torch
+
+    result = _run("benchmarks.gpu_data")
+    if torch.cuda.is_available():
+        assert result["cifar_steps_per_s_bf16_channels_last"] > 0
+    else:
+        assert "CUDA" in result["skipped"]

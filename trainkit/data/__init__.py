@@ -1,0 +1,38 @@
+"""Feeding the device: in-memory loaders, a DataLoader factory, a device prefetcher.
+
+Two paths, one interface (``len``, iteration, ``set_epoch(epoch, start_batch)``,
+``state_dict``):
+
+* :class:`InMemoryLoader` -- the whole split as one uint8 tensor (on the GPU when training
+  there), batches by index gather, augmentation on the batch on the device. The fast path.
+* :func:`make_loader` -> :class:`ResumableLoader` -- torch's DataLoader over any map-style
+  dataset with sensible workers, pinning, seeding and resumable sharded order; wrap it in
+  :class:`DevicePrefetcher` to overlap copies with compute. The standard path, done right.
+
+``python -m trainkit.data download|verify`` fetches and checks the files for offline clusters.
+"""
+
+from trainkit.data.augment import crop_flip, mix_seed
+from trainkit.data.build import build_loaders
+from trainkit.data.loaders import (
+    ResumableLoader,
+    ResumableSampler,
+    default_num_workers,
+    make_loader,
+)
+from trainkit.data.memory import InMemoryLoader
+from trainkit.data.order import epoch_order
+from trainkit.data.prefetch import DevicePrefetcher
+
+__all__ = [
+    "DevicePrefetcher",
+    "InMemoryLoader",
+    "ResumableLoader",
+    "ResumableSampler",
+    "build_loaders",
+    "crop_flip",
+    "default_num_workers",
+    "epoch_order",
+    "make_loader",
+    "mix_seed",
+]

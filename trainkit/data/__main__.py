@@ -1,0 +1,108 @@
+"""``python -m trainkit.data``: fetch datasets where there is internet, check them anywhere.
+
+    python -m trainkit.data download mnist cifar10 --root DIR
+    python -m trainkit.data verify --root DIR            # every dataset found under DIR
+    python -m trainkit.data verify cifar10 --root DIR    # this one must be there
+
+Copy DIR to the offline cluster and point ``data.root`` (or ``TRAINKIT_DATA_DIR``) at it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from trainkit.datasets import CIFAR10_FOLDER, MNIST_MD5, check_md5, cifar10_files
+from trainkit.errors import TrainkitError, one_line
+
+
+def _mnist_files() -> tuple[Path, dict[str, str]]:
+    return Path("MNIST") / "raw", dict(MNIST_MD5)
+
+
+def _cifar10_files() -> tuple[Path, dict[str, str]]:
+    return Path(CIFAR10_FOLDER), {**cifar10_files(True), **cifar10_files(False)}
+
+
+def _download_mnist(root: Path) -> None:
+    from torchvision.datasets import MNIST
+
+    MNIST(str(root), train=True, download=True)
+
+
+def _download_cifar10(root: Path) -> None:
+    from trainkit.datasets import download_cifar10
+
+    download_cifar10(root)
+
+
+# name -> (where its files go under the root and their official md5s, how to download it)
+DATASETS: dict[str, tuple[Callable[[], tuple[Path, dict[str, str]]], Callable[[Path], None]]] = {
+    "mnist": (_mnist_files, _download_mnist),
+    "cifar10": (_cifar10_files, _download_cifar10),
+}
+
+
+def verify(root: Path, names: list[str]) -> list[str]:
+    """Check each named dataset's files under ``root``; return one problem line per bad dataset.
+
+    With no names, every dataset with a folder under ``root`` is checked, and finding none is a
+    problem.
+    """
+    if not names:
+        names = [n for n, (files, _) in DATASETS.items() if (root / files()[0]).is_dir()]
+        if not names:
+            return [f"no dataset found under {root} (looked for "
+                    f"{', '.join(str(DATASETS[n][0]()[0]) for n in DATASETS)})"]
+    problems = []
+    for name in names:
+        folder, md5s = DATASETS[name][0]()
+        missing = [f for f in md5s if not (root / folder / f).is_file()]
+        if missing:
+            problems.append(f"{name}: {root / folder} lacks {', '.join(missing)}")
+            continue
+        try:
+            for file, md5 in md5s.items():
+                check_md5(root / folder / file, md5)
+        except TrainkitError as err:
+            problems.append(f"{name}: {err}")
+            continue
+        print(f"{name}: ok ({len(md5s)} files in {root / folder} match the official checksums)")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainkit.data",
+                                     description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    default_root = os.environ.get("TRAINKIT_DATA_DIR", "./data")
+    down = sub.add_parser("download", help="download datasets (needs internet)")
+    down.add_argument("names", nargs="+", choices=sorted(DATASETS))
+    down.add_argument("--root", default=default_root, help="default: $TRAINKIT_DATA_DIR or ./data")
+    check = sub.add_parser("verify", help="check the files against the official checksums")
+    # no `choices` here: argparse (3.11) checks an empty list against them and fails
+    check.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(DATASETS)}")
+    check.add_argument("--root", default=default_root, help="default: $TRAINKIT_DATA_DIR or ./data")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in DATASETS]
+    if unknown:
+        parser.error(f"unknown dataset {', '.join(unknown)}: use {', '.join(DATASETS)}")
+    root = Path(args.root)
+    if args.command == "download":
+        for name in args.names:
+            try:
+                DATASETS[name][1](root)
+            except Exception as err:  # offline, proxy, disk: one line, then the next dataset
+                print(f"trainkit: {name}: download failed: {one_line(err)}", file=sys.stderr)
+                return 2
+    problems = verify(root, args.names)
+    for problem in problems:
+        print(f"trainkit: {problem}", file=sys.stderr)
+    return 2 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

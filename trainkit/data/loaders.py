@@ -1,0 +1,197 @@
+"""A DataLoader factory for map-style datasets, with resumable, rank-sharded sampling.
+
+The standard path, done right: pinned memory when the batches go to CUDA, a worker count from the
+CPUs each process on the node gets, workers seeded from ``(seed, rank, epoch)``, and an order that
+can restart at any batch of any epoch without loading the batches before it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from trainkit.data.augment import mix_seed
+from trainkit.data.order import check_shard, epoch_order, shard_size
+from trainkit.errors import ConfigError
+
+
+def default_num_workers(procs_per_node: int | None = None) -> int:
+    """Loader workers per process: the CPUs this process may use, shared among the processes on
+    the node (``LOCAL_WORLD_SIZE`` under torchrun), less one for the process itself; at most 8.
+    """
+    if procs_per_node is None:
+        procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    try:
+        cpus = len(os.sched_getaffinity(0))  # respects taskset / cgroup CPU sets
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        cpus = os.cpu_count() or 1
+    return max(0, min(8, cpus // max(1, procs_per_node) - 1))
+
+
+class ResumableSampler(Sampler[int]):
+    """Indices of this rank's shard in an order fixed by ``(seed, epoch)``, from any offset.
+
+    Like ``DistributedSampler`` but resumable: ``set_epoch(epoch, start)`` makes the next pass
+    start at sample ``start`` of the shard. ``len()`` is the samples left in that pass.
+    """
+
+    def __init__(self, n: int, *, shuffle: bool, seed: int = 0, rank: int = 0,
+                 world_size: int = 1) -> None:
+        self.n, self.shuffle, self.seed = n, shuffle, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.start = 0
+
+    @property
+    def num_samples(self) -> int:
+        """Samples of this rank's whole shard per epoch."""
+        return shard_size(self.n, shuffle=self.shuffle, rank=self.rank,
+                          world_size=self.world_size)
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Serve ``epoch`` from sample ``start`` of the shard on (for the next pass only)."""
+        self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.start)
+
+    def __iter__(self) -> Iterator[int]:
+        order = epoch_order(self.n, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
+                            rank=self.rank, world_size=self.world_size)
+        start, self.start = self.start, 0
+        return iter(order[start:].tolist())
+
+
+class ResumableLoader:
+    """A ``DataLoader`` the Trainer can point at any batch of any epoch: ``set_epoch(e, b)``.
+
+    Build it with :func:`make_loader`. Iterating yields the DataLoader's batches; ``len()`` is
+    always the whole epoch's batch count, also right after a mid-epoch ``set_epoch``.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: ResumableSampler, generator: torch.Generator,
+                 *, seed: int, rank: int) -> None:
+        self.loader = loader
+        self.sampler = sampler
+        self.batch_size: int = loader.batch_size  # type: ignore[assignment]
+        self.drop_last = loader.drop_last
+        self._generator = generator
+        self._seed, self._rank = seed, rank
+        self.epoch = 0
+        self.position = 0
+        self.set_epoch(0)
+
+    @property
+    def dataset(self) -> Dataset:
+        return self.loader.dataset
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.sampler.num_samples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Serve ``epoch`` from batch ``start_batch`` on; the batches before are never loaded."""
+        self.epoch, self.position = epoch, start_batch
+        self.sampler.set_epoch(epoch, start_batch * self.batch_size)
+        # Workers seed Python, NumPy and torch from a base seed drawn from this generator when
+        # an iterator starts (base + worker id): tie it to (seed, rank, epoch), so each epoch's
+        # random transforms differ, and every rerun of an epoch repeats them.
+        self._generator.manual_seed(mix_seed(self._seed, self._rank, epoch))
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch and the batches of it already handed out."""
+        return {"epoch": self.epoch, "batch": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s position with the next iteration."""
+        self.set_epoch(int(state["epoch"]), int(state["batch"]))
+
+    def __iter__(self) -> Iterator[Any]:
+        self.position = self.sampler.start // self.batch_size
+        for batch in self.loader:
+            self.position += 1
+            yield batch
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int | None = None,
+    pin_memory: bool | None = None,
+    persistent_workers: bool | None = None,
+    prefetch_factor: int | None = None,
+    drop_last: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    procs_per_node: int | None = None,
+) -> ResumableLoader:
+    """A DataLoader over a map-style ``dataset`` with the settings a careful user would pick.
+
+    Args:
+        dataset: any map-style dataset (``__getitem__`` and ``__len__``).
+        batch_size: samples per batch on this rank.
+        shuffle: a new order every epoch, fixed by ``(seed, epoch)``.
+        device: where batches will go; pinned memory is used when it is CUDA.
+        seed: fixes the order and, with rank and epoch, the workers' random streams.
+        rank, world_size: each rank gets a disjoint shard (when shuffling, cut to equal sizes).
+        num_workers: worker processes; None picks :func:`default_num_workers`.
+        pin_memory: None means on exactly when ``device`` is CUDA.
+        persistent_workers: keep workers between epochs; None means on whenever there are any.
+            Persistent workers are seeded once, so their random streams run on across epochs;
+            turn them off when each epoch's random transforms must repeat exactly on a rerun.
+        prefetch_factor: batches each worker loads ahead; None leaves torch's default (2).
+        drop_last: drop a last batch smaller than ``batch_size``.
+        collate_fn: how samples become a batch; None is torch's default.
+        procs_per_node: processes sharing this node's CPUs (default: ``LOCAL_WORLD_SIZE``).
+
+    Raises:
+        ConfigError: settings no loader can honour (negative workers, a prefetch factor or
+            persistent workers without workers, a batch larger than the shard with drop_last...).
+
+    Example:
+        >>> loader = make_loader(dataset, 256, shuffle=True, device="cuda")  # doctest: +SKIP
+        >>> loader.set_epoch(2, start_batch=10)  # resume: batches 0-9 are never loaded
+    """
+    if not isinstance(dataset, Sized):
+        raise ConfigError(f"{type(dataset).__name__} has no len(): make_loader needs a "
+                          "map-style dataset")
+    check_shard(len(dataset), batch_size, shuffle=shuffle, drop_last=drop_last, rank=rank,
+                world_size=world_size)
+    if num_workers is None:
+        num_workers = default_num_workers(procs_per_node)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ConfigError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+    if num_workers == 0 and prefetch_factor is not None:
+        raise ConfigError(f"prefetch_factor={prefetch_factor} needs worker processes, but "
+                          "num_workers=0 loads in the main process; drop one of the two")
+    if prefetch_factor is not None and prefetch_factor < 1:
+        raise ConfigError(f"prefetch_factor must be >= 1, got {prefetch_factor}")
+    if num_workers == 0 and persistent_workers:
+        raise ConfigError("persistent_workers=true needs num_workers >= 1")
+    if persistent_workers is None:
+        persistent_workers = num_workers > 0
+    device = torch.device(device)
+    if pin_memory is None:
+        pin_memory = device.type == "cuda"
+    if pin_memory and not torch.cuda.is_available():
+        raise ConfigError("pin_memory=true needs CUDA, which is not available here; "
+                          "leave it unset (null) to pin exactly when training on CUDA")
+    sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed, rank=rank,
+                               world_size=world_size)
+    generator = torch.Generator()
+    loader = DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+        pin_memory=pin_memory, drop_last=drop_last, collate_fn=collate_fn,
+        persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+        generator=generator,
+    )
+    return ResumableLoader(loader, sampler, generator, seed=seed, rank=rank)

@@ -1,0 +1,147 @@
+"""Loaders that feed the device from tensors held in memory: one gather per batch.
+
+Each epoch's order is a pure function of ``(seed, epoch)`` and each batch's augmentation of
+``(seed, epoch, batch, rank)``, so resuming at batch ``b`` costs nothing and reproduces exactly
+the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from trainkit.data.augment import PAD_MODES, crop_flip, mix_seed
+from trainkit.data.order import check_shard, epoch_order, shard_size
+from trainkit.datasets import TensorData
+from trainkit.errors import ConfigError
+
+
+class InMemoryLoader:
+    """Batches ``(images, labels)`` from a :class:`TensorData`, augmented and normalised on device.
+
+    The uint8 data is moved to ``device`` once (GPU-resident on CUDA: no host copies per step);
+    every batch is one index gather, an optional augmentation gather, a cast and normalisation
+    there.
+
+    Args:
+        data: the split to serve.
+        batch_size: samples per batch on this rank.
+        shuffle: a new order every epoch (training); ``False`` keeps file order (evaluation).
+        drop_last: drop a last batch smaller than ``batch_size``.
+        seed: with the epoch, fixes the order and the augmentation.
+        device: where batches are produced.
+        rank, world_size: each rank serves a disjoint shard. When shuffling, the epoch is cut to a
+            multiple of ``world_size`` so every rank runs the same number of steps; evaluation
+            keeps every sample exactly once.
+        channels_last: produce NHWC-strided batches (faster convolutions on CPU and GPU).
+        padding: random translation by up to this many pixels (random crop with padding); 0: off.
+        flip: random horizontal flips.
+        pad_mode: what translation uncovers: ``constant`` (zeros, like torchvision's RandomCrop)
+            or ``reflect``.
+
+    Example:
+        >>> loader = InMemoryLoader(data, 128, shuffle=True, padding=4, flip=True)  # doctest: +SKIP
+        >>> loader.set_epoch(3)
+        >>> x, y = next(iter(loader))
+    """
+
+    def __init__(
+        self,
+        data: TensorData,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        drop_last: bool = False,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        rank: int = 0,
+        world_size: int = 1,
+        channels_last: bool = False,
+        padding: int = 0,
+        flip: bool = False,
+        pad_mode: str = "constant",
+    ) -> None:
+        check_shard(len(data), batch_size, shuffle=shuffle, drop_last=drop_last, rank=rank,
+                    world_size=world_size)
+        if padding < 0:
+            raise ConfigError(f"padding must be >= 0, got {padding}")
+        if pad_mode not in PAD_MODES:
+            raise ConfigError(f"pad_mode={pad_mode!r} is not one of {', '.join(PAD_MODES)}")
+        self.device = torch.device(device)
+        self.images = data.images.to(self.device)
+        self.labels = data.labels.to(self.device)
+        shape = (1, -1, 1, 1)
+        self._mean = torch.tensor(data.mean, device=self.device).view(shape) * 255
+        self._std = torch.tensor(data.std, device=self.device).view(shape) * 255
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.channels_last = channels_last
+        self.padding = padding
+        self.flip = flip
+        self.pad_mode = pad_mode
+        self.epoch = 0
+        self.position = 0  # batches of `epoch` already handed out
+        self._start = 0
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank sees per epoch."""
+        return shard_size(len(self.labels), shuffle=self.shuffle, rank=self.rank,
+                          world_size=self.world_size)
+
+    @property
+    def augments(self) -> bool:
+        return self.padding > 0 or self.flip
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.num_samples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Serve epoch ``epoch`` from batch ``start_batch`` on (constant time: no replay)."""
+        self.epoch = epoch
+        self._start = self.position = start_batch
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the loader is: the epoch and the batches of it already handed out."""
+        return {"epoch": self.epoch, "batch": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s position with the next iteration."""
+        if state.get("seed", self.seed) != self.seed:
+            raise ConfigError(f"loader state has seed {state['seed']}, this loader {self.seed}: "
+                              "the order would differ; resume with the same seed")
+        self.set_epoch(int(state["epoch"]), int(state["batch"]))
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The sample indices this rank visits in ``epoch``, in order."""
+        return epoch_order(len(self.labels), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                           rank=self.rank, world_size=self.world_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = self.order(self.epoch).to(self.device)
+        start, self._start = self._start, 0  # a resume offset applies to one pass only
+        self.position = start
+        for b in range(start, len(self)):
+            batch = self._batch(order[b * self.batch_size : (b + 1) * self.batch_size], b)
+            self.position = b + 1
+            yield batch
+
+    def _batch(self, index: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        images = self.images[index]
+        if self.augments:
+            generator = torch.Generator().manual_seed(
+                mix_seed(self.seed, self.epoch, b, self.rank))
+            images = crop_flip(images, generator, padding=self.padding, flip=self.flip,
+                               pad_mode=self.pad_mode)
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        # One cast into the wanted layout, then normalise in place.
+        x = images.to(torch.float32, memory_format=memory_format)
+        x.sub_(self._mean).div_(self._std)
+        return x, self.labels[index]

@@ -1,0 +1,136 @@
+"""Overlap host-to-device copies with compute: the next batch travels on a side CUDA stream.
+
+On CUDA, while the model computes on batch ``i`` the prefetcher has already queued the copy (and
+normalisation) of batch ``i+1`` on its own stream; the compute stream waits for that stream only
+when it takes the batch. Elsewhere it is a pass-through that still normalises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from trainkit.device import move_to_device
+
+
+class DevicePrefetcher:
+    """Wraps a loader; yields its batches on ``device``, the first tensor normalised there.
+
+    Batches are ``(inputs, ...)`` tuples or lists. Inputs that arrive as uint8 (0-255) are cast
+    to float32 and scaled to 0-1 on the device (a quarter of the bytes over PCIe), then
+    ``(x - mean) / std`` when ``mean`` and ``std`` are given. Pin the loader's memory
+    (``make_loader`` does on CUDA) or the copies cannot overlap.
+
+    ``len``, ``set_epoch(epoch, start_batch)``, ``batch_size``, ``state_dict`` and
+    ``load_state_dict`` pass through, so the Trainer treats it as the loader itself.
+
+    Args:
+        loader: any iterable of batches.
+        device: where the batches go.
+        mean, std: per-channel statistics on the 0-1 scale; None skips normalisation.
+        channels_last: make 4-D inputs NHWC-strided on the device.
+
+    Example:
+        >>> loader = DevicePrefetcher(make_loader(ds, 256, shuffle=True, device="cuda"),
+        ...                           "cuda", mean=(0.49, 0.48, 0.45), std=(0.25, 0.24, 0.26))
+        ... # doctest: +SKIP
+    """
+
+    def __init__(self, loader: Iterable[Any], device: torch.device | str, *,
+                 mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
+                 channels_last: bool = False) -> None:
+        if (mean is None) != (std is None):
+            raise ValueError("give both mean and std, or neither")
+        self.loader = loader
+        self.device = torch.device(device)
+        self.channels_last = channels_last
+        self._mean = self._std = None
+        if mean is not None and std is not None:
+            self._mean = torch.tensor(mean, device=self.device).view(1, -1, 1, 1)
+            self._std = torch.tensor(std, device=self.device).view(1, -1, 1, 1)
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.epoch = 0
+        self.position = 0  # batches of `epoch` handed out
+        self._start = 0
+
+    @property
+    def batch_size(self) -> int | None:
+        return getattr(self.loader, "batch_size", None)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Forward the resume protocol to the wrapped loader."""
+        self.epoch, self.position = epoch, start_batch
+        self._start = start_batch
+        inner = getattr(self.loader, "set_epoch", None)
+        if inner is not None:
+            inner(epoch, start_batch)
+        elif start_batch:
+            raise TypeError(f"{type(self.loader).__name__} cannot start inside an epoch")
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch and the batches of it handed out (the one in flight is not counted)."""
+        return {"epoch": self.epoch, "batch": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.set_epoch(int(state["epoch"]), int(state["batch"]))
+
+    def __iter__(self) -> Iterator[Any]:
+        self.position, self._start = self._start, 0  # a resume offset applies to one pass
+        if self._stream is None:
+            for batch in self.loader:
+                self.position += 1
+                yield self._prepare(move_to_device(batch, self.device))
+            return
+        yield from self._iter_cuda(self._stream)
+
+    def _iter_cuda(self, stream: torch.cuda.Stream) -> Iterator[Any]:
+        batches = iter(self.loader)
+        upcoming = self._preload(batches, stream)
+        while upcoming is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(stream)  # the copy and normalisation are done before use
+            for tensor in _tensors(upcoming):
+                # Allocated on the side stream, used on this one: without this the caching
+                # allocator could hand the memory to the next copy while compute still reads it.
+                tensor.record_stream(current)
+            batch, upcoming = upcoming, self._preload(batches, stream)
+            self.position += 1
+            yield batch
+
+    def _preload(self, batches: Iterator[Any], stream: torch.cuda.Stream) -> Any:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return None
+        with torch.cuda.stream(stream):
+            # non_blocking copies from pinned memory: this returns before the bytes arrive
+            return self._prepare(move_to_device(batch, self.device))
+
+    def _prepare(self, batch: Any) -> Any:
+        if not isinstance(batch, (tuple, list)) or not batch:
+            return batch
+        x = batch[0]
+        if isinstance(x, torch.Tensor) and (x.dtype == torch.uint8 or self._mean is not None):
+            if x.dtype == torch.uint8:
+                x = x.float().div_(255)
+            if self._mean is not None:
+                x = (x - self._mean) / self._std
+        if self.channels_last and isinstance(x, torch.Tensor) and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return type(batch)([x, *batch[1:]]) if isinstance(batch, list) else (x, *batch[1:])
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, (list, tuple)):
+        for item in batch:
+            yield from _tensors(item)
+    elif isinstance(batch, dict):
+        for item in batch.values():
+            yield from _tensors(item)
