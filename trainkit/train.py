@@ -37,8 +37,12 @@ ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 _SHOW_TRACEBACK = os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
-def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Run one training job described by a composed config; return its summary."""
+def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = None
+          ) -> dict[str, Any]:
+    """Run one training job described by a composed config; return its summary.
+
+    ``stop_at_step`` stops after that step as a preemption would (for verify_resume).
+    """
     settings: TrainConfig = OmegaConf.to_object(cfg)  # type checks done; ranges checked here
     runtime = Runtime.from_env(settings.trainer.device)
     log = setup_logging(run_dir, runtime.is_main)
@@ -64,17 +68,19 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     summary = trainer.fit(
         model, optimizer, train_data, criterion=criterion, scheduler=scheduler, val_data=val_data,
         metrics={"acc": MulticlassAccuracy(num_classes, average="micro")},
+        stop_at_step=stop_at_step,
     )
-    accuracy = summary["metrics"].get("val/acc", float("nan"))
-    log.info("done: test accuracy %.4f after %d steps in %.1f s; run dir %s",
-             accuracy, summary["global_step"], summary["wall_time_s"], run_dir)
+    if summary["status"] == "completed":
+        log.info("done: test accuracy %.4f after %d steps in %.1f s; run dir %s",
+                 summary["metrics"].get("val/acc", float("nan")), summary["global_step"],
+                 summary["wall_time_s"], run_dir)
     return summary
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     # Errors are reported here, inside the job: past this point Hydra would add its own lines.
-    with _errors_as_one_line():
+    with errors_as_one_line():
         summary = train(cfg, HydraConfig.get().runtime.output_dir)
     if summary["status"] == "preempted":
         sys.exit(EXIT_PREEMPTED)  # documented: checkpoint saved, re-run the command to resume
@@ -83,12 +89,12 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     """Run the Hydra app; user errors print as one line and exit with status 2."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us unprinted
-    with _errors_as_one_line():
+    with errors_as_one_line():
         _hydra_main()
 
 
 @contextlib.contextmanager
-def _errors_as_one_line() -> Iterator[None]:
+def errors_as_one_line() -> Iterator[None]:
     try:
         yield
     except (TrainkitError, HydraException, OmegaConfBaseException) as err:

@@ -131,6 +131,7 @@ class Trainer:
         metrics: Mapping[str, Any] | None = None,
         forward: Forward = default_forward,
         preemption: Preemption | None = None,
+        stop_at_step: int | None = None,
     ) -> dict[str, Any]:
         """Train until ``max_epochs`` or ``max_steps``, evaluating each epoch; return the summary.
 
@@ -141,7 +142,8 @@ class Trainer:
 
         SIGTERM, SIGINT, SIGHUP and SIGUSR1 stop the run after the current step with one
         checkpoint and ``status: "preempted"`` (pass your own :class:`Preemption` to control
-        this). A second signal aborts at once.
+        this). A second signal aborts at once. ``stop_at_step`` stops the same way after that
+        step, as if a signal had come (``python -m trainkit.verify_resume`` uses it).
 
         Raises:
             NonFiniteLossError: ``trainer.nonfinite_patience`` NaN/inf losses in a row; the
@@ -169,7 +171,7 @@ class Trainer:
         try:
             with preemption:
                 status, results = self._train(parts, criterion, forward, evaluate, writer,
-                                              total_steps, preemption)
+                                              total_steps, preemption, stop_at_step)
         except NonFiniteLossError:
             self._write_summary("diverged", {}, started, samples_at_start)
             raise
@@ -260,8 +262,8 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------
 
     def _train(self, parts: Parts, criterion: Criterion, forward: Forward, evaluate: Any,
-               writer: Any, total_steps: int,
-               preemption: Preemption) -> tuple[str, dict[str, float]]:
+               writer: Any, total_steps: int, preemption: Preemption,
+               stop_at_step: int | None) -> tuple[str, dict[str, float]]:
         """Epochs of steps until done or preempted; returns the status and last val results."""
         cfg, state, data = self.config, self.state, parts.data
         train_model = torch.compile(parts.model) if cfg.compile else parts.model
@@ -288,7 +290,7 @@ class Trainer:
                                     (state.samples_seen - samples_at_window) / (now - window_start),
                                     total_steps)
                     window_start, samples_at_window = now, state.samples_seen
-                if preemption.requested:
+                if preemption.requested or state.global_step == stop_at_step:
                     self._save(parts, periodic=True)
                     log.warning("stopped at step %d; re-run the same command to resume",
                                 state.global_step)
