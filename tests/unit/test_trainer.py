@@ -204,3 +204,42 @@ def test_time_based_checkpoints(tmp_path: Path) -> None:
     _trainer(tmp_path, every_n_minutes=1e-9, keep_last=100).fit(model, _sgd(model), _batches(5))
     steps = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt"))
     assert steps == [f"step_{s:09d}.pt" for s in range(1, 6)]
+
+
+class NoisyImages(torch.utils.data.Dataset):
+    """A map-style dataset with a random per-sample transform (noise and a random flip)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(4)
+        self.x = torch.randn(60, 16, generator=g)
+        self.y = torch.randint(0, 3, (60,), generator=g)
+
+    def __len__(self) -> int:
+        return 60
+
+    def __getitem__(self, i: int):
+        x = self.x[i] + 0.1 * torch.randn(16)
+        return (x.flip(0) if torch.rand(()) < 0.5 else x), self.y[i]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_with_workers_and_random_transforms_resumes_bit_exactly(
+        tmp_path: Path, workers: int) -> None:
+    from trainkit.data import make_loader
+
+    def run(run_dir: Path, stop_at: int | None = None) -> tuple[nn.Module, dict]:
+        seed_everything(0)
+        model = _model()
+        loader = make_loader(NoisyImages(), 8, shuffle=True, seed=0, num_workers=workers)
+        summary = _trainer(run_dir, max_epochs=3).fit(
+            model, torch.optim.AdamW(model.parameters(), lr=0.01), loader,
+            stop_at_step=stop_at)
+        return model, summary
+
+    straight, _ = run(tmp_path / "straight")
+    _, stopped = run(tmp_path / "resumed", stop_at=11)  # mid-epoch 1 (8 batches an epoch)
+    assert stopped["status"] == "preempted"
+    resumed, summary = run(tmp_path / "resumed")
+    assert summary["global_step"] == 24
+    for p, q in zip(resumed.parameters(), straight.parameters()):
+        assert torch.equal(p, q)

@@ -1,18 +1,21 @@
 """A DataLoader factory for map-style datasets, with resumable, rank-sharded sampling.
 
 The standard path, done right: pinned memory when the batches go to CUDA, a worker count from the
-CPUs each process on the node gets, workers seeded from ``(seed, rank, epoch)``, and an order that
-can restart at any batch of any epoch without loading the batches before it.
+CPUs each process on the node gets, an order that can restart at any batch of any epoch without
+loading the batches before it, and per-sample random transforms in workers seeded from
+``(seed, epoch, sample)``, so a resumed run sees exactly the samples an uninterrupted one would.
 """
 
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from trainkit.data.augment import mix_seed
 from trainkit.data.order import check_shard, epoch_order, shard_size
@@ -32,11 +35,12 @@ def default_num_workers(procs_per_node: int | None = None) -> int:
     return max(0, min(8, cpus // max(1, procs_per_node) - 1))
 
 
-class ResumableSampler(Sampler[int]):
-    """Indices of this rank's shard in an order fixed by ``(seed, epoch)``, from any offset.
+class ResumableSampler(Sampler[tuple[int, int]]):
+    """``(index, sample_seed)`` for this rank's shard in an order fixed by ``(seed, epoch)``.
 
     Like ``DistributedSampler`` but resumable: ``set_epoch(epoch, start)`` makes the next pass
-    start at sample ``start`` of the shard. ``len()`` is the samples left in that pass.
+    start at sample ``start`` of the shard. ``len()`` is the samples left in that pass. Each
+    sample's seed is a function of ``(seed, epoch, index)`` alone (see :class:`SeededSamples`).
     """
 
     def __init__(self, n: int, *, shuffle: bool, seed: int = 0, rank: int = 0,
@@ -63,7 +67,30 @@ class ResumableSampler(Sampler[int]):
         order = epoch_order(self.n, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
                             rank=self.rank, world_size=self.world_size)
         start, self.start = self.start, 0
-        return iter(order[start:].tolist())
+        return ((i, mix_seed(self.seed, self.epoch, i)) for i in order[start:].tolist())
+
+
+class SeededSamples(Dataset):
+    """Wraps a map-style dataset; in a worker, seeds Python, NumPy and torch for each sample.
+
+    A worker's random stream otherwise depends on which samples it loaded before, which changes
+    when a run resumes mid-epoch. In the main process (``num_workers=0``) the draws come from the
+    process's own generators, which checkpoints save and restore, so no seeding is needed.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, item: tuple[int, int]) -> Any:
+        index, seed = item
+        if get_worker_info() is not None:
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.manual_seed(seed)
+        return self.dataset[index]
 
 
 class ResumableLoader:
@@ -87,7 +114,7 @@ class ResumableLoader:
 
     @property
     def dataset(self) -> Dataset:
-        return self.loader.dataset
+        return self.loader.dataset.dataset  # inside SeededSamples
 
     def __len__(self) -> int:
         full, rest = divmod(self.sampler.num_samples, self.batch_size)
@@ -97,9 +124,8 @@ class ResumableLoader:
         """Serve ``epoch`` from batch ``start_batch`` on; the batches before are never loaded."""
         self.epoch, self.position = epoch, start_batch
         self.sampler.set_epoch(epoch, start_batch * self.batch_size)
-        # Workers seed Python, NumPy and torch from a base seed drawn from this generator when
-        # an iterator starts (base + worker id): tie it to (seed, rank, epoch), so each epoch's
-        # random transforms differ, and every rerun of an epoch repeats them.
+        # Workers' base seeds come from this generator; per-sample seeds (SeededSamples) make
+        # transforms exact, this keeps anything else a worker draws tied to (seed, rank, epoch).
         self._generator.manual_seed(mix_seed(self._seed, self._rank, epoch))
 
     def state_dict(self) -> dict[str, int]:
@@ -146,8 +172,6 @@ def make_loader(
         num_workers: worker processes; None picks :func:`default_num_workers`.
         pin_memory: None means on exactly when ``device`` is CUDA.
         persistent_workers: keep workers between epochs; None means on whenever there are any.
-            Persistent workers are seeded once, so their random streams run on across epochs;
-            turn them off when each epoch's random transforms must repeat exactly on a rerun.
         prefetch_factor: batches each worker loads ahead; None leaves torch's default (2).
         drop_last: drop a last batch smaller than ``batch_size``.
         collate_fn: how samples become a batch; None is torch's default.
@@ -189,7 +213,7 @@ def make_loader(
                                world_size=world_size)
     generator = torch.Generator()
     loader = DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+        SeededSamples(dataset), batch_size=batch_size, sampler=sampler, num_workers=num_workers,
         pin_memory=pin_memory, drop_last=drop_last, collate_fn=collate_fn,
         persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
         generator=generator,
