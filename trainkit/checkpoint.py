@@ -40,7 +40,14 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            try:
+                torch.save(state, f)
+            except RuntimeError as err:
+                # torch's writer reports a failed write (disk full, file too large) as its own
+                # RuntimeError; the OSError behind it says what happened.
+                if isinstance(err.__context__, OSError):
+                    raise err.__context__ from None
+                raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

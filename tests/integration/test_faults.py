@@ -134,13 +134,13 @@ def _limit_file_size() -> None:
 def test_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(
         tmp_path: Path, mnist_root: Path) -> None:
     run_dir = tmp_path / "run"
-    every = "checkpoint.every_n_steps=2"
-    assert run_train(*tiny_run(run_dir, mnist_root, "trainer.max_steps=4", every)
+    common = ("checkpoint.every_n_steps=2", "sched=constant")  # constant LR: may be extended
+    assert run_train(*tiny_run(run_dir, mnist_root, "trainer.max_steps=4", *common)
                      ).returncode == 0
     before = (run_dir / "checkpoints" / "last.pt").read_bytes()
     result = subprocess.run(
         [sys.executable, "-m", "trainkit.train",
-         *tiny_run(run_dir, mnist_root, "trainer.max_steps=12", every)],
+         *tiny_run(run_dir, mnist_root, "trainer.max_steps=12", *common)],
         cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300,
         preexec_fn=_limit_file_size)
     assert result.returncode == 2

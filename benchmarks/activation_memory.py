@@ -1,0 +1,98 @@
+"""Activation checkpointing: peak memory of a training step with and without it.
+
+    python -m benchmarks.activation_memory           # ratio = checkpointed / plain peak growth
+    python -m benchmarks.activation_memory --quick
+
+A deep MLP of residual blocks (Linear-GELU-Linear) trains one step on a large batch. Each variant
+runs in a fresh process (peak memory only grows within a process); the figure is how far the
+step raised the peak above what the model and data already held: peak RSS on the CPU, torch's
+``max_memory_allocated`` on CUDA. The variants alternate (plain, checkpointed, checkpointed,
+plain) and each figure is the median over rounds. Checkpointing keeps one input per block and
+recomputes the rest in backward, so the ratio should be well below 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+from trainkit.activations import apply_activation_checkpointing
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def one_step(checkpointed: bool, width: int, depth: int, batch: int, device: str) -> int:
+    """In this process: the growth of peak memory over one forward/backward, in bytes."""
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(width) for _ in range(depth)]).to(dev)
+    if checkpointed:
+        apply_activation_checkpointing(model, ["Block"])
+    x = torch.randn(batch, width, device=dev)
+    before = _peak_bytes(dev)
+    model(x).square().mean().backward()
+    return _peak_bytes(dev) - before
+
+
+def _in_subprocess(checkpointed: bool, args: argparse.Namespace) -> int:
+    code = ("import sys; from benchmarks.activation_memory import one_step; "
+            f"print(one_step({checkpointed}, {args.width}, {args.depth}, {args.batch}, "
+            f"{args.device!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    return int(out.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.width, args.depth, args.batch, args.rounds = 256, 4, 512, 1
+    plain, checkpointed = [], []
+    for _ in range(args.rounds):
+        plain.append(_in_subprocess(False, args))
+        checkpointed += [_in_subprocess(True, args), _in_subprocess(True, args)]
+        plain.append(_in_subprocess(False, args))
+    result = {
+        "benchmark": "activation_memory",
+        "device": args.device,
+        "measure": "max_memory_allocated" if args.device.startswith("cuda") else "peak RSS",
+        "plain_step_peak_mib": statistics.median(plain) / 2**20,
+        "checkpointed_step_peak_mib": statistics.median(checkpointed) / 2**20,
+        "ratio": statistics.median(checkpointed) / max(statistics.median(plain), 1),
+        "width": args.width, "depth": args.depth, "batch": args.batch, "rounds": args.rounds,
+        "goal": "ratio < 1 (measurably lower peak memory)",
+    }
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
