@@ -8,6 +8,7 @@ reported is the median of the rounds' ratios, which one disturbed round cannot m
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -24,6 +25,8 @@ def alternate(sides: Mapping[str, Callable[[], float]], rounds: int) -> Samples:
     """Run every side twice per round, in the order given then reversed; collect what they return.
 
     Each callable does one measured run and returns its measurement (seconds, steps/s, ...).
+    Garbage left by one side is collected before the next starts, outside any clock, so no side
+    pays for another's collection.
     """
     names = list(sides)
     samples: Samples = {name: [] for name in names}
@@ -31,6 +34,7 @@ def alternate(sides: Mapping[str, Callable[[], float]], rounds: int) -> Samples:
         for name in names:
             samples[name].append([])
         for name in [*names, *reversed(names)]:
+            gc.collect()
             samples[name][-1].append(sides[name]())
     return samples
 
