@@ -27,8 +27,10 @@ test: install
 lint: install
 	$(PY) -m ruff check .
 
+# Installs the optional Lightning comparison first; writes benchmarks/results.json.
 bench: install
-	$(PY) -m benchmarks
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m benchmarks $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,40 +1,91 @@
-"""`python -m benchmarks [--quick]`: run every benchmark, print a table, write results JSON."""
+"""`python -m benchmarks [--quick] [--only a,b]`: run every benchmark, print a table, write JSON.
+
+Each benchmark module has ``main(argv) -> dict`` and alternates its sides itself; this runner
+only calls them one after another, adds a description of the machine, writes everything to
+``benchmarks/results.json`` and prints one line per headline ratio with its goal.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import platform
-import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from benchmarks import gpu_data, loaders, mnist_e2e, overhead
+from benchmarks.common import machine, row
 
-BENCHMARKS = {"mnist_e2e": mnist_e2e.main, "overhead": overhead.main, "loaders": loaders.main,
-              "gpu_data": gpu_data.main}
+# Run in this order; a module that is absent is reported as skipped, not failed.
+NAMES = ("overhead", "mnist_e2e", "loaders", "checkpoint", "activation_memory", "gpu_data")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results.json"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def load(name: str) -> Callable[[list[str]], dict[str, Any]] | None:
+    """The benchmark's ``main``, or None when its module does not exist (yet)."""
+    try:
+        module = importlib.import_module(f"benchmarks.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"benchmarks.{name}":
+            raise  # the module exists but something it imports is missing: say so
+        return None
+    return module.main
+
+
+def rows_of(name: str, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """A result's table rows; a module without ``rows`` gets one from its ``ratio``/``goal``."""
+    if "rows" in result:
+        return result["rows"]
+    return [row(name, result.get("ratio"), str(result.get("goal", "")), result.get("met"))]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    width = max(len(r["name"]) for r in rows)
+    lines = [f"{'benchmark':<{width}}  {'value':>9}  {'goal':<32} met?"]
+    for r in rows:
+        value = "skipped" if r["value"] is None else _fmt(r["value"], r.get("unit", "x"))
+        met = {True: "yes", False: "NO", None: "-"}[r["met"]]
+        lines.append(f"{r['name']:<{width}}  {value:>9}  {r['goal']:<32} {met}")
+    return "\n".join(lines)
+
+
+def _fmt(value: float, unit: str) -> str:
+    if unit == "s":
+        return f"{value:.1f} s"
+    if unit == "acc":
+        return f"{value:.4f}"
+    return f"{value:.3f}{unit}"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny runs: check they work")
-    parser.add_argument("--out", default="benchmarks/results.json")
-    args = parser.parse_args()
-    results = {name: run(["--quick"] if args.quick else []) for name, run in BENCHMARKS.items()}
-    results["_machine"] = {"platform": platform.platform(), "processor": platform.processor(),
-                           "date": time.strftime("%Y-%m-%d")}
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\n{'benchmark':<12} result")
-    print(f"{'mnist_e2e':<12} {results['mnist_e2e']['median_process_s']:.1f} s whole process, "
-          f"val/acc {results['mnist_e2e']['min_val_acc']:.4f}")
-    print(f"{'overhead':<12} trainer/loop steps-per-s ratio {results['overhead']['ratio']:.3f}")
-    for name in loaders.AUGMENT:
-        r = results["loaders"][name]
-        print(f"{'loaders':<12} {name}: in-memory / per-sample torchvision samples-per-s ratio "
-              f"{r['ratio']:.1f}")
-    gpu = results["gpu_data"]
-    print(f"{'gpu_data':<12} " + (gpu["skipped"] if "skipped" in gpu else
-          f"CIFAR {gpu['cifar_steps_per_s_bf16_channels_last']:.1f} steps/s bf16+channels_last"))
-    print(f"results written to {args.out}")
+    parser.add_argument("--only", default=",".join(NAMES),
+                        help=f"comma-separated subset of {', '.join(NAMES)}")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = set(wanted) - set(NAMES)
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(sorted(unknown))}; have {', '.join(NAMES)}")
+    results: dict[str, Any] = {"machine": machine(), "quick": args.quick, "benchmarks": {}}
+    rows: list[dict[str, Any]] = []
+    for name in wanted:
+        run = load(name)
+        if run is None:
+            results["benchmarks"][name] = {"skipped": f"benchmarks/{name}.py not present"}
+            rows.append(row(name, None, "(not present)", None))
+            continue
+        print(f"== {name}", flush=True)
+        result = run(["--quick"] if args.quick else [])
+        results["benchmarks"][name] = result
+        rows += rows_of(name, result)
+    results["table"] = rows
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print()
+    print(table(rows))
+    print(f"\nresults written to {args.out}")
+    return results
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import row
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -103,8 +105,16 @@ def main(argv: list[str] | None = None) -> dict:
             "in_memory_gpu_resident": _timed(resident, n_batches, train_step),
         },
     }
+    speeds = result["cifar_train_samples_per_s"]
     result["cifar_steps_per_s_bf16_channels_last"] = (
-        result["cifar_train_samples_per_s"]["in_memory_gpu_resident"] / args.batch_size)
+        speeds["in_memory_gpu_resident"] / args.batch_size)
+    gain = speeds["dataloader_prefetcher"] / speeds["dataloader_no_prefetcher"]
+    result["rows"] = [
+        row("gpu: prefetcher/plain DataLoader", gain, "> 1 (overlap)", gain > 1),
+        row("gpu: resident/plain DataLoader",
+            speeds["in_memory_gpu_resident"] / speeds["dataloader_no_prefetcher"], "> 1",
+            speeds["in_memory_gpu_resident"] > speeds["dataloader_no_prefetcher"]),
+    ]
     print(json.dumps(result, indent=2))
     return result
 

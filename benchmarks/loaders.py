@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import row
+
 REPO = Path(__file__).resolve().parent.parent
 # name -> (image size, crop padding, flip)
 AUGMENT = {"mnist": (28, 2, False), "cifar10": (32, 4, True)}
@@ -172,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
         "batch_size": args.batch_size,
         **results,
         "goal": "in-memory >= 20x the per-sample torchvision path (2-core CPU)",
+        "rows": [row(f"loaders: {name} in-memory/per-sample", results[name]["ratio"], ">= 20x",
+                     results[name]["ratio"] >= 20) for name in AUGMENT],
     }
     print(json.dumps(result, indent=2))
     return result

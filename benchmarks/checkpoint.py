@@ -1,0 +1,151 @@
+"""Checkpoint save time: trainkit's durable saves vs a bare `torch.save` of the same state.
+
+    python -m benchmarks.checkpoint            # a ~100 MB state
+    python -m benchmarks.checkpoint --quick    # a ~1 MB state
+
+The state is shaped like a trainer checkpoint: a model's ``state_dict`` (8 square linear layers)
+plus an Adam ``state_dict`` after one step (two moment tensors per parameter), a step counter and
+RNG state, about ``--size-mb`` in all. Sides, each writing to its own file in the same temporary
+folder on the same filesystem, in rounds of A B C D E E D C B A:
+
+- ``bare``: ``torch.save(state, path)``: what most scripts do. Its bytes may still sit in the page
+  cache when it returns; a crash can leave a truncated file under the final name.
+- ``bare_fsync``: ``torch.save`` then ``flush`` + ``os.fsync``: the price of durability alone.
+- ``save_atomic``: ``trainkit.save_atomic``: temporary name, fsync, rename, fsync of the folder.
+- ``manager``: ``CheckpointManager.save(periodic=True)``: ``save_atomic`` of ``last.pt`` plus
+  the hard-linked ``step_<n>.pt`` and rotation (keep_last=1): what the trainer does.
+- ``snapshot``: copying every tensor to fresh memory, no file at all. trainkit saves
+  synchronously (it has no async save); this is the least an async saver would still block the
+  loop for, shown so the reader can weigh that option.
+
+``os.sync()`` runs before each save, outside the clock, so no side pays to flush another's dirty
+pages. Ratios are medians over rounds of summed times. Goal: ``manager / bare <= 1.2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.common import alternate, emit, median, ratio, ratio_of_medians, row, timed
+from trainkit import CheckpointManager, save_atomic
+
+GOAL = 1.2
+
+
+def make_state(size_mb: float) -> dict[str, Any]:
+    """A checkpoint-like dict of about ``size_mb`` MB: model + Adam moments + counters + RNG."""
+    params = size_mb * 1e6 / 4 / 3  # fp32 weights, and Adam keeps two more tensors per weight
+    width = max(8, int(math.sqrt(params / 8)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(8)))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, width)).sum().backward()
+    optimizer.step()  # creates exp_avg / exp_avg_sq
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "global_step": 1,
+            "rng": {"torch": torch.get_rng_state()}}
+
+
+def state_bytes(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def bare_fsync_save(state: dict[str, Any], path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def snapshot(state: Any) -> Any:
+    """Copy every tensor: what an async saver must finish before the loop may change weights."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: snapshot(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(snapshot(v) for v in state)
+    return state
+
+
+def sides(state: dict[str, Any], folder: Path) -> dict[str, Callable[[], float]]:
+    manager = CheckpointManager(folder / "checkpoints", keep_last=1)
+    step = iter(range(1, 1_000_000))
+
+    def clean(fn: Callable[[], Any]) -> Callable[[], float]:
+        def run() -> float:
+            os.sync()  # start from no dirty pages, outside the clock
+            return timed(fn)
+        return run
+
+    return {
+        "bare": clean(lambda: torch.save(state, folder / "bare.pt")),
+        "bare_fsync": clean(lambda: bare_fsync_save(state, folder / "bare_fsync.pt")),
+        "save_atomic": clean(lambda: save_atomic(state, folder / "atomic.pt")),
+        "manager": clean(lambda: manager.save(state, next(step), periodic=True)),
+        "snapshot": clean(lambda: snapshot(state)),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=float, default=100.0)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dir", default=None,
+                        help="folder for the files (default: a temporary one in the system's)")
+    parser.add_argument("--quick", action="store_true", help="a ~1 MB state, one round")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size_mb, args.rounds = 1.0, 1
+    state = make_state(args.size_mb)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        run = sides(state, Path(tmp))
+        for fn in run.values():  # warm up: first-touch page faults, lazy imports
+            fn()
+        samples = alternate(run, args.rounds)
+    ratios = {
+        "manager/bare": ratio(samples, "manager", "bare"),
+        "save_atomic/bare": ratio(samples, "save_atomic", "bare"),
+        "bare_fsync/bare": ratio(samples, "bare_fsync", "bare"),
+        "manager/bare_fsync": ratio(samples, "manager", "bare_fsync"),
+        "snapshot/manager": ratio(samples, "snapshot", "manager"),
+    }
+    met = ratios["manager/bare"] <= GOAL
+    result = {
+        "benchmark": "checkpoint",
+        "state_mb": state_bytes(state) / 1e6,
+        "rounds": args.rounds,
+        "median_s": {name: median(samples, name) for name in samples},
+        "ratios": ratios,
+        "ratio_of_medians": {"manager/bare": ratio_of_medians(samples, "manager", "bare")},
+        "async_save": "not in trainkit (saves are synchronous); see snapshot/manager",
+        "samples": samples,
+        "goal": f"manager/bare <= {GOAL}",
+        "rows": [
+            row("checkpoint: manager.save/torch.save", ratios["manager/bare"], f"<= {GOAL}", met),
+            row("checkpoint: torch.save+fsync/torch.save", ratios["bare_fsync/bare"],
+                "(durability)", None),
+            row("checkpoint: manager.save/torch.save+fsync", ratios["manager/bare_fsync"],
+                "(ours beyond fsync)", None),
+        ],
+    }
+    emit(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Helpers shared by the benchmarks: alternated timing, ratios, machine facts, result rows.
+
+This machine is shared and noisy, so no benchmark reports an absolute time alone. Every side is
+measured inside the same rounds, in palindromic order (A B C C B A): a load change that drifts
+linearly through a round hits every side equally, and the per-round ratio cancels it. The figure
+reported is the median of the rounds' ratios, which one disturbed round cannot move.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+Samples = dict[str, list[list[float]]]  # side -> rounds -> that side's measurements in the round
+
+
+def alternate(sides: Mapping[str, Callable[[], float]], rounds: int) -> Samples:
+    """Run every side twice per round, in the order given then reversed; collect what they return.
+
+    Each callable does one measured run and returns its measurement (seconds, steps/s, ...).
+    Garbage left by one side is collected before the next starts, outside any clock, so no side
+    pays for another's collection.
+    """
+    names = list(sides)
+    samples: Samples = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            samples[name].append([])
+        for name in [*names, *reversed(names)]:
+            gc.collect()
+            samples[name][-1].append(sides[name]())
+    return samples
+
+
+def ratio(samples: Samples, num: str, den: str) -> float:
+    """Median over rounds of ``sum(num's measurements) / sum(den's measurements)``."""
+    return statistics.median(sum(a) / sum(b) for a, b in zip(samples[num], samples[den]))
+
+
+def ratio_of_medians(samples: Samples, num: str, den: str) -> float:
+    """``median(num) / median(den)`` over all measurements: a cross-check on :func:`ratio`."""
+    return median(samples, num) / median(samples, den)
+
+
+def median(samples: Samples, side: str) -> float:
+    """Median of one side's measurements over all rounds (for context next to a ratio)."""
+    return statistics.median(x for round_ in samples[side] for x in round_)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds one call of ``fn`` takes, on the monotonic high-resolution clock."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def row(name: str, value: float | None, goal: str, met: bool | None,
+        unit: str = "x") -> dict[str, Any]:
+    """One line of the summary table; ``value`` and ``met`` are None where a side was skipped."""
+    return {"name": name, "value": value, "unit": unit, "goal": goal, "met": met}
+
+
+def is_finite_positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on: CPU, cores, library versions, date."""
+    import torch
+
+    return {
+        "cpu": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def emit(result: Mapping[str, Any]) -> None:
+    """Print a benchmark's result as JSON: the last thing on stdout, so tools can parse it."""
+    print(json.dumps(result, indent=2))
