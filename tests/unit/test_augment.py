@@ -139,13 +139,13 @@ def test_data_config_checks_augmentation_ranges() -> None:
 
 
 @pytest.mark.parametrize("mode", ["constant", "reflect"])
-def test_gpu_gather_path_equals_cpu_slice_path(mode: str) -> None:
+def test_gpu_gather_path_equals_cpu_unfold_path(mode: str) -> None:
     # the CUDA path (one gather) runs on CPU tensors too: check it against the CPU path
-    from trainkit.data.augment import _by_gather, _by_slices
+    from trainkit.data.augment import _by_gather, _by_unfold
 
     g = torch.Generator().manual_seed(2)
     images = torch.randint(0, 256, (50, 3, 9, 11), dtype=torch.uint8, generator=g)
     shifts = torch.randint(-3, 4, (2, 50), generator=g)
     flips = torch.randint(0, 2, (50,), generator=g).bool()
     assert torch.equal(_by_gather(images, shifts, flips, 3, mode),
-                       _by_slices(images, shifts, flips, 3, mode))
+                       _by_unfold(images, shifts, flips, 3, mode))
