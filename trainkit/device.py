@@ -83,8 +83,7 @@ def move_to_device(batch: T, device: torch.device | str) -> T:
         >>> move_to_device({"x": torch.ones(2), "id": "a"}, "cpu")["id"]
         'a'
     """
-    device = torch.device(device)
-    return _move(batch, device)
+    return _move(batch, device if isinstance(device, torch.device) else torch.device(device))
 
 
 def _move(obj: Any, device: torch.device) -> Any:
@@ -96,7 +95,9 @@ def _move(obj: Any, device: torch.device) -> Any:
     cls = type(obj)
     # Sequences before Mapping: isinstance against an ABC is slow, and this runs every step.
     if isinstance(obj, (list, tuple)):
-        items = (_move(v, device) for v in obj)
+        items = [_move(v, device) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj  # nothing moved (already there): no new container
         return cls(*items) if hasattr(obj, "_fields") else cls(items)  # namedtuple or not
     if isinstance(obj, Mapping):
         moved = {k: _move(v, device) for k, v in obj.items()}

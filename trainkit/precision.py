@@ -37,11 +37,12 @@ class Precision:
         _check_supported(self.mode, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.mode == "16-mixed" else None
         self._unscaled: set[int] = set()  # optimizers unscaled since the last step
+        self._no_autocast = contextlib.nullcontext()  # reused: this runs every micro-step
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Context for the forward pass and loss."""
         if self.dtype is None:
-            return contextlib.nullcontext()
+            return self._no_autocast
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -16,6 +17,7 @@ from trainkit.precision import Precision
 Batch = Any
 Forward = Callable[[nn.Module, Batch], tuple[Any, Any]]
 Criterion = Callable[[Any, Any], torch.Tensor]
+_SYNC = contextlib.nullcontext()  # reused: entering a fresh one every micro-step shows up
 
 
 def default_forward(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
@@ -57,6 +59,7 @@ class StepResult(NamedTuple):
     stepped: bool  # False when the step was skipped (fp16 overflow or a non-finite loss)
     samples: int
     finite: bool = True  # False when the loss was NaN or inf (checked only when asked)
+    value: float | None = None  # the loss as a number, when the check read it
 
 
 def train_window(
@@ -84,23 +87,28 @@ def train_window(
     """
     sizes = [batch_size(b) for b in window]
     total = sum(sizes)
+    last = len(window) - 1
     losses = []
-    for i, (batch, n) in enumerate(zip(window, sizes)):
+    for i, batch in enumerate(window):
         batch = move_to_device(batch, device)
-        with sync_gradients(model, sync=i == len(window) - 1):
+        # Only the last micro-batch's backward all-reduces gradients under DDP.
+        with _SYNC if i == last else sync_gradients(model, sync=False):
             with precision.autocast():
                 outputs, targets = forward(model, batch)
                 loss = criterion(outputs, targets)
-            if len(window) > 1:
-                loss = loss * (n / total)
+            if last:
+                loss = loss * (sizes[i] / total)
             precision.backward(loss)
         # In place when allowed: a new detached tensor costs ~1% of a tiny model's step.
         losses.append(loss.detach_() if loss._base is None else loss.detach())
     # Weighted micro-batch losses add up to the window's mean; a single batch needs no op.
-    loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-    if check_finite and not math.isfinite(loss.item()):  # host sync (see docstring)
-        optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, None, False, total, finite=False)
+    loss = losses[0] if not last else torch.stack(losses).sum()
+    value = None
+    if check_finite:
+        value = loss.item()  # host sync (see docstring)
+        if not math.isfinite(value):
+            optimizer.zero_grad(set_to_none=True)
+            return StepResult(loss, None, False, total, finite=False, value=value)
     grad_norm = None
     if clip_val is not None:
         precision.unscale_(optimizer)  # clip true gradients, not loss-scaled ones
@@ -111,4 +119,4 @@ def train_window(
             nn.utils.clip_grad_value_(params, clip_val)
     stepped = precision.step(optimizer)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, grad_norm, stepped, total)
+    return StepResult(loss, grad_norm, stepped, total, True, value)

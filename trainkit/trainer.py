@@ -271,6 +271,7 @@ class Trainer:
         loss_mean = DeviceMean()  # read (one sync) only at log steps
         window_start, samples_at_window = time.perf_counter(), state.samples_seen
         done = state.global_step >= total_steps
+        check_finite, log_every = cfg.nonfinite_patience > 0, cfg.log_every_n_steps
         while not done and state.epoch < cfg.max_epochs:
             _set_epoch(data, state.epoch, state.batch_in_epoch)
             parts.model.train()
@@ -279,18 +280,18 @@ class Trainer:
                     train_model, window, optimizer=parts.optimizer, precision=self.precision,
                     criterion=criterion, forward=forward, device=self.runtime.device,
                     clip_val=cfg.gradient_clip_val, clip_algorithm=cfg.gradient_clip_algorithm,
-                    check_finite=cfg.nonfinite_patience > 0,
+                    check_finite=check_finite,
                 )
                 self._count(result, parts, len(window))
                 if result.finite:
-                    loss_mean.add(result.loss)
-                if state.global_step % cfg.log_every_n_steps == 0:
+                    loss_mean.add(result.loss if result.value is None else result.value)
+                if state.global_step % log_every == 0:
                     now = time.perf_counter()
                     self._log_train(writer, parts.optimizer, loss_mean.pop(),
                                     (state.samples_seen - samples_at_window) / (now - window_start),
                                     total_steps)
                     window_start, samples_at_window = now, state.samples_seen
-                if preemption.requested or state.global_step == stop_at_step:
+                if preemption.received is not None or state.global_step == stop_at_step:
                     self._save(parts, periodic=True)
                     log.warning("stopped at step %d; re-run the same command to resume",
                                 state.global_step)
