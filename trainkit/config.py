@@ -74,8 +74,9 @@ class DataConfig:
     root: str = field(default_factory=lambda: os.environ.get("TRAINKIT_DATA_DIR", "./data"))
     batch_size: int = 128
     eval_batch_size: int = 1000
-    num_workers: int = 0
-    pin_memory: bool | None = None  # null: on exactly when training on CUDA
+    loader: str = "memory"  # memory: batches gathered on the device; dataloader: the standard path
+    num_workers: int | None = None  # dataloader path; null: from the CPUs per process
+    pin_memory: bool | None = None  # dataloader path; null: on exactly when training on CUDA
     verify: bool = True
     download: bool = True
     drop_last: bool = False  # training loader: drop a short last batch
@@ -88,7 +89,10 @@ class DataConfig:
     def __post_init__(self) -> None:
         _check_int("data.batch_size", self.batch_size, minimum=1)
         _check_int("data.eval_batch_size", self.eval_batch_size, minimum=1)
-        _check_int("data.num_workers", self.num_workers, minimum=0)
+        if self.num_workers is not None:
+            _check_int("data.num_workers", self.num_workers, minimum=0)
+        if self.loader not in ("memory", "dataloader"):
+            raise ConfigError(f"data.loader={self.loader!r}: use 'memory' or 'dataloader'")
         _check_int("data.random_crop_padding", self.random_crop_padding, minimum=0)
         if self.pad_mode not in PAD_MODES:
             raise ConfigError(f"data.pad_mode={self.pad_mode!r} is not one of "

@@ -13,19 +13,32 @@ from tests.conftest import REPO, offline_env
 from trainkit.checkpoint import save_atomic
 from trainkit.verify_resume import _report
 
+CASES = {
+    # shuffled in-memory batches, accumulation windows of 3
+    "mnist": ("+exp=mnist", "trainer.accumulate_grad_batches=3"),
+    # the standard path: two workers transforming (crop, flip) one image at a time
+    "mnist-dataloader": ("+exp=mnist", "data.loader=dataloader", "data.num_workers=2",
+                         "data.random_crop_padding=2", "data.random_flip=true"),
+    # batch augmentation on the device, label smoothing, SGD with Nesterov, one-cycle
+    "cifar": ("+exp=cifar", "trainer.precision=32"),
+}
+
 
 @pytest.mark.slow
-def test_resuming_the_mnist_config_is_bit_exact(tmp_path: Path, mnist_root: Path) -> None:
+@pytest.mark.parametrize("case", CASES)
+def test_resuming_is_bit_exact(tmp_path: Path, mnist_root: Path, cifar_root: Path,
+                               case: str) -> None:
+    root = cifar_root if case == "cifar" else mnist_root
     result = subprocess.run(
-        [sys.executable, "-m", "trainkit.verify_resume", "--steps", "10", "--stop-at", "3",
-         "--keep", str(tmp_path), "+exp=mnist", f"data.root={mnist_root}", "data.verify=false",
-         "data.download=false", "data.batch_size=32", "trainer.accumulate_grad_batches=3"],
+        [sys.executable, "-m", "trainkit.verify_resume", "--steps", "8", "--stop-at", "3",
+         "--keep", str(tmp_path), *CASES[case], f"data.root={root}", "data.verify=false",
+         "data.download=false", "data.batch_size=32"],
         cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "OK" in result.stdout and "stopped at step 3" in result.stdout
     (work,) = tmp_path.iterdir()
     state = torch.load(work / "resumed" / "checkpoints" / "last.pt", weights_only=True)
-    assert state["global_step"] == 10
+    assert state["global_step"] == 8
 
 
 def _state(step: int, weight: float, rng: int) -> dict:

@@ -76,6 +76,12 @@ def test_wrong_type_fails_while_composing() -> None:
         ("trainer.max_epochs=-1", "trainer.max_epochs must be >= 1"),
         ("trainer.gradient_clip_val=-1.0", "gradient_clip_val must be > 0"),
         ("checkpoint.keep_last=0", "checkpoint.keep_last must be >= 1"),
+        ("checkpoint.every_n_minutes=-1", "checkpoint.every_n_minutes must be >= 0"),
+        ("checkpoint.mode=best", "checkpoint.mode='best'"),
+        ("trainer.ema_decay=1.5", "trainer.ema_decay must be in"),
+        ("trainer.nonfinite_patience=-1", "trainer.nonfinite_patience must be >= 0"),
+        ("data.loader=tape", "data.loader='tape'"),
+        ("data.num_workers=-2", "data.num_workers must be >= 0"),
     ],
 )
 def test_out_of_range_values_fail_with_the_key(override: str, fragment: str) -> None:

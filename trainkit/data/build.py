@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
 from trainkit.config import DataConfig
+from trainkit.data.loaders import make_loader
 from trainkit.data.memory import InMemoryLoader
-from trainkit.datasets import load_cifar10, load_mnist
+from trainkit.data.prefetch import DevicePrefetcher
+from trainkit.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.errors import ConfigError
 from trainkit.runtime import Runtime
 
@@ -13,11 +20,15 @@ READERS = {"mnist": load_mnist, "cifar10": load_cifar10}
 
 def build_loaders(
     cfg: DataConfig, runtime: Runtime, *, seed: int = 0, channels_last: bool = False
-) -> tuple[InMemoryLoader, InMemoryLoader, int]:
+) -> tuple[Any, Any, int]:
     """Training and evaluation loaders for the dataset ``cfg.name``, and its number of classes.
 
-    Both serve the split from memory on ``runtime.device`` (GPU-resident on CUDA); only the
-    training loader shuffles and augments (``cfg.random_crop_padding``, ``cfg.random_flip``).
+    ``data.loader=memory`` (the default) serves each split from memory on ``runtime.device``
+    (GPU-resident on CUDA) and augments whole batches there. ``data.loader=dataloader`` is the
+    standard path: a DataLoader with ``data.num_workers`` workers transforming one image at a
+    time, pinned memory on CUDA, and a :class:`DevicePrefetcher` that copies and normalises on
+    the device. Only the training loader shuffles and augments (``data.random_crop_padding``,
+    ``data.random_flip``); both resume mid-epoch exactly.
 
     Raises:
         ConfigError: an unknown dataset name, or a batch size the data cannot fill.
@@ -28,6 +39,10 @@ def build_loaders(
     read = READERS[cfg.name]
     train = read(cfg.root, train=True, verify=cfg.verify, download=cfg.download)
     test = read(cfg.root, train=False, verify=cfg.verify, download=cfg.download)
+    if cfg.loader == "dataloader":
+        return (_dataloader(train, cfg, runtime, seed, channels_last, training=True),
+                _dataloader(test, cfg, runtime, seed, channels_last, training=False),
+                train.num_classes)
     common = {"device": runtime.device, "rank": runtime.rank, "world_size": runtime.world_size,
               "channels_last": channels_last}
     return (
@@ -37,3 +52,41 @@ def build_loaders(
         InMemoryLoader(test, cfg.eval_batch_size, shuffle=False, **common),
         train.num_classes,
     )
+
+
+class ImageSamples(Dataset):
+    """A split as a map-style dataset of ``(uint8 image, label)``, augmented one image at a time
+    with torchvision's transforms (the standard per-sample path)."""
+
+    def __init__(self, data: TensorData, *, padding: int = 0, flip: bool = False,
+                 pad_mode: str = "constant") -> None:
+        from torchvision.transforms import v2  # heavy import: only on this path
+
+        self.images, self.labels = data.images, data.labels
+        ops: list[Any] = []
+        if padding:
+            size = tuple(data.images.shape[-2:])
+            ops.append(v2.RandomCrop(size, padding=padding, padding_mode=pad_mode))
+        if flip:
+            ops.append(v2.RandomHorizontalFlip())
+        self.transform = v2.Compose(ops) if ops else None
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.images[i]
+        return (self.transform(image) if self.transform else image), self.labels[i]
+
+
+def _dataloader(data: TensorData, cfg: DataConfig, runtime: Runtime, seed: int,
+                channels_last: bool, *, training: bool) -> DevicePrefetcher:
+    samples = ImageSamples(data, padding=cfg.random_crop_padding, flip=cfg.random_flip,
+                           pad_mode=cfg.pad_mode) if training else ImageSamples(data)
+    loader = make_loader(
+        samples, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
+        device=runtime.device, seed=seed, rank=runtime.rank, world_size=runtime.world_size,
+        num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
+        drop_last=cfg.drop_last and training)
+    return DevicePrefetcher(loader, runtime.device, mean=data.mean, std=data.std,
+                            channels_last=channels_last)
