@@ -33,6 +33,7 @@ class TrainerConfig:
     channels_last: bool = False
     activation_checkpointing: list[str] = field(default_factory=list)
     log_every_n_steps: int = 50
+    log_every_n_seconds: float = 60.0  # also log when this long passed (slow steps); 0: off
     eval_every_n_epochs: int = 1
     ema_decay: float | None = None  # e.g. 0.999: evaluate (and checkpoint) an EMA of the weights
     nonfinite_patience: int = 5  # stop after this many NaN/inf losses in a row; 0: no check
@@ -60,6 +61,10 @@ class TrainerConfig:
         _check_int("trainer.seed", self.seed, minimum=0)
         _check_int("trainer.log_every_n_steps", self.log_every_n_steps, minimum=1)
         _check_int("trainer.eval_every_n_epochs", self.eval_every_n_epochs, minimum=1)
+        if isinstance(self.log_every_n_seconds, bool) or not self.log_every_n_seconds >= 0:
+            raise ConfigError(
+                f"trainer.log_every_n_seconds must be >= 0, got {self.log_every_n_seconds!r}"
+            )
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ConfigError(f"trainer.ema_decay must be in (0, 1) or null, got {self.ema_decay}")
         _check_int("trainer.nonfinite_patience", self.nonfinite_patience, minimum=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -64,3 +65,46 @@ def make_writer(run_dir: str | Path | None, is_main: bool = True) -> Any:
     from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
 
     return SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+
+
+class Progress:
+    """A live progress bar (ETA, samples/s, loss) when stdout is a terminal; nothing otherwise.
+
+    Under nohup, ``tmux pipe-pane``, SLURM or ``> file`` the log lines alone report progress,
+    with no carriage returns to clutter the file. While the bar shows, log lines are printed
+    above it instead of through it.
+
+    Example:
+        >>> with Progress(total=1000, initial=0) as progress:  # doctest: +SKIP
+        ...     progress.step()
+    """
+
+    def __init__(self, total: int, initial: int = 0, *, enabled: bool | None = None) -> None:
+        self.enabled = sys.stdout.isatty() if enabled is None else enabled
+        self.total, self.initial = total, initial
+        self._bar: Any = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Progress:
+        if self.enabled:
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._bar = self._stack.enter_context(tqdm(
+                total=self.total, initial=self.initial, unit="step", dynamic_ncols=True,
+                file=sys.stdout, leave=False, smoothing=0.05))
+            self._stack.enter_context(logging_redirect_tqdm([logging.getLogger(LOGGER_NAME)]))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def step(self) -> None:
+        if self._bar is not None:
+            self._bar.update()
+
+    def show(self, loss: float, samples_per_s: float) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.0f}",
+                                  refresh=False)
+

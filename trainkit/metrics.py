@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import resource
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import psutil
 import torch
+
+GIB = 2**30
 
 
 class DeviceMean:
@@ -38,3 +47,100 @@ class DeviceMean:
         mean = total / self._count
         self._values, self._host, self._count = [], 0.0, 0
         return mean
+
+
+class StepMeter:
+    """What happened between two log steps: loss, gradient norm, throughput, data wait, memory.
+
+    Wrap the data with :meth:`timed` so the time spent blocked on the next batch is counted;
+    call :meth:`add` after each optimizer step (no host sync) and :meth:`read` at log steps.
+
+    Example:
+        >>> meter = StepMeter(torch.device("cpu"))
+        >>> for batch in meter.timed(batches):  # doctest: +SKIP
+        ...     meter.add(samples=len(batch), loss=loss)
+        >>> meter.read()["throughput/samples_per_s"]  # doctest: +SKIP
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.loss = DeviceMean()
+        self.grad_norm = DeviceMean()
+        self._process = psutil.Process()
+        self.cuda_peak_gib = 0.0  # largest window peak so far (each window resets torch's)
+        self.restart()
+
+    def restart(self) -> None:
+        """Start a new window now."""
+        self._start = time.perf_counter()
+        self.steps = 0
+        self.samples = 0
+        self.data_wait = 0.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Yield from ``batches``, adding the time each ``next()`` blocked to :attr:`data_wait`."""
+        clock = time.perf_counter
+        iterator = iter(batches)
+        while True:
+            start = clock()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.data_wait += clock() - start
+            yield batch
+
+    def add(self, samples: int, loss: torch.Tensor | float | None = None,
+            grad_norm: torch.Tensor | None = None) -> None:
+        self.steps += 1
+        self.samples += samples
+        if loss is not None:
+            self.loss.add(loss)
+        if grad_norm is not None:
+            self.grad_norm.add(grad_norm)
+
+    def read(self) -> dict[str, float]:
+        """The window's figures as TensorBoard tags; then a new window starts."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the clock must see the queued work finish
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        scalars = {
+            "train/loss": self.loss.pop(),
+            "throughput/samples_per_s": self.samples / elapsed,
+            "throughput/steps_per_s": self.steps / elapsed,
+            "time/step_ms": 1000 * elapsed / max(self.steps, 1),
+            "time/data_wait_pct": 100 * self.data_wait / elapsed,
+            "memory/cpu_rss_gib": self._process.memory_info().rss / GIB,
+        }
+        grad_norm = self.grad_norm.pop()
+        if grad_norm == grad_norm:  # not NaN: norms were computed (clipping by norm is on)
+            scalars["optim/grad_norm"] = grad_norm
+        scalars.update(cuda_memory(self.device))
+        self.cuda_peak_gib = max(self.cuda_peak_gib,
+                                 scalars.get("memory/cuda_peak_allocated_gib", 0.0))
+        self.restart()
+        return scalars
+
+    def peaks(self) -> dict[str, float]:
+        """Peak memory of the whole run so far, for summary.json."""
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peaks = {"cpu_peak_rss_gib": kib * (1 if sys.platform == "darwin" else 1024) / GIB}
+        if self.device.type == "cuda":
+            window = torch.cuda.max_memory_allocated(self.device) / GIB
+            peaks["cuda_peak_allocated_gib"] = max(self.cuda_peak_gib, window)
+        return peaks
+
+
+def cuda_memory(device: torch.device) -> dict[str, float]:
+    """What tensors hold (allocated), what the caching allocator keeps (reserved, what nvidia-smi
+    shows), and the window's peak allocation, in GiB; empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "memory/cuda_allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+        "memory/cuda_reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+        "memory/cuda_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+    }
+

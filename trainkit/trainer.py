@@ -31,8 +31,8 @@ from trainkit.device import move_to_device
 from trainkit.distributed import barrier, unwrap
 from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
-from trainkit.logging import make_writer, setup_logging
-from trainkit.metrics import DeviceMean
+from trainkit.logging import Progress, make_writer, setup_logging
+from trainkit.metrics import StepMeter
 from trainkit.precision import Precision
 from trainkit.runtime import Runtime
 from trainkit.signals import Preemption
@@ -70,6 +70,14 @@ class Parts(NamedTuple):
     scheduler: Any
     ema: EMA | None
     data: Any
+
+
+class Outputs(NamedTuple):
+    """Where one ``fit`` reports: TensorBoard, the window meter, the console bar."""
+
+    writer: Any
+    meter: StepMeter
+    progress: Progress
 
 
 class Trainer:
@@ -158,28 +166,36 @@ class Trainer:
         self._maybe_resume(parts)
         total_steps = self.planned_steps(len(train_data))
         _check_schedule_length(scheduler, total_steps)
-        writer = make_writer(self.run_dir, self.runtime.is_main)
         log.info("training %s on %s for %d steps (%d per epoch), precision %s, %s",
                  type(unwrap(model)).__name__, self.runtime.device, total_steps,
                  math.ceil(len(train_data) / cfg.accumulate_grad_batches), cfg.precision,
                  _batch_text(train_data, cfg.accumulate_grad_batches, self.runtime.world_size))
+        out = Outputs(make_writer(self.run_dir, self.runtime.is_main),
+                      StepMeter(self.runtime.device),
+                      Progress(total_steps, self.state.global_step,
+                               enabled=None if self.runtime.is_main else False))
         metrics = {name: m.to(self.runtime.device) for name, m in (metrics or {}).items()}
-        evaluate = (lambda: self._validate(parts, val_data, writer, criterion, metrics, forward)
-                    ) if val_data is not None else None
-        samples_at_start = self.state.samples_seen
+        evaluate = (lambda: self._validate(parts, val_data, out.writer, criterion, metrics,
+                                           forward)) if val_data is not None else None
+        begin = (self.state.samples_seen, self.state.global_step)  # this process's own share
         preemption = preemption or Preemption()
         try:
-            with preemption:
-                status, results = self._train(parts, criterion, forward, evaluate, writer,
+            with preemption, out.progress:
+                status, results = self._train(parts, criterion, forward, evaluate, out,
                                               total_steps, preemption, stop_at_step)
         except NonFiniteLossError:
-            self._write_summary("diverged", {}, started, samples_at_start)
+            self._write_summary("diverged", {}, started, begin, out.meter)
             raise
+        except torch.cuda.OutOfMemoryError:
+            raise TrainkitError(self._out_of_memory(train_data)) from None
         finally:
-            writer.close()
+            out.writer.close()
         if status == "completed" and self.checkpoint_config.save_last:
             self._save(parts, periodic=bool(self.checkpoint_config.every_n_steps))
-        return self._write_summary(status, results, started, samples_at_start)
+        summary = self._write_summary(status, results, started, begin, out.meter)
+        if results and self.runtime.is_main:
+            _write_hparams(self.run_dir, self.run_config or asdict(cfg), results)
+        return summary
 
     @torch.no_grad()
     def evaluate(
@@ -262,20 +278,20 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------
 
     def _train(self, parts: Parts, criterion: Criterion, forward: Forward, evaluate: Any,
-               writer: Any, total_steps: int, preemption: Preemption,
+               out: Outputs, total_steps: int, preemption: Preemption,
                stop_at_step: int | None) -> tuple[str, dict[str, float]]:
         """Epochs of steps until done or preempted; returns the status and last val results."""
-        cfg, state, data = self.config, self.state, parts.data
+        cfg, state, data, meter = self.config, self.state, parts.data, out.meter
         train_model = torch.compile(parts.model) if cfg.compile else parts.model
         results: dict[str, float] = {}
-        loss_mean = DeviceMean()  # read (one sync) only at log steps
-        window_start, samples_at_window = time.perf_counter(), state.samples_seen
         done = state.global_step >= total_steps
         check_finite, log_every = cfg.nonfinite_patience > 0, cfg.log_every_n_steps
+        log_seconds, last_log = cfg.log_every_n_seconds, time.monotonic()
+        meter.restart()
         while not done and state.epoch < cfg.max_epochs:
             _set_epoch(data, state.epoch, state.batch_in_epoch)
             parts.model.train()
-            for window in windows(data, cfg.accumulate_grad_batches):
+            for window in windows(meter.timed(data), cfg.accumulate_grad_batches):
                 result = train_window(
                     train_model, window, optimizer=parts.optimizer, precision=self.precision,
                     criterion=criterion, forward=forward, device=self.runtime.device,
@@ -283,14 +299,14 @@ class Trainer:
                     check_finite=check_finite,
                 )
                 self._count(result, parts, len(window))
-                if result.finite:
-                    loss_mean.add(result.loss if result.value is None else result.value)
-                if state.global_step % log_every == 0:
-                    now = time.perf_counter()
-                    self._log_train(writer, parts.optimizer, loss_mean.pop(),
-                                    (state.samples_seen - samples_at_window) / (now - window_start),
-                                    total_steps)
-                    window_start, samples_at_window = now, state.samples_seen
+                meter.add(result.samples, None if not result.finite else
+                          result.loss if result.value is None else result.value,
+                          result.grad_norm)
+                out.progress.step()
+                if state.global_step % log_every == 0 or (
+                        log_seconds and time.monotonic() - last_log >= log_seconds):
+                    self._log_train(out, parts.optimizer, total_steps)
+                    last_log = time.monotonic()
                 if preemption.received is not None or state.global_step == stop_at_step:
                     self._save(parts, periodic=True)
                     log.warning("stopped at step %d; re-run the same command to resume",
@@ -429,20 +445,50 @@ class Trainer:
         self._saved_at = (step, time.monotonic())
         barrier()  # no rank runs ahead of a checkpoint still being written
 
-    def _log_train(self, writer: Any, optimizer: torch.optim.Optimizer, loss: float,
-                   samples_per_s: float, total_steps: int) -> None:
-        step = self.state.global_step
-        lr = optimizer.param_groups[0]["lr"]
-        writer.add_scalar("train/loss", loss, step)
-        writer.add_scalar("train/lr", lr, step)
-        writer.add_scalar("throughput/samples_per_s", samples_per_s, step)
-        log.info("epoch %d step %d/%d loss %.4f lr %.3g %.0f samples/s",
-                 self.state.epoch, step, total_steps, loss, lr, samples_per_s)
+    def _out_of_memory(self, data: Any) -> str:
+        """One line that says what ran out and what to change."""
+        device = self.runtime.device
+        where = ""
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+            reserved = torch.cuda.memory_reserved(device) / 2**30
+            total = torch.cuda.get_device_properties(device).total_memory / 2**30
+            where = f"; peak allocated {peak:.2f} GiB, reserved {reserved:.2f} of {total:.1f} GiB"
+            torch.cuda.empty_cache()
+        cfg = self.config
+        size = getattr(data, "batch_size", "?")
+        return (
+            f"out of memory on {device} at step {self.state.global_step} with batch {size} x "
+            f"accumulate {cfg.accumulate_grad_batches}, precision {cfg.precision}{where}. Halve "
+            "data.batch_size and double trainer.accumulate_grad_batches (same global batch), use "
+            "trainer.precision=bf16-mixed, or set trainer.activation_checkpointing; checkpoints "
+            "are untouched, re-run to resume"
+        )
+
+    def _log_train(self, out: Outputs, optimizer: torch.optim.Optimizer,
+                   total_steps: int) -> None:
+        """The window's figures to TensorBoard, the console and train.log."""
+        state = self.state
+        scalars = out.meter.read()
+        scalars["train/lr"] = optimizer.param_groups[0]["lr"]
+        scalars["amp/skipped_steps"] = state.skipped_steps
+        if self.precision.scaler is not None:
+            scalars["amp/loss_scale"] = self.precision.scaler.get_scale()
+        for tag, value in scalars.items():
+            out.writer.add_scalar(tag, value, state.global_step)
+        out.progress.show(scalars["train/loss"], scalars["throughput/samples_per_s"])
+        memory = scalars.get("memory/cuda_peak_allocated_gib", scalars["memory/cpu_rss_gib"])
+        log.info("epoch %d step %d/%d loss %.4f lr %.3g %.0f samples/s data wait %.0f%% "
+                 "mem %.2f GiB", state.epoch, state.global_step, total_steps,
+                 scalars["train/loss"], scalars["train/lr"],
+                 scalars["throughput/samples_per_s"], scalars["time/data_wait_pct"], memory)
 
     def _write_summary(self, status: str, results: dict[str, float], started: float,
-                       samples_at_start: int) -> dict[str, Any]:
+                       begin: tuple[int, int], meter: StepMeter) -> dict[str, Any]:
         wall = time.perf_counter() - started
         state = self.state
+        (samples_at_start, step_at_start) = begin
+        steps = state.global_step - step_at_start
         summary = {
             "status": status,
             "metrics": results,
@@ -451,10 +497,13 @@ class Trainer:
             "skipped_steps": state.skipped_steps,
             "nonfinite_steps": state.nonfinite_steps,
             "wall_time_s": wall,
-            # this process's own work: a resumed run does not count what came before
+            # this process's own work: a resumed run does not count what came before (and the
+            # wall time includes evaluation and checkpointing)
             "samples_per_s": (state.samples_seen - samples_at_start) * self.runtime.world_size
                              / wall if wall else 0.0,
+            "steps_per_s": steps / wall if wall else 0.0,
             "world_size": self.runtime.world_size,
+            "peak_memory": meter.peaks(),
         }
         if self.run_dir is not None and self.runtime.is_main:
             path = self.run_dir / "summary.json"
@@ -473,6 +522,29 @@ def _check_schedule_length(scheduler: Any, total_steps: int) -> None:
             "keep trainer.max_steps/max_epochs as they were when resuming, or start a new run "
             "(another hydra.run.dir, or checkpoint.resume=null)"
         )
+
+
+def _write_hparams(run_dir: Path | None, config: Mapping[str, Any],
+                   results: Mapping[str, float]) -> None:
+    """The run's settings with its final metrics, for TensorBoard's HPARAMS tab (tb/hparams)."""
+    if run_dir is None:
+        return
+    from torch.utils.tensorboard import SummaryWriter
+
+    flat = {key: value if isinstance(value, (int, float, str, bool)) else str(value)
+            for key, value in _flat_items(config)}
+    with SummaryWriter(log_dir=str(run_dir / "tb" / "hparams")) as writer:
+        writer.add_hparams(flat, {f"hparam/{k}": v for k, v in results.items()}, run_name=".")
+
+
+def _flat_items(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            items += _flat_items(value, f"{prefix}{key}.")
+        else:
+            items.append((f"{prefix}{key}", value))
+    return items
 
 
 def _state_of(obj: Any) -> Any:

@@ -1,0 +1,22 @@
+"""Models for tests that need a model to misbehave in a specific way."""
+
+from __future__ import annotations
+
+import torch
+
+from trainkit.models import MnistNet
+
+
+class OutOfMemoryNet(MnistNet):
+    """MnistNet whose third training forward raises the error an exhausted GPU raises."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == 3:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().forward(x)
