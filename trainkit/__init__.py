@@ -1,9 +1,10 @@
 """trainkit: a small, fast, dependable PyTorch training harness.
 
 Use it whole (``Trainer(...).fit(...)``, or ``python -m trainkit.train +exp=mnist``) or piece by
-piece: devices, in-memory loaders, mixed precision, the step, checkpoints, logging.
+piece: devices, data loaders, mixed precision, the step, EMA, checkpoints, preemption, logging.
 """
 
+from trainkit.activations import apply_activation_checkpointing
 from trainkit.checkpoint import CheckpointManager, load_checkpoint, save_atomic
 from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
 from trainkit.data import (
@@ -17,23 +18,29 @@ from trainkit.data import (
 )
 from trainkit.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.device import available_devices, move_to_device, resolve_device
+from trainkit.ema import EMA
 from trainkit.errors import ConfigError, TrainkitError
 from trainkit.precision import Precision
 from trainkit.rng import seed_everything
 from trainkit.runtime import Runtime
+from trainkit.signals import EXIT_PREEMPTED, Preemption
 from trainkit.step import StepResult, train_window, windows
-from trainkit.trainer import Trainer, TrainState
+from trainkit.trainer import NonFiniteLossError, Trainer, TrainState
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EMA",
+    "EXIT_PREEMPTED",
     "CheckpointConfig",
     "CheckpointManager",
     "ConfigError",
     "DataConfig",
     "DevicePrefetcher",
     "InMemoryLoader",
+    "NonFiniteLossError",
     "Precision",
+    "Preemption",
     "ResumableLoader",
     "Runtime",
     "StepResult",
@@ -43,6 +50,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "TrainkitError",
+    "apply_activation_checkpointing",
     "available_devices",
     "build_loaders",
     "crop_flip",
