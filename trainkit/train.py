@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import traceback
 from collections.abc import Iterator
@@ -38,6 +39,8 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 # Users who set HYDRA_FULL_ERROR=1 get full tracebacks; read before main() sets it for itself.
 _SHOW_TRACEBACK = os.environ.get("HYDRA_FULL_ERROR") == "1"
+# What the communication backends say when a peer process is gone or a collective timed out.
+_BACKEND_ERROR = re.compile(r"gloo|nccl|c10d|ProcessGroup|(closed|reset) by peer", re.IGNORECASE)
 
 
 def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = None
@@ -161,8 +164,8 @@ def _fail(message: str, status: int = 2) -> NoReturn:
 
 def _from_collective(err: BaseException) -> bool:
     """Whether ``err`` came out of a torch.distributed call (a peer vanished, a timeout)."""
-    if isinstance(err, torch.distributed.DistError):
-        return True
+    if isinstance(err, torch.distributed.DistError) or _BACKEND_ERROR.search(str(err)):
+        return True  # gloo/NCCL errors often surface as plain RuntimeErrors from autograd/DDP
     marker = os.sep.join(("torch", "distributed", ""))
     return any(marker in frame.filename for frame in traceback.extract_tb(err.__traceback__))
 
