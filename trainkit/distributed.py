@@ -1,12 +1,36 @@
-"""torch.distributed helpers that degrade to no-ops in a single process."""
+"""torch.distributed helpers that degrade to no-ops in a single process.
+
+trainkit invents no launcher and no process group: torchrun (or SLURM's ``srun`` setting the same
+variables) starts the processes, :func:`init_process_group` joins them through torchrun's
+environment, and everything here is a no-op when there is one process.
+
+Backends: gloo on CPU; on CUDA ``cpu:gloo,cuda:nccl``, so tensors on the GPU go through NCCL while
+the small CPU-side agreements (stop votes, object collectives) use gloo and never make the host
+wait for the GPU.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import datetime
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from trainkit.errors import TrainkitError
+
+if TYPE_CHECKING:
+    from trainkit.runtime import Runtime
+
+# Seconds a collective may wait for a missing rank before failing (torch's defaults are 10-30
+# minutes); a dead peer is usually noticed at once anyway, as gloo and NCCL see its sockets close.
+TIMEOUT_ENV = "TRAINKIT_DIST_TIMEOUT_S"
+_RUN_DIR_KEY = "trainkit/run_dir"
+_cpu_group_cache: list[Any] = []  # [group] once made: a gloo group when the default has none
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -34,7 +58,193 @@ def sync_gradients(model: nn.Module, sync: bool) -> contextlib.AbstractContextMa
     return contextlib.nullcontext()
 
 
+def is_distributed() -> bool:
+    """True when a process group with more than one rank is up."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def barrier() -> None:
     """Wait for every rank; nothing to wait for in a single process."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=_cpu_group())
+
+
+def init_process_group(runtime: Runtime, *, timeout_s: float | None = None) -> bool:
+    """Join the process group torchrun's environment describes; a no-op in a single process.
+
+    Backend gloo on CPU, ``cpu:gloo,cuda:nccl`` on CUDA (each rank bound to ``cuda:LOCAL_RANK``
+    through ``device_id``). Returns True when this call created the group; pair it with
+    :func:`shutdown`.
+
+    Args:
+        runtime: this process's ranks and device (:meth:`Runtime.from_env`).
+        timeout_s: how long a collective waits for a missing rank; default from the
+            ``TRAINKIT_DIST_TIMEOUT_S`` environment variable, else torch's default.
+
+    Raises:
+        TrainkitError: ``WORLD_SIZE`` > 1 without the rendezvous variables torchrun sets.
+
+    Example:
+        >>> runtime = Runtime.from_env()  # doctest: +SKIP
+        >>> init_process_group(runtime)
+        >>> model = wrap_ddp(model.to(runtime.device), runtime)
+    """
+    if runtime.world_size <= 1 or not dist.is_available() or dist.is_initialized():
+        return False
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise TrainkitError(
+            f"WORLD_SIZE={runtime.world_size} but {' and '.join(missing)} not set: start the "
+            "processes with torchrun (see docs/distributed.md), or set RANK, WORLD_SIZE, "
+            "MASTER_ADDR and MASTER_PORT yourself"
+        )
+    timeout_s = timeout_s if timeout_s is not None else float(os.environ.get(TIMEOUT_ENV, 0))
+    kwargs: dict[str, Any] = {"rank": runtime.rank, "world_size": runtime.world_size}
+    if timeout_s:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if runtime.device.type == "cuda":
+        torch.cuda.set_device(runtime.device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=runtime.device, **kwargs)
+    else:
+        dist.init_process_group("gloo", **kwargs)
+    return True
+
+
+def shutdown() -> None:
+    """Leave the process group (``destroy_process_group``); nothing to do when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        # No rank tears its connections down while another still reads from them (gloo aborts
+        # the process when a peer vanishes mid-read).
+        dist.barrier(group=_cpu_group())
+        dist.destroy_process_group()
+    _cpu_group_cache.clear()
+
+
+def wrap_ddp(model: nn.Module, runtime: Runtime) -> nn.Module:
+    """``model`` in ``DistributedDataParallel`` when a multi-rank group is up, else unchanged.
+
+    DDP broadcasts rank 0's parameters and buffers at construction, so every replica starts equal.
+    """
+    if not is_distributed():
+        return model
+    device_ids = [runtime.device] if runtime.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def broadcast_buffers(model: nn.Module) -> None:
+    """Give every rank rank 0's buffers (batch-norm statistics drift apart during training)."""
+    if not is_distributed():
+        return
+    for buffer in unwrap(model).buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def sum_across_ranks(*values: torch.Tensor | float) -> list[float]:
+    """Each value summed over all ranks, as floats (float64 on the way, so counts stay exact).
+
+    One collective for all values; a single process gets its own values back.
+    """
+    if not is_distributed():
+        return [float(v) for v in values]
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                           for v in values])
+    dist.all_reduce(stacked)
+    return stacked.tolist()  # host sync: callers need the numbers
+
+
+def gather_to_main(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` as a list indexed by rank on rank 0 (None on the others).
+
+    A collective: every rank must call it. A single process gets ``[obj]``.
+    """
+    if not is_distributed():
+        return [obj]
+    rank = dist.get_rank()
+    out: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(obj, out, dst=0, group=_cpu_group())
+    return out
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, indexed by rank, on every rank (``[obj]`` in a single process)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=_cpu_group())
+    return out
+
+
+def any_rank(*flags: bool) -> list[bool]:
+    """Each flag OR-ed over all ranks, in one all-reduce of a few bytes on the CPU (gloo)."""
+    if not is_distributed():
+        return list(flags)
+    votes = torch.tensor(flags, dtype=torch.uint8)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=_cpu_group())
+    return [bool(v) for v in votes.tolist()]
+
+
+class StepVote:
+    """What every rank must decide alike at a step boundary, agreed in one small all-reduce.
+
+    Three flags travel together: "my loss is NaN/inf" (all ranks skip the step: DDP already mixed
+    the bad gradients into everyone's), "I received a stop signal" (all stop after the same step)
+    and "a time-based checkpoint is due" (only rank 0's clock counts, so wall-clock drift between
+    machines cannot make one rank save and the others not). When the step checked its loss,
+    :meth:`nonfinite` carried the vote and :meth:`stop_and_save` costs nothing.
+
+    Args:
+        stop: whether this rank wants to stop (a signal arrived).
+        save_due: whether this rank's clock says a time-based checkpoint is due.
+    """
+
+    def __init__(self, stop: Callable[[], bool], save_due: Callable[[], bool]) -> None:
+        self._stop, self._save_due = stop, save_due
+        self._agreed: tuple[bool, bool] | None = None
+        self.active = is_distributed()
+
+    def nonfinite(self, local: bool) -> bool:
+        """Whether any rank's loss was NaN/inf; also agrees on stopping and saving."""
+        bad, stop, save = any_rank(local, self._stop(), self._save_due())
+        self._agreed = (stop, save)
+        return bad
+
+    def stop_and_save(self) -> tuple[bool, bool]:
+        """``(stop, save)`` as all ranks agreed for the step just taken."""
+        if self._agreed is None:
+            _, stop, save = any_rank(False, self._stop(), self._save_due())
+            return stop, save
+        agreed, self._agreed = self._agreed, None
+        return agreed
+
+
+def shared_run_dir(run_dir: str | None = None) -> str | None:
+    """The run directory every rank uses, kept by the rendezvous store across elastic restarts.
+
+    Rank 0 passes the folder Hydra made for it and gets back the one of the run's first attempt
+    (its own on the first attempt); any rank passing None waits for rank 0's answer (when the
+    store has none yet) or gets it. A single process gets ``run_dir`` back.
+    """
+    if not is_distributed():
+        return run_dir
+    store = dist.distributed_c10d._get_default_store()  # torchrun's store: outlives restarts
+    if run_dir is not None:
+        return store.compare_set(_RUN_DIR_KEY, "", run_dir).decode()
+    return store.get(_RUN_DIR_KEY).decode()  # blocks until rank 0 has set it
+
+
+def published_run_dir() -> str | None:
+    """The run directory an earlier attempt of this torchrun job used, if any (no waiting)."""
+    if not is_distributed():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    return store.get(_RUN_DIR_KEY).decode() if store.check([_RUN_DIR_KEY]) else None
+
+
+def _cpu_group() -> Any:
+    """A group that takes CPU tensors: the default one unless it is NCCL alone."""
+    if "gloo" in str(dist.get_backend()):
+        return None
+    if not _cpu_group_cache:  # a collective: every rank reaches this at the same call
+        _cpu_group_cache.append(dist.new_group(backend="gloo"))
+    return _cpu_group_cache[0]

@@ -18,8 +18,16 @@ import torch
 from trainkit.device import available_devices, resolve_device
 from trainkit.errors import TrainkitError
 
-DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_PROCID")
+# What torchrun sets for each worker, what SLURM sets for each task, and the knobs that change how
+# the backends connect (the usual suspects when a multi-node job hangs at start-up).
+DIST_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
+    "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS",
+    "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME",
+    "NCCL_IB_DISABLE", "GLOO_SOCKET_IFNAME", "TORCH_DISTRIBUTED_DEBUG", "TRAINKIT_DIST_TIMEOUT_S",
+)
 
 
 def collect() -> dict[str, Any]:

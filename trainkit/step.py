@@ -74,6 +74,7 @@ def train_window(
     clip_val: float | None = None,
     clip_algorithm: str = "norm",
     check_finite: bool = False,
+    agree: Callable[[bool], bool] | None = None,
 ) -> StepResult:
     """Forward/backward every micro-batch of ``window``, then one (possibly skipped) step.
 
@@ -83,7 +84,9 @@ def train_window(
 
     With ``check_finite``, a NaN or inf loss skips the optimizer step (``finite=False``). The check
     reads the loss on the host: free on the CPU, one sync per step on a GPU (fp16 syncs on its
-    overflow flag every step anyway).
+    overflow flag every step anyway). Under DDP pass ``agree``: given this rank's "loss is NaN/inf",
+    it returns whether any rank's is, so all ranks skip together (the all-reduce already mixed the
+    bad gradients into every rank's); :class:`~trainkit.distributed.StepVote` provides one.
     """
     sizes = [batch_size(b) for b in window]
     total = sum(sizes)
@@ -106,7 +109,10 @@ def train_window(
     value = None
     if check_finite:
         value = loss.item()  # host sync (see docstring)
-        if not math.isfinite(value):
+        nonfinite = not math.isfinite(value)
+        if agree is not None:
+            nonfinite = agree(nonfinite)
+        if nonfinite:
             optimizer.zero_grad(set_to_none=True)
             return StepResult(loss, None, False, total, finite=False, value=value)
     grad_norm = None

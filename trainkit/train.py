@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 import hydra
+import torch.distributed
 import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -22,6 +25,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from trainkit import distributed
 from trainkit.config import TrainConfig
 from trainkit.data import build_loaders
 from trainkit.errors import TrainkitError
@@ -35,6 +39,8 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 # Users who set HYDRA_FULL_ERROR=1 get full tracebacks; read before main() sets it for itself.
 _SHOW_TRACEBACK = os.environ.get("HYDRA_FULL_ERROR") == "1"
+# What the communication backends say when a peer process is gone or a collective timed out.
+_BACKEND_ERROR = re.compile(r"gloo|nccl|c10d|ProcessGroup|(closed|reset) by peer", re.IGNORECASE)
 
 
 def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = None
@@ -81,7 +87,11 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
 def _hydra_main(cfg: DictConfig) -> None:
     # Errors are reported here, inside the job: past this point Hydra would add its own lines.
     with errors_as_one_line():
-        summary = train(cfg, HydraConfig.get().runtime.output_dir)
+        run_dir = HydraConfig.get().runtime.output_dir
+        if Runtime.from_env("cpu").is_main:
+            run_dir = distributed.shared_run_dir(run_dir)  # tell the other ranks; see _join_ranks
+        summary = train(cfg, run_dir)
+    distributed.shutdown()
     if summary["status"] == "preempted":
         sys.exit(EXIT_PREEMPTED)  # documented: checkpoint saved, re-run the command to resume
 
@@ -90,7 +100,36 @@ def main() -> None:
     """Run the Hydra app; user errors print as one line and exit with status 2."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us unprinted
     with errors_as_one_line():
+        sys.argv += _join_ranks()
         _hydra_main()
+
+
+def _join_ranks() -> list[str]:
+    """Under torchrun: join the process group and agree on one run directory before Hydra.
+
+    Hydra names the run directory per process (``${now:...}`` differs between ranks), and makes
+    it and ``.hydra/`` before the job starts. So rank 0 composes first and publishes its folder
+    in torchrun's rendezvous store; the other ranks wait for it and are told to use it, without
+    writing a ``.hydra/`` of their own. The store outlives elastic restarts: a restarted group
+    finds the first attempt's folder there, and resumes from its checkpoints.
+
+    Returns the Hydra overrides that make this rank use the shared folder (none in one process).
+    """
+    runtime = Runtime.from_env()
+    if not distributed.init_process_group(runtime):
+        return []
+    run_dir = distributed.published_run_dir()  # set when this is an elastic restart
+    if run_dir is None and not runtime.is_main:
+        run_dir = distributed.shared_run_dir()  # waits until rank 0's Hydra has made it
+    overrides = [] if run_dir is None else [f"hydra.run.dir={_quoted(run_dir)}"]
+    if not runtime.is_main:
+        overrides.append("hydra.output_subdir=null")
+    return overrides
+
+
+def _quoted(value: str) -> str:
+    """``value`` as a quoted Hydra override value (paths may hold spaces, '=' or ',')."""
+    return "'" + value.replace("'", "\\'") + "'"
 
 
 @contextlib.contextmanager
@@ -103,6 +142,12 @@ def errors_as_one_line() -> Iterator[None]:
         if isinstance(err, TrainkitError):
             _fail(str(err))
         _fail(f"config error: {_fold_hydra_message(err)}")
+    except RuntimeError as err:
+        if _SHOW_TRACEBACK or not _from_collective(err):
+            raise
+        # Another rank died (its own one-line error is above) and took the collective with it.
+        _fail(f"lost contact with another rank, which probably failed; see its error "
+              f"({str(err).strip().splitlines()[0][:200]})", status=1)
     except KeyboardInterrupt:  # a second Ctrl-C (or signal) while stopping: abort, no save
         if _SHOW_TRACEBACK:
             raise
@@ -111,8 +156,18 @@ def errors_as_one_line() -> Iterator[None]:
 
 
 def _fail(message: str, status: int = 2) -> NoReturn:
-    print(f"trainkit: {message}", file=sys.stderr)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank = f"rank {os.environ.get('RANK', 0)}: " if world_size > 1 else ""
+    print(f"trainkit: {rank}{message}", file=sys.stderr, flush=True)
     sys.exit(status)
+
+
+def _from_collective(err: BaseException) -> bool:
+    """Whether ``err`` came out of a torch.distributed call (a peer vanished, a timeout)."""
+    if isinstance(err, torch.distributed.DistError) or _BACKEND_ERROR.search(str(err)):
+        return True  # gloo/NCCL errors often surface as plain RuntimeErrors from autograd/DDP
+    marker = os.sep.join(("torch", "distributed", ""))
+    return any(marker in frame.filename for frame in traceback.extract_tb(err.__traceback__))
 
 
 def _fold_hydra_message(err: BaseException) -> str:

@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainkit import rng
+from trainkit import distributed, rng
 from trainkit.activations import apply_activation_checkpointing
 from trainkit.checkpoint import CheckpointManager, config_changes, load_checkpoint, manifest
 from trainkit.config import CheckpointConfig, TrainerConfig
 from trainkit.device import move_to_device
-from trainkit.distributed import barrier, unwrap
+from trainkit.distributed import StepVote, barrier, unwrap
 from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
 from trainkit.logging import Progress, make_writer, setup_logging
@@ -164,6 +164,7 @@ class Trainer:
         parts = Parts(model, optimizer, scheduler, ema, train_data)
         started = time.perf_counter()
         self._maybe_resume(parts)
+        _check_same_start(self.state.global_step)
         total_steps = self.planned_steps(len(train_data))
         _check_schedule_length(scheduler, total_steps)
         log.info("training %s on %s for %d steps (%d per epoch), precision %s, %s",
@@ -209,6 +210,11 @@ class Trainer:
     ) -> dict[str, float]:
         """Mean loss and each metric over ``data`` as ``{"val/loss": ..., "val/<name>": ...}``."""
         device = self.runtime.device
+        # Not through DDP: it broadcasts buffers before every forward, a collective that ranks
+        # with different numbers of val batches would not match. Rank 0's buffers (batch-norm
+        # statistics drift per rank) make the result that of the checkpointed weights.
+        model = unwrap(model)
+        distributed.broadcast_buffers(model)
         was_training = model.training
         model.eval()
         metrics = metrics or {}
@@ -224,7 +230,12 @@ class Trainer:
             for metric in metrics.values():
                 metric.update(outputs, targets)
             count += n
-        results = {"val/loss": loss_sum.item() / max(count, 1)}
+        if distributed.is_distributed():  # each rank saw its own shard: sum over all of them
+            total, count = distributed.sum_across_ranks(loss_sum, count)
+            results = {"val/loss": total / max(count, 1)}
+        else:
+            results = {"val/loss": loss_sum.item() / max(count, 1)}
+        # torchmetrics syncs its states across ranks in compute() when a process group is up
         results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
         model.train(was_training)
         return results
@@ -273,7 +284,7 @@ class Trainer:
         if state.get("data") is not None and hasattr(parts.data, "load_state_dict"):
             parts.data.load_state_dict(state["data"])
         self.state = TrainState(**state["trainer"])
-        rng.set_rng_state(state["rng"])
+        rng.set_rng_state(_rng_of_rank(state, self.runtime.rank))
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -288,6 +299,8 @@ class Trainer:
         check_finite, log_every = cfg.nonfinite_patience > 0, cfg.log_every_n_steps
         log_seconds, last_log = cfg.log_every_n_seconds, time.monotonic()
         meter.restart()
+        # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
+        vote = StepVote(stop=lambda: preemption.received is not None, save_due=self._time_due)
         while not done and state.epoch < cfg.max_epochs:
             _set_epoch(data, state.epoch, state.batch_in_epoch)
             parts.model.train()
@@ -296,7 +309,7 @@ class Trainer:
                     train_model, window, optimizer=parts.optimizer, precision=self.precision,
                     criterion=criterion, forward=forward, device=self.runtime.device,
                     clip_val=cfg.gradient_clip_val, clip_algorithm=cfg.gradient_clip_algorithm,
-                    check_finite=check_finite,
+                    check_finite=check_finite, agree=vote.nonfinite if vote.active else None,
                 )
                 self._count(result, parts, len(window))
                 meter.add(result.samples, None if not result.finite else
@@ -307,12 +320,13 @@ class Trainer:
                         log_seconds and time.monotonic() - last_log >= log_seconds):
                     self._log_train(out, parts.optimizer, total_steps)
                     last_log = time.monotonic()
-                if preemption.received is not None or state.global_step == stop_at_step:
+                stop, time_due = vote.stop_and_save()
+                if stop or state.global_step == stop_at_step:
                     self._save(parts, periodic=True)
                     log.warning("stopped at step %d; re-run the same command to resume",
                                 state.global_step)
                     return "preempted", results
-                if self._checkpoint_due():
+                if self._checkpoint_due(time_due):
                     self._save(parts, periodic=True)
                 if state.global_step >= total_steps:
                     break
@@ -358,15 +372,19 @@ class Trainer:
                 "trainer.gradient_clip_val, use bf16-mixed instead of 16-mixed, or check the data"
             )
 
-    def _checkpoint_due(self) -> bool:
+    def _checkpoint_due(self, time_due: bool) -> bool:
         if self.state.nonfinite_streak:
             return False  # weights did not move; keep the last good checkpoint the newest
         every = self.checkpoint_config.every_n_steps
-        minutes = self.checkpoint_config.every_n_minutes
         if every and self.state.global_step % every == 0:
             return True
-        # TODO(distributed): ranks must agree on time-based saves before this runs under DDP.
-        return bool(minutes) and time.monotonic() - self._saved_at[1] >= 60 * minutes
+        return time_due  # agreed by all ranks (StepVote)
+
+    def _time_due(self) -> bool:
+        """Whether ``checkpoint.every_n_minutes`` passed since the last save, by rank 0's clock."""
+        minutes = self.checkpoint_config.every_n_minutes
+        return (bool(minutes) and self.runtime.is_main
+                and time.monotonic() - self._saved_at[1] >= 60 * minutes)
 
     def _validate(self, parts: Parts, data: Iterable[Any], writer: Any, criterion: Criterion,
                   metrics: Mapping[str, Any], forward: Forward) -> dict[str, float]:
@@ -404,7 +422,8 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(model, self.config.activation_checkpointing)
-        return model
+        distributed.init_process_group(self.runtime)  # no-op in one process or when already up
+        return distributed.wrap_ddp(model, self.runtime)
 
     def _maybe_resume(self, parts: Parts) -> None:
         resume = self.checkpoint_config.resume
@@ -440,8 +459,13 @@ class Trainer:
         step = self.state.global_step
         if self._saved_at[0] == step and not best:
             return  # already saved at this step (say, a periodic save on the last step)
+        # Every rank's RNG state (dropout, augmentation draws differ per rank), for exact resumes.
+        rng_per_rank = distributed.gather_to_main(rng.get_rng_state())  # collective: all ranks
         if self.checkpoints is not None and self.runtime.is_main:
-            self.checkpoints.save(self.state_dict(parts), step, periodic=periodic, best=best)
+            state = self.state_dict(parts)
+            if self.runtime.distributed:
+                state["rng_per_rank"] = rng_per_rank
+            self.checkpoints.save(state, step, periodic=periodic, best=best)
         self._saved_at = (step, time.monotonic())
         barrier()  # no rank runs ahead of a checkpoint still being written
 
@@ -545,6 +569,22 @@ def _flat_items(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, An
         else:
             items.append((f"{prefix}{key}", value))
     return items
+
+
+def _check_same_start(step: int) -> None:
+    """All ranks must resume from the same step (say, a run dir that not every node sees)."""
+    steps = distributed.all_gather(step)
+    if len(set(steps)) > 1:
+        raise TrainkitError(
+            f"ranks would start from different steps ({steps}, by rank): every node must see the "
+            "same run dir and checkpoints; put hydra.run.dir on a shared filesystem"
+        )
+
+
+def _rng_of_rank(state: Mapping[str, Any], rank: int) -> Any:
+    """This rank's RNG state from a checkpoint; rank 0's for a checkpoint of fewer ranks."""
+    per_rank = state.get("rng_per_rank") or []
+    return per_rank[rank] if rank < len(per_rank) else state["rng"]
 
 
 def _state_of(obj: Any) -> Any:

@@ -1,0 +1,62 @@
+"""Models for the multi-process tests: no batch-norm, and faults injected at a chosen step.
+
+A fault fires inside a real worker at a fixed training forward of a fixed rank (first attempt
+only), so the tests need no sleeps and no racing against a run that may already have finished.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from torch import nn
+
+from trainkit.errors import TrainkitError
+
+FAULTS = ("sigterm", "sigkill", "error")
+
+
+class FlatNet(nn.Module):
+    """A two-layer perceptron for 28x28 images: no batch-norm, so 2 ranks x batch b train
+    exactly like 1 process x batch 2b.
+
+    Args:
+        num_classes: outputs.
+        fault: ``sigterm`` / ``sigkill`` (the process signals itself) or ``error`` (a
+            TrainkitError) at training forward number ``fault_at`` of rank ``fault_rank``.
+    """
+
+    def __init__(self, num_classes: int = 10, fault: str | None = None, fault_rank: int = 1,
+                 fault_at: int = 0) -> None:
+        super().__init__()
+        if fault is not None and fault not in FAULTS:
+            raise ValueError(f"fault must be one of {FAULTS}")
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 32), nn.ReLU(),
+                                 nn.Linear(32, num_classes))
+        self.fault, self.fault_rank, self.fault_at = fault, fault_rank, fault_at
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            self._maybe_fail()
+        return self.net(x)
+
+    def _maybe_fail(self) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if (self.fault is None or not first_attempt or self.calls != self.fault_at
+                or int(os.environ.get("RANK", 0)) != self.fault_rank):
+            return
+        if self.fault == "error":
+            raise TrainkitError("injected failure for the test")
+        os.kill(os.getpid(), signal.SIGTERM if self.fault == "sigterm" else signal.SIGKILL)
+
+
+def rank_sum() -> float:
+    """Sum of ``rank + 1`` over all ranks, through a real all-reduce (for launch tests)."""
+    import torch.distributed as dist
+
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return value.item()
