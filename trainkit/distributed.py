@@ -211,6 +211,8 @@ class StepVote:
 
     def stop_and_save(self) -> tuple[bool, bool]:
         """``(stop, save)`` as all ranks agreed for the step just taken."""
+        if not self.active:  # one process: nothing to agree on (this runs every step)
+            return self._stop(), self._save_due()
         if self._agreed is None:
             _, stop, save = any_rank(False, self._stop(), self._save_due())
             return stop, save

@@ -5,8 +5,6 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any
 
 import psutil
 import torch
@@ -52,13 +50,12 @@ class DeviceMean:
 class StepMeter:
     """What happened between two log steps: loss, gradient norm, throughput, data wait, memory.
 
-    Wrap the data with :meth:`timed` so the time spent blocked on the next batch is counted;
-    call :meth:`add` after each optimizer step (no host sync) and :meth:`read` at log steps.
+    Add the seconds spent blocked on the next batch to :attr:`data_wait`, call :meth:`add`
+    after each optimizer step (no host sync) and :meth:`read` at log steps.
 
     Example:
         >>> meter = StepMeter(torch.device("cpu"))
-        >>> for batch in meter.timed(batches):  # doctest: +SKIP
-        ...     meter.add(samples=len(batch), loss=loss)
+        >>> meter.add(samples=64, loss=loss)  # doctest: +SKIP
         >>> meter.read()["throughput/samples_per_s"]  # doctest: +SKIP
     """
 
@@ -78,19 +75,6 @@ class StepMeter:
         self.data_wait = 0.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-
-    def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """Yield from ``batches``, adding the time each ``next()`` blocked to :attr:`data_wait`."""
-        clock = time.perf_counter
-        iterator = iter(batches)
-        while True:
-            start = clock()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            self.data_wait += clock() - start
-            yield batch
 
     def add(self, samples: int, loss: torch.Tensor | float | None = None,
             grad_norm: torch.Tensor | None = None) -> None:

@@ -298,24 +298,30 @@ class Trainer:
         done = state.global_step >= total_steps
         check_finite, log_every = cfg.nonfinite_patience > 0, cfg.log_every_n_steps
         log_seconds, last_log = cfg.log_every_n_seconds, time.monotonic()
+        bar = out.progress.enabled
         meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
         vote = StepVote(stop=lambda: preemption.received is not None, save_due=self._time_due)
+        agree = vote.nonfinite if vote.active else None
         while not done and state.epoch < cfg.max_epochs:
             _set_epoch(data, state.epoch, state.batch_in_epoch)
             parts.model.train()
-            for window in windows(meter.timed(data), cfg.accumulate_grad_batches):
+            fetched = time.perf_counter()
+            for window in windows(data, cfg.accumulate_grad_batches):
+                # Blocked on the data since the last step ended (time/data_wait_pct).
+                meter.data_wait += time.perf_counter() - fetched
                 result = train_window(
                     train_model, window, optimizer=parts.optimizer, precision=self.precision,
                     criterion=criterion, forward=forward, device=self.runtime.device,
                     clip_val=cfg.gradient_clip_val, clip_algorithm=cfg.gradient_clip_algorithm,
-                    check_finite=check_finite, agree=vote.nonfinite if vote.active else None,
+                    check_finite=check_finite, agree=agree,
                 )
                 self._count(result, parts, len(window))
                 meter.add(result.samples, None if not result.finite else
                           result.loss if result.value is None else result.value,
                           result.grad_norm)
-                out.progress.step()
+                if bar:
+                    out.progress.step()
                 if state.global_step % log_every == 0 or (
                         log_seconds and time.monotonic() - last_log >= log_seconds):
                     self._log_train(out, parts.optimizer, total_steps)
@@ -330,6 +336,7 @@ class Trainer:
                     self._save(parts, periodic=True)
                 if state.global_step >= total_steps:
                     break
+                fetched = time.perf_counter()
             done = state.global_step >= total_steps
             end_of_epoch = state.batch_in_epoch == 0  # _count rolled over to the next epoch
             if evaluate and (done or (end_of_epoch and state.epoch % cfg.eval_every_n_epochs == 0)):
