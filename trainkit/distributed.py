@@ -250,3 +250,13 @@ def _cpu_group() -> Any:
     if not _cpu_group_cache:  # a collective: every rank reaches this at the same call
         _cpu_group_cache.append(dist.new_group(backend="gloo"))
     return _cpu_group_cache[0]
+
+
+def check_same_start(step: int) -> None:
+    """All ranks must resume from the same step (say, a run dir that not every node sees)."""
+    steps = all_gather(step)
+    if len(set(steps)) > 1:
+        raise TrainkitError(
+            f"ranks would start from different steps ({steps}, by rank): every node must see the "
+            "same run dir and checkpoints; put hydra.run.dir on a shared filesystem"
+        )

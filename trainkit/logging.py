@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,25 @@ class Progress:
             self._bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.0f}",
                                   refresh=False)
 
+
+def write_hparams(run_dir: Path | None, config: Mapping[str, Any],
+                   results: Mapping[str, float]) -> None:
+    """The run's settings with its final metrics, for TensorBoard's HPARAMS tab (tb/hparams)."""
+    if run_dir is None:
+        return
+    from torch.utils.tensorboard import SummaryWriter
+
+    flat = {key: value if isinstance(value, (int, float, str, bool)) else str(value)
+            for key, value in _flat_items(config)}
+    with SummaryWriter(log_dir=str(run_dir / "tb" / "hparams")) as writer:
+        writer.add_hparams(flat, {f"hparam/{k}": v for k, v in results.items()}, run_name=".")
+
+
+def _flat_items(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            items += _flat_items(value, f"{prefix}{key}.")
+        else:
+            items.append((f"{prefix}{key}", value))
+    return items

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -38,3 +39,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+
+
+def rng_of_rank(state: Mapping[str, Any], rank: int) -> Any:
+    """This rank's RNG state from a checkpoint; rank 0's for a checkpoint of fewer ranks."""
+    per_rank = state.get("rng_per_rank") or []
+    return per_rank[rank] if rank < len(per_rank) else state["rng"]

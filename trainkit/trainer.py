@@ -31,7 +31,7 @@ from trainkit.device import move_to_device
 from trainkit.distributed import StepVote, barrier, unwrap
 from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
-from trainkit.logging import Progress, make_writer, setup_logging
+from trainkit.logging import Progress, make_writer, setup_logging, write_hparams
 from trainkit.metrics import StepMeter
 from trainkit.precision import Precision
 from trainkit.runtime import Runtime
@@ -164,7 +164,7 @@ class Trainer:
         parts = Parts(model, optimizer, scheduler, ema, train_data)
         started = time.perf_counter()
         self._maybe_resume(parts)
-        _check_same_start(self.state.global_step)
+        distributed.check_same_start(self.state.global_step)
         total_steps = self.planned_steps(len(train_data))
         _check_schedule_length(scheduler, total_steps)
         log.info("training %s on %s for %d steps (%d per epoch), precision %s, %s",
@@ -195,7 +195,7 @@ class Trainer:
             self._save(parts, periodic=bool(self.checkpoint_config.every_n_steps))
         summary = self._write_summary(status, results, started, begin, out.meter)
         if results and self.runtime.is_main:
-            _write_hparams(self.run_dir, self.run_config or asdict(cfg), results)
+            write_hparams(self.run_dir, self.run_config or asdict(cfg), results)
         return summary
 
     @torch.no_grad()
@@ -284,7 +284,7 @@ class Trainer:
         if state.get("data") is not None and hasattr(parts.data, "load_state_dict"):
             parts.data.load_state_dict(state["data"])
         self.state = TrainState(**state["trainer"])
-        rng.set_rng_state(_rng_of_rank(state, self.runtime.rank))
+        rng.set_rng_state(rng.rng_of_rank(state, self.runtime.rank))
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -553,45 +553,6 @@ def _check_schedule_length(scheduler: Any, total_steps: int) -> None:
             "keep trainer.max_steps/max_epochs as they were when resuming, or start a new run "
             "(another hydra.run.dir, or checkpoint.resume=null)"
         )
-
-
-def _write_hparams(run_dir: Path | None, config: Mapping[str, Any],
-                   results: Mapping[str, float]) -> None:
-    """The run's settings with its final metrics, for TensorBoard's HPARAMS tab (tb/hparams)."""
-    if run_dir is None:
-        return
-    from torch.utils.tensorboard import SummaryWriter
-
-    flat = {key: value if isinstance(value, (int, float, str, bool)) else str(value)
-            for key, value in _flat_items(config)}
-    with SummaryWriter(log_dir=str(run_dir / "tb" / "hparams")) as writer:
-        writer.add_hparams(flat, {f"hparam/{k}": v for k, v in results.items()}, run_name=".")
-
-
-def _flat_items(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    items: list[tuple[str, Any]] = []
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            items += _flat_items(value, f"{prefix}{key}.")
-        else:
-            items.append((f"{prefix}{key}", value))
-    return items
-
-
-def _check_same_start(step: int) -> None:
-    """All ranks must resume from the same step (say, a run dir that not every node sees)."""
-    steps = distributed.all_gather(step)
-    if len(set(steps)) > 1:
-        raise TrainkitError(
-            f"ranks would start from different steps ({steps}, by rank): every node must see the "
-            "same run dir and checkpoints; put hydra.run.dir on a shared filesystem"
-        )
-
-
-def _rng_of_rank(state: Mapping[str, Any], rank: int) -> Any:
-    """This rank's RNG state from a checkpoint; rank 0's for a checkpoint of fewer ranks."""
-    per_rank = state.get("rng_per_rank") or []
-    return per_rank[rank] if rank < len(per_rank) else state["rng"]
 
 
 def _state_of(obj: Any) -> Any:
