@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # minutes); a dead peer is usually noticed at once anyway, as gloo and NCCL see its sockets close.
 TIMEOUT_ENV = "TRAINKIT_DIST_TIMEOUT_S"
 _RUN_DIR_KEY = "trainkit/run_dir"
+_job_stores: list[Any] = []  # the store init_process_group joined (one at most)
 _cpu_group_cache: list[Any] = []  # [group] once made: a gloo group when the default has none
 
 
@@ -102,12 +103,28 @@ def init_process_group(runtime: Runtime, *, timeout_s: float | None = None) -> b
     kwargs: dict[str, Any] = {"rank": runtime.rank, "world_size": runtime.world_size}
     if timeout_s:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    store = _job_store(runtime, kwargs.get("timeout", datetime.timedelta(minutes=30)))
+    # torchrun's store outlives elastic restarts, and with it the keys through which the ranks of
+    # an earlier attempt published their addresses: a fresh prefix per attempt keeps a restarted
+    # group from dialling processes that no longer exist.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    kwargs["store"] = dist.PrefixStore(f"trainkit/attempt_{attempt}", store)
     if runtime.device.type == "cuda":
         torch.cuda.set_device(runtime.device)
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=runtime.device, **kwargs)
     else:
         dist.init_process_group("gloo", **kwargs)
     return True
+
+
+def _job_store(runtime: Runtime, timeout: datetime.timedelta) -> dist.Store:
+    """The job's key-value store: torchrun's agent store when it serves one, else rank 0's."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          runtime.world_size, is_master=not agent and runtime.rank == 0,
+                          timeout=timeout)
+    _job_stores[:] = [store]
+    return store
 
 
 def shutdown() -> None:
@@ -229,7 +246,7 @@ def shared_run_dir(run_dir: str | None = None) -> str | None:
     """
     if not is_distributed():
         return run_dir
-    store = dist.distributed_c10d._get_default_store()  # torchrun's store: outlives restarts
+    store = _job_stores[0]  # torchrun's store: outlives restarts
     if run_dir is not None:
         return store.compare_set(_RUN_DIR_KEY, "", run_dir).decode()
     return store.get(_RUN_DIR_KEY).decode()  # blocks until rank 0 has set it
@@ -239,7 +256,7 @@ def published_run_dir() -> str | None:
     """The run directory an earlier attempt of this torchrun job used, if any (no waiting)."""
     if not is_distributed():
         return None
-    store = dist.distributed_c10d._get_default_store()
+    store = _job_stores[0]
     return store.get(_RUN_DIR_KEY).decode() if store.check([_RUN_DIR_KEY]) else None
 
 
