@@ -99,13 +99,13 @@ def train_window(
             with precision.autocast():
                 outputs, targets = forward(model, batch)
                 loss = criterion(outputs, targets)
-            if last:
+            if last > 0:  # several micro-batches: weight each by its share of the samples
                 loss = loss * (sizes[i] / total)
             precision.backward(loss)
         # In place when allowed: a new detached tensor costs ~1% of a tiny model's step.
         losses.append(loss.detach_() if loss._base is None else loss.detach())
     # Weighted micro-batch losses add up to the window's mean; a single batch needs no op.
-    loss = losses[0] if not last else torch.stack(losses).sum()
+    loss = losses[0] if last == 0 else torch.stack(losses).sum()
     value = None
     if check_finite:
         value = loss.item()  # host sync (see docstring)
