@@ -1,5 +1,6 @@
 """GPU data-path throughput: DataLoader with and without the prefetcher, GPU-resident loader,
-and CIFAR-10 training steps/s with bf16 and channels_last.
+CIFAR-10 training steps/s with bf16 and channels_last, and each precision's speed and peak memory
+(through trainkit's Precision, so fp16 runs its GradScaler path).
 
     python -m benchmarks.gpu_data            # on a CUDA machine (generated CIFAR-format data)
     python -m benchmarks.gpu_data --quick    # fewer batches
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     from trainkit.data import DevicePrefetcher, InMemoryLoader, make_loader
     from trainkit.datasets import load_cifar10
     from trainkit.models import CifarNet
+    from trainkit.precision import Precision
 
     device = torch.device("cuda")
     n_batches = 20 if args.quick else 100
@@ -105,6 +107,27 @@ def main(argv: list[str] | None = None) -> dict:
             "in_memory_gpu_resident": _timed(resident, n_batches, train_step),
         },
     }
+    def precision_step(mode: str):
+        precision = Precision(mode, device)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            with precision.autocast():
+                loss = F.cross_entropy(model(x), y, label_smoothing=0.2)
+            precision.backward(loss)
+            precision.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    by_precision = {}
+    for mode in ("32", "bf16-mixed", "16-mixed"):
+        torch.cuda.reset_peak_memory_stats(device)
+        by_precision[mode] = {
+            "train_samples_per_s": _timed(resident, n_batches, precision_step(mode)),
+            "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        }
+    result["precision"] = by_precision
+    fp32 = by_precision["32"]["train_samples_per_s"]
     speeds = result["cifar_train_samples_per_s"]
     result["cifar_steps_per_s_bf16_channels_last"] = (
         speeds["in_memory_gpu_resident"] / args.batch_size)
@@ -114,6 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
         row("gpu: resident/plain DataLoader",
             speeds["in_memory_gpu_resident"] / speeds["dataloader_no_prefetcher"], "> 1",
             speeds["in_memory_gpu_resident"] > speeds["dataloader_no_prefetcher"]),
+        *[row(f"gpu: {mode}/fp32 train speed", by_precision[mode]["train_samples_per_s"] / fp32,
+              "> 1 (AMP)", by_precision[mode]["train_samples_per_s"] > fp32)
+          for mode in ("bf16-mixed", "16-mixed")],
     ]
     print(json.dumps(result, indent=2))
     return result
