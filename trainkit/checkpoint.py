@@ -219,6 +219,30 @@ def manifest(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+# Config keys whose change makes a checkpoint unusable for this run (others only warn).
+MUST_MATCH = ("model", "data.name", "trainer.precision")
+
+
+def check_config(state: Mapping[str, Any], run_config: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint of another model, dataset or precision; warn about other changes.
+
+    Raises:
+        TrainkitError: a :data:`MUST_MATCH` key differs; the message names it.
+    """
+    saved = state.get("config") or {}
+    if not saved or not run_config:
+        return
+    changes = config_changes(saved, run_config)
+    fatal = [c for c in changes if c.startswith(MUST_MATCH)]
+    if fatal:
+        raise TrainkitError(
+            f"checkpoint {state.get('_path', '')} was made by a different run config "
+            f"({'; '.join(fatal)[:300]}): use another hydra.run.dir or checkpoint.resume=null"
+        )
+    if changes:
+        log.warning("resuming with a changed config: %s", "; ".join(changes)[:500])
+
+
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """``"key: old -> new"`` for every leaf that differs between two nested configs."""
     old, new = _flatten(saved), _flatten(current)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 from collections.abc import Mapping
@@ -131,3 +132,11 @@ def _flat_items(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, An
         else:
             items.append((f"{prefix}{key}", value))
     return items
+
+
+def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> None:
+    """``<run_dir>/summary.json``, replaced atomically: readers never see half a file."""
+    path = Path(run_dir) / "summary.json"
+    tmp = path.with_name(".summary.json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)

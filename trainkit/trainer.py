@@ -10,7 +10,6 @@ always names the same position in the data.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
@@ -25,13 +24,14 @@ from torch import nn
 
 from trainkit import distributed, rng
 from trainkit.activations import apply_activation_checkpointing
-from trainkit.checkpoint import CheckpointManager, config_changes, load_checkpoint, manifest
+from trainkit.checkpoint import CheckpointManager, check_config, load_checkpoint, manifest
 from trainkit.config import CheckpointConfig, TrainerConfig
+from trainkit.data.loaders import set_epoch
 from trainkit.device import move_to_device
 from trainkit.distributed import StepVote, barrier, unwrap
 from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
-from trainkit.logging import Progress, make_writer, setup_logging, write_hparams
+from trainkit.logging import Progress, make_writer, setup_logging, write_hparams, write_summary
 from trainkit.metrics import StepMeter
 from trainkit.precision import Precision
 from trainkit.runtime import Runtime
@@ -39,9 +39,6 @@ from trainkit.signals import Preemption
 from trainkit.step import Criterion, Forward, batch_size, default_forward, train_window, windows
 
 log = logging.getLogger("trainkit")
-
-# Config keys whose change makes a checkpoint unusable for this run (others only warn).
-_MUST_MATCH = ("model", "data.name", "trainer.precision")
 
 
 class NonFiniteLossError(TrainkitError):
@@ -265,7 +262,7 @@ class Trainer:
 
     def load_state_dict(self, state: Mapping[str, Any], parts: Parts) -> None:
         """Restore a checkpoint made by :meth:`state_dict` into these objects."""
-        self._check_config(state)
+        check_config(state, self.run_config)
         try:
             unwrap(parts.model).load_state_dict(state["model"])
         except RuntimeError as err:
@@ -304,7 +301,7 @@ class Trainer:
         vote = StepVote(stop=lambda: preemption.received is not None, save_due=self._time_due)
         agree = vote.nonfinite if vote.active else None
         while not done and state.epoch < cfg.max_epochs:
-            _set_epoch(data, state.epoch, state.batch_in_epoch)
+            set_epoch(data, state.epoch, state.batch_in_epoch)
             parts.model.train()
             fetched = time.perf_counter()
             for window in windows(data, cfg.accumulate_grad_batches):
@@ -447,21 +444,6 @@ class Trainer:
         log.info("resumed from %s at step %d (epoch %d, batch %d)", state.get("_path", resume),
                  self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
 
-    def _check_config(self, state: Mapping[str, Any]) -> None:
-        """Refuse a checkpoint of another model or dataset; list other config changes."""
-        saved = state.get("config") or {}
-        if not saved or not self.run_config:
-            return
-        changes = config_changes(saved, self.run_config)
-        fatal = [c for c in changes if c.startswith(_MUST_MATCH)]
-        if fatal:
-            raise TrainkitError(
-                f"checkpoint {state.get('_path', '')} was made by a different run config "
-                f"({'; '.join(fatal)[:300]}): use another hydra.run.dir or checkpoint.resume=null"
-            )
-        if changes:
-            log.warning("resuming with a changed config: %s", "; ".join(changes)[:500])
-
     def _save(self, parts: Parts, *, periodic: bool, best: bool = False) -> None:
         step = self.state.global_step
         if self._saved_at[0] == step and not best:
@@ -537,10 +519,7 @@ class Trainer:
             "peak_memory": meter.peaks(),
         }
         if self.run_dir is not None and self.runtime.is_main:
-            path = self.run_dir / "summary.json"
-            tmp = path.with_name(".summary.json.tmp")
-            tmp.write_text(json.dumps(summary, indent=2) + "\n")
-            tmp.replace(path)
+            write_summary(self.run_dir, summary)
         return summary
 
 
@@ -557,23 +536,6 @@ def _check_schedule_length(scheduler: Any, total_steps: int) -> None:
 
 def _state_of(obj: Any) -> Any:
     return obj.state_dict() if obj is not None and hasattr(obj, "state_dict") else None
-
-
-def _set_epoch(data: Any, epoch: int, start_batch: int) -> None:
-    """Point the loader at an epoch (and, when resuming, a batch inside it)."""
-    if hasattr(data, "set_epoch"):
-        try:
-            data.set_epoch(epoch, start_batch)
-            return
-        except TypeError:  # a set_epoch(epoch) without resume support, e.g. DistributedSampler's
-            data.set_epoch(epoch)
-    elif hasattr(getattr(data, "sampler", None), "set_epoch"):
-        data.sampler.set_epoch(epoch)
-    if start_batch:
-        raise TrainkitError(
-            f"cannot resume inside an epoch with a {type(data).__name__}: it cannot start at "
-            f"batch {start_batch}; use trainkit's loaders or checkpoint at epoch ends"
-        )
 
 
 def _batch_text(data: Any, accumulate: int, world_size: int) -> str:

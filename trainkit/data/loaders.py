@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from trainkit.data.augment import mix_seed
 from trainkit.data.order import check_shard, epoch_order, shard_size
-from trainkit.errors import ConfigError
+from trainkit.errors import ConfigError, TrainkitError
 
 
 def default_num_workers(procs_per_node: int | None = None) -> int:
@@ -219,3 +219,25 @@ def make_loader(
         generator=generator,
     )
     return ResumableLoader(loader, sampler, generator, seed=seed, rank=rank)
+
+
+def set_epoch(data: Any, epoch: int, start_batch: int) -> None:
+    """Point any loader at an epoch and, when resuming, a batch inside it.
+
+    trainkit's loaders take ``set_epoch(epoch, start_batch)`` and skip the batches before it
+    without loading them; a ``set_epoch(epoch)`` of another kind (``DistributedSampler``'s, on the
+    loader or its sampler) gets the epoch; a loader that cannot start mid-epoch is an error then.
+    """
+    if hasattr(data, "set_epoch"):
+        try:
+            data.set_epoch(epoch, start_batch)
+            return
+        except TypeError:  # a set_epoch(epoch) without resume support, e.g. DistributedSampler's
+            data.set_epoch(epoch)
+    elif hasattr(getattr(data, "sampler", None), "set_epoch"):
+        data.sampler.set_epoch(epoch)
+    if start_batch:
+        raise TrainkitError(
+            f"cannot resume inside an epoch with a {type(data).__name__}: it cannot start at "
+            f"batch {start_batch}; use trainkit's loaders or checkpoint at epoch ends"
+        )
