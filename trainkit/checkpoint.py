@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from trainkit.config import flatten
 from trainkit.errors import TrainkitError, one_line
 
 log = logging.getLogger("trainkit")
@@ -245,18 +246,9 @@ def check_config(state: Mapping[str, Any], run_config: Mapping[str, Any]) -> Non
 
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """``"key: old -> new"`` for every leaf that differs between two nested configs."""
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten(saved), flatten(current)
     return [f"{key}: {old.get(key, '<absent>')} -> {new.get(key, '<absent>')}"
             for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, Mapping):
-        return {prefix: tree}
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        flat.update(_flatten(value, f"{prefix}{key}."))
-    return {key.rstrip("."): value for key, value in flat.items()}
 
 
 def _git_commit() -> str | None:

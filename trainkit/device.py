@@ -113,7 +113,12 @@ def _move(obj: Any, device: torch.device) -> Any:
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
-    """Allocator statistics in GiB for a CUDA device; empty elsewhere."""
+    """Allocator statistics in GiB for a CUDA device; empty elsewhere.
+
+    ``allocated`` is what tensors hold; ``reserved`` is what the caching allocator keeps (what
+    nvidia-smi shows); ``peak_allocated`` is the peak since the last
+    ``torch.cuda.reset_peak_memory_stats``.
+    """
     if device.type != "cuda":
         return {}
     gib = 2**30

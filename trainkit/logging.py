@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainkit.config import flatten
+
 LOGGER_NAME = "trainkit"
 _FORMAT = "%(asctime)s %(message)s"
 _DATEFMT = "%H:%M:%S"
@@ -119,19 +121,9 @@ def write_hparams(run_dir: Path | None, config: Mapping[str, Any],
     from torch.utils.tensorboard import SummaryWriter
 
     flat = {key: value if isinstance(value, (int, float, str, bool)) else str(value)
-            for key, value in _flat_items(config)}
+            for key, value in flatten(config).items()}
     with SummaryWriter(log_dir=str(run_dir / "tb" / "hparams")) as writer:
         writer.add_hparams(flat, {f"hparam/{k}": v for k, v in results.items()}, run_name=".")
-
-
-def _flat_items(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    items: list[tuple[str, Any]] = []
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            items += _flat_items(value, f"{prefix}{key}.")
-        else:
-            items.append((f"{prefix}{key}", value))
-    return items
 
 
 def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> None:

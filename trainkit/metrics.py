@@ -9,6 +9,8 @@ import time
 import psutil
 import torch
 
+from trainkit.device import memory_stats
+
 GIB = 2**30
 
 
@@ -101,7 +103,7 @@ class StepMeter:
         grad_norm = self.grad_norm.pop()
         if grad_norm == grad_norm:  # not NaN: norms were computed (clipping by norm is on)
             scalars["optim/grad_norm"] = grad_norm
-        scalars.update(cuda_memory(self.device))
+        scalars.update({f"memory/{k}": v for k, v in memory_stats(self.device).items()})
         self.cuda_peak_gib = max(self.cuda_peak_gib,
                                  scalars.get("memory/cuda_peak_allocated_gib", 0.0))
         self.restart()
@@ -115,16 +117,3 @@ class StepMeter:
             window = torch.cuda.max_memory_allocated(self.device) / GIB
             peaks["cuda_peak_allocated_gib"] = max(self.cuda_peak_gib, window)
         return peaks
-
-
-def cuda_memory(device: torch.device) -> dict[str, float]:
-    """What tensors hold (allocated), what the caching allocator keeps (reserved, what nvidia-smi
-    shows), and the window's peak allocation, in GiB; empty off CUDA."""
-    if device.type != "cuda":
-        return {}
-    return {
-        "memory/cuda_allocated_gib": torch.cuda.memory_allocated(device) / GIB,
-        "memory/cuda_reserved_gib": torch.cuda.memory_reserved(device) / GIB,
-        "memory/cuda_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
-    }
-

@@ -27,7 +27,7 @@ from trainkit.activations import apply_activation_checkpointing
 from trainkit.checkpoint import CheckpointManager, check_config, load_checkpoint, manifest
 from trainkit.config import CheckpointConfig, TrainerConfig
 from trainkit.data.loaders import set_epoch
-from trainkit.device import move_to_device
+from trainkit.device import memory_stats, move_to_device
 from trainkit.distributed import StepVote, barrier, unwrap
 from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
@@ -302,6 +302,7 @@ class Trainer:
         agree = vote.nonfinite if vote.active else None
         while not done and state.epoch < cfg.max_epochs:
             set_epoch(data, state.epoch, state.batch_in_epoch)
+            per_epoch = len(data)
             parts.model.train()
             fetched = time.perf_counter()
             for window in windows(data, cfg.accumulate_grad_batches):
@@ -313,7 +314,7 @@ class Trainer:
                     clip_val=cfg.gradient_clip_val, clip_algorithm=cfg.gradient_clip_algorithm,
                     check_finite=check_finite, agree=agree,
                 )
-                self._count(result, parts, len(window))
+                self._count(result, parts, len(window), per_epoch)
                 meter.add(result.samples, None if not result.finite else
                           result.loss if result.value is None else result.value,
                           result.grad_norm)
@@ -342,12 +343,12 @@ class Trainer:
             results = evaluate()
         return "completed", results
 
-    def _count(self, result: Any, parts: Parts, batches: int) -> None:
+    def _count(self, result: Any, parts: Parts, batches: int, per_epoch: int) -> None:
         """Advance the counters, scheduler and EMA after one step (or skipped step)."""
         state = self.state
         state.global_step += 1
         state.batch_in_epoch += batches
-        if state.batch_in_epoch >= len(parts.data):  # a checkpoint here resumes at the next epoch
+        if state.batch_in_epoch >= per_epoch:  # a checkpoint here resumes at the next epoch
             state.epoch += 1
             state.batch_in_epoch = 0
         state.samples_seen += result.samples
@@ -463,10 +464,10 @@ class Trainer:
         device = self.runtime.device
         where = ""
         if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device) / 2**30
-            reserved = torch.cuda.memory_reserved(device) / 2**30
+            stats = memory_stats(device)
             total = torch.cuda.get_device_properties(device).total_memory / 2**30
-            where = f"; peak allocated {peak:.2f} GiB, reserved {reserved:.2f} of {total:.1f} GiB"
+            where = (f"; peak allocated {stats['cuda_peak_allocated_gib']:.2f} GiB, reserved "
+                     f"{stats['cuda_reserved_gib']:.2f} of {total:.1f} GiB")
             torch.cuda.empty_cache()
         cfg = self.config
         size = getattr(data, "batch_size", "?")
