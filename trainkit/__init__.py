@@ -5,6 +5,7 @@ piece: devices, data loaders, mixed precision, the step, EMA, checkpoints, preem
 """
 
 from trainkit.activations import apply_activation_checkpointing
+from trainkit.async_checkpoint import AsyncCheckpointWriter
 from trainkit.checkpoint import CheckpointManager, load_checkpoint, save_atomic
 from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
 from trainkit.data import (
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "EMA",
     "EXIT_PREEMPTED",
+    "AsyncCheckpointWriter",
     "CheckpointConfig",
     "CheckpointManager",
     "ConfigError",

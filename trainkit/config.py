@@ -116,6 +116,7 @@ class CheckpointConfig:
     save_last: bool = True
     monitor: str | None = None  # e.g. "val/acc": keep checkpoints/best.pt by this metric
     mode: str = "max"  # whether a larger or smaller `monitor` is better
+    async_save: bool = False  # write on a background thread; the loop waits only for a copy
 
     def __post_init__(self) -> None:
         _check_int("checkpoint.every_n_steps", self.every_n_steps, minimum=0)
@@ -124,6 +125,9 @@ class CheckpointConfig:
                 f"checkpoint.every_n_minutes must be >= 0, got {self.every_n_minutes!r}"
             )
         _check_int("checkpoint.keep_last", self.keep_last, minimum=1)
+        if not isinstance(self.async_save, bool):
+            raise ConfigError(f"checkpoint.async_save must be true or false, got "
+                              f"{self.async_save!r}")
         if self.mode not in ("max", "min"):
             raise ConfigError(f"checkpoint.mode={self.mode!r}: use 'max' or 'min'")
 

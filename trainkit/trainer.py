@@ -24,6 +24,7 @@ from torch import nn
 
 from trainkit import distributed, rng
 from trainkit.activations import apply_activation_checkpointing
+from trainkit.async_checkpoint import AsyncCheckpointWriter
 from trainkit.checkpoint import CheckpointManager, check_config, load_checkpoint, manifest
 from trainkit.config import CheckpointConfig, TrainerConfig
 from trainkit.data.loaders import set_epoch
@@ -119,6 +120,9 @@ class Trainer:
             setup_logging(self.run_dir, self.runtime.is_main)
         if self.checkpoints is not None and self.runtime.is_main:
             self.checkpoints.check_writable()
+        self._background = (  # checkpoint.async_save: writes leave the training thread
+            AsyncCheckpointWriter(self.checkpoints)
+            if self.checkpoints is not None and self.checkpoint_config.async_save else None)
         self._manifest = manifest(self.run_config)
         self._saved_at: tuple[int, float] = (-1, time.monotonic())  # (step, time) of last save
 
@@ -181,6 +185,10 @@ class Trainer:
             with preemption, out.progress:
                 status, results = self._train(parts, criterion, forward, evaluate, out,
                                               total_steps, preemption, stop_at_step)
+            if status == "completed" and self.checkpoint_config.save_last:
+                self._save(parts, periodic=bool(self.checkpoint_config.every_n_steps))
+            if self._background is not None:
+                self._background.wait()  # the last checkpoint is on disk before the summary says so
         except NonFiniteLossError:
             self._write_summary("diverged", {}, started, begin, out.meter)
             raise
@@ -188,8 +196,8 @@ class Trainer:
             raise TrainkitError(self._out_of_memory(train_data)) from None
         finally:
             out.writer.close()
-        if status == "completed" and self.checkpoint_config.save_last:
-            self._save(parts, periodic=bool(self.checkpoint_config.every_n_steps))
+            if self._background is not None:
+                self._background.close()  # a write still in flight ends whole, however fit ends
         summary = self._write_summary(status, results, started, begin, out.meter)
         if results and self.runtime.is_main:
             write_hparams(self.run_dir, self.run_config or asdict(cfg), results)
@@ -455,9 +463,12 @@ class Trainer:
             state = self.state_dict(parts)
             if self.runtime.distributed:
                 state["rng_per_rank"] = rng_per_rank
-            self.checkpoints.save(state, step, periodic=periodic, best=best)
+            if self._background is not None:  # returns once the state is copied
+                self._background.save(state, step, periodic=periodic, best=best)
+            else:
+                self.checkpoints.save(state, step, periodic=periodic, best=best)
         self._saved_at = (step, time.monotonic())
-        barrier()  # no rank runs ahead of a checkpoint still being written
+        barrier()  # no rank runs ahead of a checkpoint still being written (or copied)
 
     def _out_of_memory(self, data: Any) -> str:
         """One line that says what ran out and what to change."""

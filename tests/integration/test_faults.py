@@ -65,12 +65,15 @@ def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, timeout: float = 120)
     pytest.fail("no training step logged in time")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
-                                    signal.SIGUSR1])
+@pytest.mark.parametrize(("signum", "extra"), [
+    (signal.SIGTERM, ()), (signal.SIGINT, ()), (signal.SIGHUP, ()), (signal.SIGUSR1, ()),
+    (signal.SIGTERM, ("checkpoint.async_save=true",)),  # the save runs on a background thread
+], ids=["SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGTERM-async"])
 def test_signal_saves_stops_and_the_same_command_resumes_bit_exactly(
-        tmp_path: Path, mnist_root: Path, straight_run: Path, signum: int) -> None:
+        tmp_path: Path, mnist_root: Path, straight_run: Path, signum: int,
+        extra: tuple[str, ...]) -> None:
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, mnist_root)
+    proc = _start(run_dir, mnist_root, *extra)
     _wait_for_steps(proc, run_dir)
     time.sleep(random.Random(signum).uniform(0, 0.5))
     proc.send_signal(signum)
@@ -83,7 +86,7 @@ def test_signal_saves_stops_and_the_same_command_resumes_bit_exactly(
                       weights_only=True)["global_step"] == stopped_at
     assert signal.Signals(signum).name in (run_dir / "train.log").read_text()
 
-    resumed = run_train(*tiny_run(run_dir, mnist_root, *COMMON))
+    resumed = run_train(*tiny_run(run_dir, mnist_root, *COMMON, *extra))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"at step {stopped_at}" in resumed.stdout
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
@@ -94,8 +97,9 @@ def test_sigkill_at_random_moments_leaves_loadable_checkpoints_and_resumes_exact
         tmp_path: Path, mnist_root: Path, straight_run: Path) -> None:
     run_dir = tmp_path / "run"
     chance = random.Random(0)
-    for _ in range(3):
-        proc = _start(run_dir, mnist_root, "checkpoint.every_n_steps=1")
+    for attempt in range(3):  # the second attempt writes its checkpoints in the background
+        extra = ("checkpoint.async_save=true",) if attempt == 1 else ()
+        proc = _start(run_dir, mnist_root, "checkpoint.every_n_steps=1", *extra)
         _wait_for_steps(proc, run_dir)
         time.sleep(chance.uniform(0, 0.8))
         proc.kill()

@@ -14,8 +14,8 @@ from trainkit.checkpoint import save_atomic
 from trainkit.verify_resume import _report
 
 CASES = {
-    # shuffled in-memory batches, accumulation windows of 3
-    "mnist": ("+exp=mnist", "trainer.accumulate_grad_batches=3"),
+    # shuffled in-memory batches, accumulation windows of 3, checkpoints written in the background
+    "mnist": ("+exp=mnist", "trainer.accumulate_grad_batches=3", "checkpoint.async_save=true"),
     # the standard path: two workers transforming (crop, flip) one image at a time
     "mnist-dataloader": ("+exp=mnist", "data.loader=dataloader", "data.num_workers=2",
                          "data.random_crop_padding=2", "data.random_flip=true"),

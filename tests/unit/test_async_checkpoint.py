@@ -1,0 +1,88 @@
+"""Background checkpoint writes: what lands on disk is the state at save(), errors come back."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainkit.async_checkpoint import AsyncCheckpointWriter, snapshot
+from trainkit.checkpoint import CheckpointManager, load_checkpoint
+from trainkit.errors import TrainkitError
+
+
+class GatedManager(CheckpointManager):
+    """A real manager whose writes wait for a gate: the test decides when the disk work runs."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory, keep_last=5)
+        self.gate = threading.Event()
+        self.writing = threading.Event()
+
+    def save(self, state: dict[str, Any], step: int, **kwargs: Any) -> Path:
+        self.writing.set()
+        assert self.gate.wait(timeout=30)
+        return super().save(state, step, **kwargs)
+
+
+def test_the_file_holds_the_state_at_save_time_not_later_changes(tmp_path: Path) -> None:
+    manager = GatedManager(tmp_path)
+    writer = AsyncCheckpointWriter(manager)
+    weight = torch.zeros(1000)
+    writer.save({"model": {"w": weight}, "global_step": 1}, 1)
+    assert manager.writing.wait(timeout=30)
+    weight.add_(1)  # the loop goes on training while the file is being written
+    assert not manager.last.exists()
+    manager.gate.set()
+    writer.wait()
+    assert torch.equal(load_checkpoint(manager.last)["model"]["w"], torch.zeros(1000))
+
+
+def test_saves_follow_one_another_and_rotate(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    writer = AsyncCheckpointWriter(manager)
+    for step in (1, 2, 3):
+        writer.save({"model": {"w": torch.full((4,), float(step))}, "global_step": step}, step)
+    writer.wait()
+    assert [p.name for p in manager.step_files()] == ["step_000000002.pt", "step_000000003.pt"]
+    assert load_checkpoint(manager.last)["global_step"] == 3
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_failed_write_is_raised_once_by_the_next_wait(tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "a_file").write_text("not a folder")
+    writer = AsyncCheckpointWriter(CheckpointManager(tmp_path / "a_file" / "checkpoints"))
+    writer.save({"model": {}, "global_step": 1}, 1)
+    with pytest.raises(TrainkitError, match="cannot write a checkpoint"):
+        writer.wait()
+    writer.wait()  # reported once
+
+    writer.save({"model": {}, "global_step": 2}, 2)
+    writer.close()  # for exits already failing: logged, not raised
+    assert "checkpoint write failed" in caplog.text
+
+
+def test_snapshot_copies_tensors_and_containers() -> None:
+    state = {"model": OrderedDict(w=torch.ones(3)), "rng": (torch.tensor([1]), 5),
+             "groups": [{"lr": 0.1}], "name": "x"}
+    copied = snapshot(state)
+    state["model"]["w"].zero_()
+    state["groups"][0]["lr"] = 0.5
+    assert isinstance(copied["model"], OrderedDict)
+    assert torch.equal(copied["model"]["w"], torch.ones(3))
+    assert copied["groups"][0]["lr"] == 0.1
+    assert copied["rng"][1] == 5 and copied["name"] == "x"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_snapshot_brings_cuda_tensors_to_the_cpu() -> None:
+    weight = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    copied = snapshot({"w": weight})
+    weight.zero_()
+    assert copied["w"].device.type == "cpu"
+    assert torch.equal(copied["w"], torch.arange(1 << 20, dtype=torch.float32))
