@@ -17,7 +17,7 @@ from typing import Any
 from benchmarks.common import machine, row
 
 # Run in this order; a module that is absent is reported as skipped, not failed.
-NAMES = ("overhead", "mnist_e2e", "loaders", "checkpoint", "activation_memory", "gpu_data")
+NAMES = ("overhead", "mnist_e2e", "loaders", "checkpoint", "activation_memory", "gpu")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results.json"
 
 
