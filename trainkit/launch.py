@@ -2,15 +2,16 @@
 
 ``python -m trainkit.launch +exp=cifar`` runs ``torchrun --standalone --nproc-per-node=N -m
 trainkit.train +exp=cifar`` with one process per visible GPU (one process on a CPU-only machine),
-passing every override through. :func:`launch` does the same for a Python function, from a script
-or a notebook. Both use torchrun's own machinery (torch.distributed.elastic): nothing here
-replaces it, and multi-node jobs use torchrun directly (see docs/distributed.md).
+passing every override through, and exits 75 when the run stopped on a signal after saving, as a
+single process does (torchrun itself exits 1). :func:`launch` does the same for a Python
+function, from a script or a notebook. Both use torchrun's own machinery
+(torch.distributed.elastic): nothing here replaces it, and multi-node jobs use torchrun directly
+(see docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import uuid
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ import torch
 from trainkit import distributed
 from trainkit.errors import TrainkitError
 from trainkit.runtime import Runtime
+from trainkit.signals import EXIT_PREEMPTED
 
 
 def default_nproc() -> int:
@@ -97,8 +99,35 @@ def _in_process_group(fn: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
+def run_torchrun(args: Sequence[str]) -> int:
+    """Run torchrun with ``args`` (its command line) in this process; return an exit status.
+
+    0 when every worker succeeded; 75 (:data:`~trainkit.signals.EXIT_PREEMPTED`) when the workers
+    stopped on a signal after saving, or this process was signalled and forwarded it (either way
+    re-running resumes); else 1, with torchrun's report of which rank failed and how.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(list(args)))
+    except ChildFailedError as err:
+        if {failure.exitcode for failure in err.failures.values()} == {EXIT_PREEMPTED}:
+            print("trainkit: stopped on a signal after saving a checkpoint; re-run the same "
+                  "command to resume", file=sys.stderr)
+            return EXIT_PREEMPTED
+        print(err, file=sys.stderr)
+        return 1
+    except SignalException:
+        # torchrun forwarded the signal: the workers saved and stopped, or, slower than its grace
+        # period, were killed; the newest complete checkpoint is there to resume from.
+        return EXIT_PREEMPTED
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the launcher's own flags, then replace this process with torchrun."""
+    """Parse the launcher's own flags, then run torchrun in this process."""
     parser = argparse.ArgumentParser(
         prog="python -m trainkit.launch",
         description="torchrun with one process per visible GPU (one on CPU); every other "
@@ -119,10 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(" ".join(command[1:]).replace("-m torch.distributed.run", "torchrun", 1), flush=True)
     if args.dry_run:
         return 0
-    # exec, not a child process: signals (Ctrl-C, SIGTERM from a scheduler) reach torchrun,
-    # which forwards them to the workers, and its exit status is ours.
-    os.execv(sys.executable, command)
-    return 0  # not reached
+    # In this process, not a child: signals (Ctrl-C, SIGTERM from a scheduler) reach torchrun's
+    # agent, which forwards them to the workers.
+    return run_torchrun(command[3:])  # what follows `python -m torch.distributed.run`
 
 
 if __name__ == "__main__":

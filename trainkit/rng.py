@@ -9,12 +9,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainkit.data.augment import mix_seed
+
 
 def seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's and torch's (CPU and every CUDA device) generators."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def seed_rank(rank: int) -> None:
+    """Give this rank its own random stream, derived from the seed in use and the rank.
+
+    Every rank of a DDP job seeds alike so that models start equal; left so, every rank would
+    then draw the same dropout masks (and other random numbers) for its different samples.
+    """
+    seed_everything(mix_seed(torch.initial_seed(), rank))
 
 
 def get_rng_state() -> dict[str, Any]:

@@ -160,7 +160,9 @@ class Trainer:
             TrainkitError: a checkpoint could not be written or does not fit this run.
         """
         cfg = self.config
-        model = self._prepare_model(model)
+        model = self._prepare_model(model)  # under DDP: rank 0's weights on every rank
+        if self.runtime.distributed:
+            rng.seed_rank(self.runtime.rank)  # ranks must not draw the same dropout masks
         ema = EMA(model, cfg.ema_decay) if cfg.ema_decay else None
         parts = Parts(model, optimizer, scheduler, ema, train_data)
         started = time.perf_counter()

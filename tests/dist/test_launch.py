@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO, offline_env
 from tests.dist.nets import rank_sum
@@ -52,3 +55,51 @@ def test_env_report_lists_torchrun_and_slurm_variables(monkeypatch: pytest.Monke
     monkeypatch.setenv("SLURM_NODEID", "3")
     seen = env.collect()["distributed_env"]
     assert seen["TORCHELASTIC_RESTART_COUNT"] == "1" and seen["SLURM_NODEID"] == "3"
+
+
+@pytest.mark.dist
+def test_launch_module_exits_75_when_the_workers_stop_on_a_signal(tmp_path: Path) -> None:
+    """torchrun itself exits 1 here; the launcher tells requeue loops the run can resume."""
+    root = write_fake_mnist(tmp_path / "data", n_train=256, n_test=64)
+    run_dir = tmp_path / "run"
+    # Rank 1 gets SIGTERM during its 3rd training forward (tests/dist/nets.py).
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainkit.launch", "--nproc-per-node=2", "+exp=mnist",
+         f"hydra.run.dir={run_dir}", f"data.root={root}", "data.verify=false",
+         "data.download=false", "data.batch_size=16", "trainer.max_steps=8",
+         "model._target_=tests.dist.nets.FlatNet", "~model.widths", "+model.fault=sigterm",
+         "+model.fault_at=3"],
+        cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"), capture_output=True, text=True,
+        timeout=180)
+    assert proc.returncode == 75, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "re-run the same command to resume" in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["global_step"] == 3
+
+
+@pytest.mark.dist
+def test_sigterm_to_the_launcher_reaches_the_workers_which_save_and_it_exits_75(
+        tmp_path: Path) -> None:
+    """A scheduler signals the process it started: the launcher, not the workers."""
+    root = write_fake_mnist(tmp_path / "data", n_train=512, n_test=64)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainkit.launch", "--nproc-per-node=2", "+exp=mnist",
+         f"hydra.run.dir={run_dir}", f"data.root={root}", "data.verify=false",
+         "data.download=false", "data.batch_size=16", "trainer.max_epochs=50",
+         "trainer.log_every_n_steps=1", "model._target_=tests.dist.nets.FlatNet",
+         "~model.widths"],
+        cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    log = run_dir / "train.log"
+    deadline = time.monotonic() + 120
+    while not (log.is_file() and " step " in log.read_text().split("training ")[-1]):
+        assert proc.poll() is None and time.monotonic() < deadline, "no step logged in time"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, output[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["world_size"] == 2
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert last["global_step"] == summary["global_step"] > 0

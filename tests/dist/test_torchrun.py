@@ -86,6 +86,9 @@ def test_two_ranks_write_one_run_and_train_like_one_process_with_twice_the_batch
     assert len({e.name.rsplit(".", 2)[1] for e in events}) == 1
     assert "global batch 32 = batch 16 x accumulate 1 x world size 2" in (
         run / "train.log").read_text()
+    # each rank draws its own random numbers (dropout masks), saved apart for exact resumes
+    rng0, rng1 = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["rng_per_rank"]
+    assert not torch.equal(rng0["torch"], rng1["torch"])
 
     single = run_train(*overrides(tmp_path / "outputs", data_root, batch=32))
     assert single.returncode == 0, single.stderr[-3000:]

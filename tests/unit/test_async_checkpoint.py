@@ -79,10 +79,24 @@ def test_snapshot_copies_tensors_and_containers() -> None:
     assert copied["rng"][1] == 5 and copied["name"] == "x"
 
 
+def test_snapshot_writes_into_an_earlier_one_where_tensors_match() -> None:
+    first = snapshot({"w": torch.zeros(4), "b": torch.zeros(2), "step": 1})
+    state = {"w": torch.ones(4), "b": torch.ones(3), "step": 2}  # b changed shape
+    second = snapshot(state, reuse=first)
+    assert second["w"] is first["w"] and second["b"] is not first["b"]
+    assert torch.equal(second["w"], torch.ones(4)) and torch.equal(second["b"], torch.ones(3))
+    assert second["step"] == 2
+    state["w"].zero_()
+    assert torch.equal(second["w"], torch.ones(4))  # still a copy, not the live tensor
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_snapshot_brings_cuda_tensors_to_the_cpu() -> None:
     weight = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
     copied = snapshot({"w": weight})
+    assert copied["w"].device.type == "cpu" and copied["w"].is_pinned()
+    weight.mul_(2)
+    again = snapshot({"w": weight}, reuse=copied)
     weight.zero_()
-    assert copied["w"].device.type == "cpu"
-    assert torch.equal(copied["w"], torch.arange(1 << 20, dtype=torch.float32))
+    assert again["w"] is copied["w"]
+    assert torch.equal(again["w"], 2 * torch.arange(1 << 20, dtype=torch.float32))
