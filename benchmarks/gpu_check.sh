@@ -76,7 +76,7 @@ check bf16 amp_run bf16-mixed
 
 nccl_run() {  # one GPU allows one NCCL rank: the run under torchrun, then the backend trainkit
     local dir="$OUT/run_nccl"  # asks for on CUDA (cpu:gloo,cuda:nccl) with collectives on both
-    torchrun --standalone --nproc_per_node=1 -m trainkit.train +exp=cifar $RUN \
+    $PY -m torch.distributed.run --standalone --nproc-per-node=1 -m trainkit.train +exp=cifar $RUN \
         hydra.run.dir="$dir" || return 1
     test -f "$dir/checkpoints/last.pt" || return 1
     $PY - <<'EOF'
