@@ -57,18 +57,22 @@ def test_env_report_lists_torchrun_and_slurm_variables(monkeypatch: pytest.Monke
     assert seen["TORCHELASTIC_RESTART_COUNT"] == "1" and seen["SLURM_NODEID"] == "3"
 
 
+def _launch_two(tmp_path: Path, *extra: str) -> list[str]:
+    """``python -m trainkit.launch`` of a 2-process FlatNet run on fake MNIST into tmp/run."""
+    root = write_fake_mnist(tmp_path / "data", n_train=512, n_test=64)
+    return [sys.executable, "-m", "trainkit.launch", "--nproc-per-node=2", "+exp=mnist",
+            f"hydra.run.dir={tmp_path / 'run'}", f"data.root={root}", "data.verify=false",
+            "data.download=false", "data.batch_size=16", "trainer.log_every_n_steps=1",
+            "model._target_=tests.dist.nets.FlatNet", "~model.widths", *extra]
+
+
 @pytest.mark.dist
 def test_launch_module_exits_75_when_the_workers_stop_on_a_signal(tmp_path: Path) -> None:
     """torchrun itself exits 1 here; the launcher tells requeue loops the run can resume."""
-    root = write_fake_mnist(tmp_path / "data", n_train=256, n_test=64)
     run_dir = tmp_path / "run"
     # Rank 1 gets SIGTERM during its 3rd training forward (tests/dist/nets.py).
     proc = subprocess.run(
-        [sys.executable, "-m", "trainkit.launch", "--nproc-per-node=2", "+exp=mnist",
-         f"hydra.run.dir={run_dir}", f"data.root={root}", "data.verify=false",
-         "data.download=false", "data.batch_size=16", "trainer.max_steps=8",
-         "model._target_=tests.dist.nets.FlatNet", "~model.widths", "+model.fault=sigterm",
-         "+model.fault_at=3"],
+        _launch_two(tmp_path, "trainer.max_steps=8", "+model.fault=sigterm", "+model.fault_at=3"),
         cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"), capture_output=True, text=True,
         timeout=180)
     assert proc.returncode == 75, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -81,15 +85,10 @@ def test_launch_module_exits_75_when_the_workers_stop_on_a_signal(tmp_path: Path
 def test_sigterm_to_the_launcher_reaches_the_workers_which_save_and_it_exits_75(
         tmp_path: Path) -> None:
     """A scheduler signals the process it started: the launcher, not the workers."""
-    root = write_fake_mnist(tmp_path / "data", n_train=512, n_test=64)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainkit.launch", "--nproc-per-node=2", "+exp=mnist",
-         f"hydra.run.dir={run_dir}", f"data.root={root}", "data.verify=false",
-         "data.download=false", "data.batch_size=16", "trainer.max_epochs=50",
-         "trainer.log_every_n_steps=1", "model._target_=tests.dist.nets.FlatNet",
-         "~model.widths"],
-        cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"), stdout=subprocess.PIPE,
+        _launch_two(tmp_path, "trainer.max_epochs=50"), cwd=REPO,
+        env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     log = run_dir / "train.log"
     deadline = time.monotonic() + 120
