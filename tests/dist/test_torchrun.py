@@ -113,11 +113,13 @@ def test_val_metrics_cover_the_whole_val_set_once(two_ranks: Path, data_root: Pa
     assert summary["metrics"]["val/loss"] == pytest.approx(single["val/loss"], rel=1e-5)
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_sigterm_to_one_rank_stops_both_at_one_step_with_one_checkpoint(
-        data_root: Path, tmp_path: Path) -> None:
+        data_root: Path, tmp_path: Path, async_save: bool) -> None:
     outputs = tmp_path / "outputs"
     # Rank 1 gets SIGTERM during its 3rd training forward; rank 0 gets no signal.
     proc = torchrun(*overrides(outputs, data_root, "checkpoint.every_n_steps=0",
+                               f"checkpoint.async_save={str(async_save).lower()}",
                                "+model.fault=sigterm", "+model.fault_at=3"))
     run = only_run_dir(outputs, proc)
     assert proc.returncode != 0  # torchrun reports workers that exited with status 75

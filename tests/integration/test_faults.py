@@ -49,7 +49,10 @@ def _start(run_dir: Path, mnist_root: Path, *extra: str, **popen) -> subprocess.
     out = open(run_dir.parent / f"{run_dir.name}.out", "ab")  # noqa: SIM115 (child owns it)
     return subprocess.Popen(
         [sys.executable, "-m", "trainkit.train", *tiny_run(run_dir, mnist_root, *COMMON, *extra)],
-        cwd=REPO, env=offline_env(), stdout=out, stderr=subprocess.STDOUT, **popen)
+        cwd=REPO, env=offline_env(), stdout=out, stderr=subprocess.STDOUT,
+        # A run started under nohup inherits an ignored SIGHUP, which trainkit rightly keeps
+        # ignored; the signal tests start the run as a terminal would.
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL), **popen)
 
 
 def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, timeout: float = 120) -> None:

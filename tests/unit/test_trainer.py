@@ -3,8 +3,10 @@ preemption by real signals, time-based saves."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -162,9 +164,27 @@ def _signal_at(call: int, *signums: int):
     return forward
 
 
+@contextlib.contextmanager
+def _heard(signum: int) -> Iterator[None]:
+    """Undo an inherited SIG_IGN (pytest run under nohup ignores SIGHUP, and trainkit rightly
+    leaves an ignored signal ignored) for the test's duration."""
+    before = signal.getsignal(signum)
+    if before is signal.SIG_IGN:
+        signal.signal(signum, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signum, before)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
 def test_a_signal_stops_after_the_step_and_resume_is_bit_exact(tmp_path: Path,
                                                                signum: int) -> None:
+    with _heard(signum):
+        _stop_and_resume(tmp_path, signum)
+
+
+def _stop_and_resume(tmp_path: Path, signum: int) -> None:
     handler_before = signal.getsignal(signum)
     seed_everything(0)
     straight = _model()
@@ -188,6 +208,19 @@ def test_a_signal_stops_after_the_step_and_resume_is_bit_exact(tmp_path: Path,
     assert summary["status"] == "completed" and summary["global_step"] == 12
     for p, q in zip(resumed.parameters(), straight.parameters()):
         assert torch.equal(p, q)
+
+
+def test_an_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
+    """`nohup python -m trainkit.train ...`: the terminal closing must not stop the run."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        model = _model()
+        summary = _trainer(tmp_path, max_epochs=1).fit(
+            model, _sgd(model), _loader(), forward=_signal_at(2, signal.SIGHUP))
+        assert summary["status"] == "completed"
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def test_a_second_signal_aborts_at_once(tmp_path: Path) -> None:
