@@ -2,7 +2,8 @@
 
 Each benchmark module has ``main(argv) -> dict`` and alternates its sides itself; this runner
 only calls them one after another, adds a description of the machine, writes everything to
-``benchmarks/results.json`` and prints one line per headline ratio with its goal.
+``benchmarks/results.json`` and prints one line per headline ratio with its goal. A benchmark
+that fails is reported as failed, the others still run, and the runner then exits non-zero.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine, row
+from trainkit.errors import one_line
 
 # Run in this order; a module that is absent is reported as skipped, not failed.
 NAMES = ("overhead", "mnist_e2e", "loaders", "checkpoint", "activation_memory", "gpu")
@@ -43,7 +47,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     width = max(len(r["name"]) for r in rows)
     lines = [f"{'benchmark':<{width}}  {'value':>9}  {'goal':<32} met?"]
     for r in rows:
-        value = "skipped" if r["value"] is None else _fmt(r["value"], r.get("unit", "x"))
+        value = _fmt(r["value"], r.get("unit", "x")) if r["value"] is not None else (
+            "failed" if r["met"] is False else "skipped")
         met = {True: "yes", False: "NO", None: "-"}[r["met"]]
         lines.append(f"{r['name']:<{width}}  {value:>9}  {r['goal']:<32} {met}")
     return "\n".join(lines)
@@ -77,7 +82,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append(row(name, None, "(not present)", None))
             continue
         print(f"== {name}", flush=True)
-        result = run(["--quick"] if args.quick else [])
+        try:
+            result = run(["--quick"] if args.quick else [])
+        except SystemExit as err:  # a benchmark's own one-line reason
+            result = _failed(name, str(err))
+        except Exception as err:  # a bug: its traceback, and the other benchmarks still run
+            traceback.print_exc()
+            result = _failed(name, one_line(err))
         results["benchmarks"][name] = result
         rows += rows_of(name, result)
     results["table"] = rows
@@ -85,7 +96,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print()
     print(table(rows))
     print(f"\nresults written to {args.out}")
+    failed = [name for name, result in results["benchmarks"].items() if "failed" in result]
+    if failed:
+        raise SystemExit(f"benchmarks failed: {', '.join(failed)} (reasons above and in "
+                         f"{args.out})")
     return results
+
+
+def _failed(name: str, reason: str) -> dict[str, Any]:
+    print(f"{name} failed: {reason}", file=sys.stderr, flush=True)
+    return {"failed": reason, "rows": [row(name, None, "(failed: see results.json)", False)]}
 
 
 if __name__ == "__main__":

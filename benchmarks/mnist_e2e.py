@@ -37,7 +37,8 @@ def _run(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if result.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:4])} failed: {result.stderr.strip()[-800:]}")
+        last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]  # the error's line
+        raise SystemExit(f"{' '.join(cmd[:4])} failed: {last[:1000]}")
     return seconds, result.stdout
 
 

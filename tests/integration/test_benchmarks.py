@@ -153,6 +153,22 @@ def test_runner_quick_writes_json_and_table(tmp_path: Path) -> None:
     assert "results written to" in proc.stdout
 
 
+def test_runner_reports_a_failed_benchmark_and_runs_the_others(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    # The full MNIST benchmark needs the real files: an empty data dir fails it at once (offline).
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--only", "mnist_e2e,gpu", "--out", str(out)],
+        cwd=REPO, env=offline_env(TRAINKIT_DATA_DIR=str(tmp_path)), capture_output=True,
+        text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert "MNIST not found" in results["benchmarks"]["mnist_e2e"]["failed"]
+    assert "gpu" in results["benchmarks"]  # ran after the failure
+    assert "benchmarks failed: mnist_e2e" in proc.stderr
+    assert any(line.startswith("mnist_e2e") and "failed" in line
+               for line in proc.stdout.splitlines())
+
+
 def test_table_marks_skipped_and_missed_goals() -> None:
     text = table([
         {"name": "a", "value": 0.5, "unit": "x", "goal": ">= 1", "met": False},
