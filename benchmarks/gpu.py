@@ -97,8 +97,8 @@ def shaped_run(root: Path, device: torch.device, quick: bool) -> dict[str, Any]:
             [sys.executable, "-m", "trainkit.train", *overrides, f"hydra.run.dir={run_dir}"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
         process_s = time.perf_counter() - start
-        if proc.returncode != 0:
-            return {"failed": proc.stderr.strip()[-1000:] or proc.stdout.strip()[-1000:]}
+        if proc.returncode != 0:  # trainkit's one-line error, or a traceback's last line
+            return {"failed": (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:1000]}
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
     return {
         "command": "python -m trainkit.train " + " ".join(overrides),
