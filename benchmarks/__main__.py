@@ -13,34 +13,15 @@ import importlib
 import json
 import sys
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine, row
 from trainkit.errors import one_line
 
-# Run in this order; a module that is absent is reported as skipped, not failed.
+# Run in this order.
 NAMES = ("overhead", "mnist_e2e", "loaders", "checkpoint", "activation_memory", "gpu")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results.json"
-
-
-def load(name: str) -> Callable[[list[str]], dict[str, Any]] | None:
-    """The benchmark's ``main``, or None when its module does not exist (yet)."""
-    try:
-        module = importlib.import_module(f"benchmarks.{name}")
-    except ModuleNotFoundError as err:
-        if err.name != f"benchmarks.{name}":
-            raise  # the module exists but something it imports is missing: say so
-        return None
-    return module.main
-
-
-def rows_of(name: str, result: dict[str, Any]) -> list[dict[str, Any]]:
-    """A result's table rows; a module without ``rows`` gets one from its ``ratio``/``goal``."""
-    if "rows" in result:
-        return result["rows"]
-    return [row(name, result.get("ratio"), str(result.get("goal", "")), result.get("met"))]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -76,13 +57,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"machine": machine(), "quick": args.quick, "benchmarks": {}}
     rows: list[dict[str, Any]] = []
     for name in wanted:
-        run = load(name)
-        if run is None:
-            results["benchmarks"][name] = {"skipped": f"benchmarks/{name}.py not present"}
-            rows.append(row(name, None, "(not present)", None))
-            continue
         print(f"== {name}", flush=True)
         try:
+            run = importlib.import_module(f"benchmarks.{name}").main
             result = run(["--quick"] if args.quick else [])
         except SystemExit as err:  # a benchmark's own one-line reason
             result = _failed(name, str(err))
@@ -90,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             traceback.print_exc()
             result = _failed(name, one_line(err))
         results["benchmarks"][name] = result
-        rows += rows_of(name, result)
+        rows += result["rows"]
     results["table"] = rows
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print()

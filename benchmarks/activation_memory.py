@@ -7,23 +7,21 @@ A deep MLP of residual blocks (Linear-GELU-Linear) trains one step on a large ba
 runs in a fresh process (peak memory only grows within a process); the figure is how far the
 step raised the peak above what the model and data already held: peak RSS on the CPU, torch's
 ``max_memory_allocated`` on CUDA. The variants alternate (plain, checkpointed, checkpointed,
-plain) and each figure is the median over rounds. Checkpointing keeps one input per block and
-recomputes the rest in backward, so the ratio should be well below 1.
+plain); the ratio is the median over rounds of each round's ratio. Checkpointing keeps one input
+per block and recomputes the rest in backward, so the ratio should be well below 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import resource
-import statistics
 import subprocess
 import sys
 
 import torch
 from torch import nn
 
-from benchmarks.common import row
+from benchmarks.common import alternate, emit, median, ratio, row
 from trainkit.activations import apply_activation_checkpointing
 
 
@@ -76,24 +74,21 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.quick:
         args.width, args.depth, args.batch, args.rounds = 512, 4, 2048, 1  # MiBs: RSS moves
-    plain, checkpointed = [], []
-    for _ in range(args.rounds):
-        plain.append(_in_subprocess(False, args))
-        checkpointed += [_in_subprocess(True, args), _in_subprocess(True, args)]
-        plain.append(_in_subprocess(False, args))
+    samples = alternate({"plain": lambda: _in_subprocess(False, args),
+                         "checkpointed": lambda: _in_subprocess(True, args)}, args.rounds)
     result = {
         "benchmark": "activation_memory",
         "device": args.device,
         "measure": "max_memory_allocated" if args.device.startswith("cuda") else "peak RSS",
-        "plain_step_peak_mib": statistics.median(plain) / 2**20,
-        "checkpointed_step_peak_mib": statistics.median(checkpointed) / 2**20,
-        "ratio": statistics.median(checkpointed) / max(statistics.median(plain), 1),
+        "plain_step_peak_mib": median(samples, "plain") / 2**20,
+        "checkpointed_step_peak_mib": median(samples, "checkpointed") / 2**20,
+        "ratio": ratio(samples, "checkpointed", "plain"),
         "width": args.width, "depth": args.depth, "batch": args.batch, "rounds": args.rounds,
         "goal": "ratio < 1 (measurably lower peak memory)",
     }
     result["rows"] = [row("activation checkpointing: peak/plain", result["ratio"], "< 1 (memory)",
                           result["ratio"] < 1)]
-    print(json.dumps(result, indent=2))
+    emit(result)
     return result
 
 

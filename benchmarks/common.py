@@ -1,24 +1,27 @@
-"""Helpers shared by the benchmarks: alternated timing, ratios, machine facts, result rows.
+"""Helpers shared by the benchmarks: alternated timing, ratios, timed processes, machine facts.
 
-This machine is shared and noisy, so no benchmark reports an absolute time alone. Every side is
-measured inside the same rounds, in palindromic order (A B C C B A): a load change that drifts
-linearly through a round hits every side equally, and the per-round ratio cancels it. The figure
-reported is the median of the rounds' ratios, which one disturbed round cannot move.
+This machine is shared and noisy, so no benchmark reports an absolute time alone. Sides timed
+with :func:`alternate` run inside the same rounds, in palindromic order (A B C C B A): a load
+change that drifts linearly through a round hits every side equally, and the per-round ratio
+cancels it; :func:`ratio` is the median of the rounds' ratios, which one disturbed round cannot
+move.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 Samples = dict[str, list[list[float]]]  # side -> rounds -> that side's measurements in the round
+REPO = Path(__file__).resolve().parent.parent
 
 
 def alternate(sides: Mapping[str, Callable[[], float]], rounds: int) -> Samples:
@@ -44,11 +47,6 @@ def ratio(samples: Samples, num: str, den: str) -> float:
     return statistics.median(sum(a) / sum(b) for a, b in zip(samples[num], samples[den]))
 
 
-def ratio_of_medians(samples: Samples, num: str, den: str) -> float:
-    """``median(num) / median(den)`` over all measurements: a cross-check on :func:`ratio`."""
-    return median(samples, num) / median(samples, den)
-
-
 def median(samples: Samples, side: str) -> float:
     """Median of one side's measurements over all rounds (for context next to a ratio)."""
     return statistics.median(x for round_ in samples[side] for x in round_)
@@ -67,8 +65,20 @@ def row(name: str, value: float | None, goal: str, met: bool | None,
     return {"name": name, "value": value, "unit": unit, "goal": goal, "met": met}
 
 
-def is_finite_positive(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+def run_process(cmd: list[str], env: Mapping[str, str] | None = None) -> tuple[float, str]:
+    """Seconds ``cmd`` takes from start to exit, run from the repository, and its stdout.
+
+    Raises:
+        SystemExit: the command failed; the message is its error's (last) line.
+    """
+    start = time.perf_counter()
+    result = subprocess.run(cmd, cwd=REPO, env=None if env is None else dict(env),
+                            capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"{' '.join(cmd[1:4])} failed: {last[:1000]}")
+    return seconds, result.stdout
 
 
 def machine() -> dict[str, Any]:

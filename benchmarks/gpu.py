@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,9 +38,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import emit, row
+from benchmarks.common import emit, row, run_process
+from trainkit.device import memory_stats
 
-REPO = Path(__file__).resolve().parent.parent
 Step = Callable[[torch.Tensor, torch.Tensor], None]
 
 
@@ -75,10 +73,6 @@ def _timed(epoch: Callable[[], Iterable], n: int, device: torch.device,
     return seen / (time.perf_counter() - start)
 
 
-def _peak_gib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
 def shaped_run(root: Path, device: torch.device, quick: bool) -> dict[str, Any]:
     """``+exp=cifar`` end to end on the generated files, in its own process, as users run it."""
     if importlib.util.find_spec("hydra") is None:
@@ -90,15 +84,11 @@ def shaped_run(root: Path, device: torch.device, quick: bool) -> dict[str, Any]:
     if device.type == "cpu":
         overrides.append("trainer.precision=32")  # bf16 is emulated, and slow, on most CPUs
     with tempfile.TemporaryDirectory() as run_dir:
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path}
-        start = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-m", "trainkit.train", *overrides, f"hydra.run.dir={run_dir}"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-        process_s = time.perf_counter() - start
-        if proc.returncode != 0:  # trainkit's one-line error, or a traceback's last line
-            return {"failed": (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:1000]}
+        try:
+            process_s, _ = run_process([sys.executable, "-m", "trainkit.train", *overrides,
+                                        f"hydra.run.dir={run_dir}"])
+        except SystemExit as failure:  # the other measurements still run
+            return {"failed": str(failure)}
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
     return {
         "command": "python -m trainkit.train " + " ".join(overrides),
@@ -120,7 +110,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        result = {"benchmark": "gpu", "skipped": "CUDA is not available on this machine"}
+        reason = "CUDA is not available on this machine"
+        result = {"benchmark": "gpu", "skipped": reason, "rows": [row("gpu", None, reason, None)]}
     else:
         result = _measure(device, args)
     emit(result)
@@ -130,7 +121,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _measure(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
-    sys.path.insert(0, str(REPO))
     from torch.utils.data import TensorDataset
 
     from tests.fakes import write_fake_cifar10
@@ -198,7 +188,7 @@ def _measure(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
         by_precision[mode] = {
             "train_samples_per_s": _timed(lambda: resident, n_batches, device,
                                           precision_step(mode)),
-            "peak_allocated_gib": _peak_gib(device),
+            "peak_allocated_gib": memory_stats(device).get("cuda_peak_allocated_gib"),
         }
     result["precision"] = by_precision
     result["shaped_run"] = shaped

@@ -61,8 +61,9 @@ import json, math, sys
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 run, precision = sys.argv[1], sys.argv[2]
 summary = json.load(open(f"{run}/summary.json"))
-tags = EventAccumulator(f"{run}/tb").Reload().Tags()["scalars"]
-losses = [e.value for e in EventAccumulator(f"{run}/tb").Reload().Scalars("train/loss")]
+events = EventAccumulator(f"{run}/tb").Reload()
+tags = events.Tags()["scalars"]
+losses = [e.value for e in events.Scalars("train/loss")]
 assert summary["status"] == "completed", summary
 assert all(math.isfinite(v) for v in losses), losses
 assert summary["skipped_steps"] < summary["global_step"] // 2, summary  # overflows: a few

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -26,7 +25,6 @@ import torch
 
 from benchmarks.common import row
 
-REPO = Path(__file__).resolve().parent.parent
 # name -> (image size, crop padding, flip)
 AUGMENT = {"mnist": (28, 2, False), "cifar10": (32, 4, True)}
 
@@ -129,7 +127,6 @@ def bench(name: str, root: str, *, batch_size: int, batches: int, repeats: int,
 def make_data(root: Path, quick: bool) -> str:
     """Generated MNIST and CIFAR-10 files in the real formats (throughput does not depend on
     the pixel values)."""
-    sys.path.insert(0, str(REPO))
     from tests.fakes import write_fake_cifar10, write_fake_mnist
 
     n = 512 if quick else 10_000

@@ -18,35 +18,21 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import alternate, emit, median, ratio, row
+from benchmarks.common import alternate, emit, median, ratio, row, run_process
 
-REPO = Path(__file__).resolve().parent.parent
 GOAL_SECONDS, GOAL_SPEEDUP, GOAL_ACC = 12.0, 5.0, 0.990
-
-
-def _run(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
-    """Seconds the whole command takes, and its stdout; a failure stops the benchmark."""
-    start = time.perf_counter()
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]  # the error's line
-        raise SystemExit(f"{' '.join(cmd[:4])} failed: {last[:1000]}")
-    return seconds, result.stdout
 
 
 def run_trainkit(data_root: str, run_dir: Path, extra: list[str]) -> dict[str, float]:
     env = dict(os.environ, TRAINKIT_DATA_DIR=data_root)
     cmd = [sys.executable, "-m", "trainkit.train", "+exp=mnist", f"hydra.run.dir={run_dir}",
            *extra]
-    seconds, _ = _run(cmd, env)
+    seconds, _ = run_process(cmd, env)
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"process_s": seconds, "train_s": summary["wall_time_s"],
             "val_acc": summary["metrics"]["val/acc"]}
@@ -54,7 +40,7 @@ def run_trainkit(data_root: str, run_dir: Path, extra: list[str]) -> dict[str, f
 
 def run_classic(data_root: str, extra: list[str]) -> dict[str, float]:
     cmd = [sys.executable, "-m", "benchmarks.classic_mnist", "--data-root", data_root, *extra]
-    seconds, stdout = _run(cmd, dict(os.environ))
+    seconds, stdout = run_process(cmd)
     return {"process_s": seconds, **json.loads(stdout.strip().splitlines()[-1])}
 
 
@@ -69,7 +55,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trainkit_extra: list[str] = []
         classic_extra: list[str] = []
         if args.quick:
-            sys.path.insert(0, str(REPO))
             from tests.fakes import write_fake_mnist
 
             data_root = str(write_fake_mnist(Path(tmp) / "data"))

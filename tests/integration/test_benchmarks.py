@@ -137,7 +137,7 @@ def test_gpu_quick_runs_its_code_on_the_cpu(tmp_path: Path) -> None:
 
 def test_runner_quick_writes_json_and_table(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
-    # mnist_e2e is covered above; here the runner's aggregation, and the missing-module slot.
+    # mnist_e2e is covered above; here the runner's aggregation.
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--only", "overhead,loaders,checkpoint",
          "--out", str(out)],
