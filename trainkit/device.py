@@ -83,18 +83,7 @@ def move_to_device(batch: T, device: torch.device | str) -> T:
         >>> move_to_device({"x": torch.ones(2), "id": "a"}, "cpu")["id"]
         'a'
     """
-    device = device if isinstance(device, torch.device) else torch.device(device)
-    if type(batch) in (tuple, list) and _all_on(batch, device):
-        return batch  # the common case, checked first: this runs every step
-    return _move(batch, device)
-
-
-def _all_on(tensors: tuple | list, device: torch.device) -> bool:
-    """Whether every item is a tensor already on ``device``."""
-    for t in tensors:  # noqa: SIM110 -- a plain loop is cheaper than all() over a generator
-        if not isinstance(t, torch.Tensor) or t.device != device:
-            return False
-    return True
+    return _move(batch, device if isinstance(device, torch.device) else torch.device(device))
 
 
 def _move(obj: Any, device: torch.device) -> Any:

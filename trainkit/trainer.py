@@ -10,6 +10,7 @@ always names the same position in the data.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -123,7 +124,6 @@ class Trainer:
         self._background = (  # checkpoint.async_save: writes leave the training thread
             AsyncCheckpointWriter(self.checkpoints)
             if self.checkpoints is not None and self.checkpoint_config.async_save else None)
-        self._manifest = manifest(self.run_config)
         self._saved_at: tuple[int, float] = (-1, time.monotonic())  # (step, time) of last save
 
     # -- public -------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ class Trainer:
         bar = out.progress.enabled
         meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
-        vote = StepVote(stop=lambda: preemption.received is not None, save_due=self._time_due)
+        vote = StepVote(stop=lambda: preemption.requested, save_due=self._time_due)
         agree = vote.nonfinite if vote.active else None
         while not done and state.epoch < cfg.max_epochs:
             set_epoch(data, state.epoch, state.batch_in_epoch)
@@ -325,9 +325,9 @@ class Trainer:
                     check_finite=check_finite, agree=agree,
                 )
                 self._count(result, parts, len(window), per_epoch)
-                meter.add(result.samples, None if not result.finite else
-                          result.loss if result.value is None else result.value,
-                          result.grad_norm)
+                # the loss as a number when the NaN check already read it: no second sync
+                loss = result.loss if result.value is None else result.value
+                meter.add(result.samples, loss if result.finite else None, result.grad_norm)
                 if bar:
                     out.progress.step()
                 if state.global_step % log_every == 0 or (
@@ -375,7 +375,7 @@ class Trainer:
         state.nonfinite_steps += 1
         state.nonfinite_streak += 1
         log.warning("step %d: loss is %s; step skipped (%d in a row)", state.global_step,
-                    float(result.loss), state.nonfinite_streak)
+                    result.value, state.nonfinite_streak)
         if state.nonfinite_streak >= self.config.nonfinite_patience:
             saved = (f"the last checkpoint, {self.checkpoints.last}, is from step "
                      f"{self._saved_at[0]} and intact"
@@ -430,6 +430,11 @@ class Trainer:
         return False
 
     # -- internals ----------------------------------------------------------------------------
+
+    @functools.cached_property
+    def _manifest(self) -> dict[str, Any]:
+        """What produced this run, for its checkpoints: made at the first save (it runs git)."""
+        return manifest(self.run_config)
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.runtime.device)
