@@ -1,15 +1,41 @@
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.fakes import write_fake_cifar10, write_fake_mnist
+from trainkit.signals import PREEMPTION_SIGNALS
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def hear_preemption_signals() -> None:
+    """Undo inherited SIG_IGNs: ``nohup`` ignores SIGHUP and a shell's background job SIGINT, and
+    trainkit rightly leaves an ignored signal ignored. For a child the signal tests start (its
+    ``preexec_fn``), so that it hears them as when started from a terminal."""
+    for signum in PREEMPTION_SIGNALS:
+        if signal.getsignal(signum) is signal.SIG_IGN:
+            default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+            signal.signal(signum, default)
+
+
+@contextlib.contextmanager
+def preemption_signals_heard() -> Iterator[None]:
+    """:func:`hear_preemption_signals` in this process for a block, then as it was."""
+    before = {signum: signal.getsignal(signum) for signum in PREEMPTION_SIGNALS}
+    hear_preemption_signals()
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 @pytest.fixture(scope="session")

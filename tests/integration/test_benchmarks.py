@@ -158,8 +158,8 @@ def test_runner_reports_a_failed_benchmark_and_runs_the_others(tmp_path: Path) -
     # The full MNIST benchmark needs the real files: an empty data dir fails it at once (offline).
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--only", "mnist_e2e,gpu", "--out", str(out)],
-        cwd=REPO, env=offline_env(TRAINKIT_DATA_DIR=str(tmp_path)), capture_output=True,
-        text=True, timeout=300)
+        cwd=REPO, env=offline_env(TRAINKIT_DATA_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES=""),
+        capture_output=True, text=True, timeout=300)  # no GPU: gpu skips at once
     assert proc.returncode == 1, proc.stderr[-2000:]
     results = json.loads(out.read_text())
     assert "MNIST not found" in results["benchmarks"]["mnist_e2e"]["failed"]
@@ -169,9 +169,13 @@ def test_runner_reports_a_failed_benchmark_and_runs_the_others(tmp_path: Path) -
                for line in proc.stdout.splitlines())
 
 
-def test_table_marks_skipped_and_missed_goals() -> None:
+def test_table_marks_skipped_failed_and_missed_goals() -> None:
     text = table([
         {"name": "a", "value": 0.5, "unit": "x", "goal": ">= 1", "met": False},
         {"name": "b", "value": None, "unit": "x", "goal": "> 1", "met": None},
+        {"name": "c", "value": None, "unit": "x", "goal": "(failed)", "met": False},
     ])
-    assert "NO" in text and "skipped" in text
+    a, b, c = (line.split() for line in text.splitlines()[1:])
+    assert a[1] == "0.500x" and a[-1] == "NO"
+    assert b[1] == "skipped" and b[-1] == "-"
+    assert c[1] == "failed" and c[-1] == "NO"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, offline_env, run_train, tiny_run
+from tests.conftest import REPO, hear_preemption_signals, offline_env, run_train, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +44,14 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path) -> 
     return run_dir
 
 
-def _start(run_dir: Path, mnist_root: Path, *extra: str, **popen) -> subprocess.Popen:
+def _start(run_dir: Path, mnist_root: Path, *extra: str) -> subprocess.Popen:
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = open(run_dir.parent / f"{run_dir.name}.out", "ab")  # noqa: SIM115 (child owns it)
-    return subprocess.Popen(
-        [sys.executable, "-m", "trainkit.train", *tiny_run(run_dir, mnist_root, *COMMON, *extra)],
-        cwd=REPO, env=offline_env(), stdout=out, stderr=subprocess.STDOUT,
-        # A run started under nohup inherits an ignored SIGHUP, which trainkit rightly keeps
-        # ignored; the signal tests start the run as a terminal would.
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL), **popen)
+    with open(run_dir.parent / f"{run_dir.name}.out", "ab") as out:  # the child has its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainkit.train",
+             *tiny_run(run_dir, mnist_root, *COMMON, *extra)],
+            cwd=REPO, env=offline_env(), stdout=out, stderr=subprocess.STDOUT,
+            preexec_fn=hear_preemption_signals)  # as started from a terminal
 
 
 def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, timeout: float = 120) -> None:

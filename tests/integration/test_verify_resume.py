@@ -41,10 +41,10 @@ def test_resuming_is_bit_exact(tmp_path: Path, mnist_root: Path, cifar_root: Pat
     assert state["global_step"] == 8
 
 
-def _state(step: int, weight: float, rng: int) -> dict:
+def _state(step: int, weight: float, rng: int, host: str = "a") -> dict:
     return {"model": {"w": torch.full((2,), weight)}, "optimizer": {"state": {}},
             "global_step": step, "rng": {"torch": torch.tensor([rng])},
-            "manifest": {"host": str(weight)}}
+            "manifest": {"host": host}}
 
 
 def _write(root: Path, stop: dict, end: dict) -> Path:
@@ -56,7 +56,7 @@ def _write(root: Path, stop: dict, end: dict) -> Path:
 def test_report_tells_a_lost_state_from_a_nondeterministic_run(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     straight = _write(tmp_path / "a", _state(3, 1.0, 7), _state(10, 2.0, 9))
-    same = _write(tmp_path / "b", _state(3, 1.0, 7), _state(10, 2.0, 9))
+    same = _write(tmp_path / "b", _state(3, 1.0, 7, "b"), _state(10, 2.0, 9, "b"))
     assert _report(straight, same, 3, 10) == 0
     assert "OK" in capsys.readouterr().out  # the manifest differs, but names no state
 

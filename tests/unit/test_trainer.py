@@ -3,10 +3,8 @@ preemption by real signals, time-based saves."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,9 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.conftest import preemption_signals_heard
 from trainkit import CheckpointConfig, Trainer, TrainerConfig, load_checkpoint, seed_everything
 from trainkit.data import InMemoryLoader
 from trainkit.datasets import TensorData
+from trainkit.errors import TrainkitError
 from trainkit.trainer import NonFiniteLossError
 
 
@@ -136,16 +136,16 @@ def test_best_checkpoint_is_kept_apart_from_the_rotation(tmp_path: Path, mode: s
 
 def test_unknown_monitor_names_the_metrics(tmp_path: Path) -> None:
     model = _model()
-    with pytest.raises(Exception, match=r"checkpoint.monitor='val/acc'.*val/loss"):
+    with pytest.raises(TrainkitError, match=r"checkpoint.monitor='val/acc'.*val/loss"):
         _trainer(tmp_path, monitor="val/acc").fit(model, _sgd(model), _batches(2),
                                                   val_data=_batches(1))
 
 
-def _loader(seed: int = 0) -> InMemoryLoader:
+def _loader() -> InMemoryLoader:
     g = torch.Generator().manual_seed(3)
     data = TensorData(torch.randint(0, 255, (96, 1, 4, 4), dtype=torch.uint8, generator=g),
                       torch.randint(0, 3, (96,), generator=g), (0.5,), (0.25,), 3)
-    return InMemoryLoader(data, 8, shuffle=True, seed=seed)
+    return InMemoryLoader(data, 8, shuffle=True, seed=0)
 
 
 def _signal_at(call: int, *signums: int):
@@ -164,23 +164,11 @@ def _signal_at(call: int, *signums: int):
     return forward
 
 
-@contextlib.contextmanager
-def _heard(signum: int) -> Iterator[None]:
-    """Undo an inherited SIG_IGN (pytest run under nohup ignores SIGHUP, and trainkit rightly
-    leaves an ignored signal ignored) for the test's duration."""
-    before = signal.getsignal(signum)
-    if before is signal.SIG_IGN:
-        signal.signal(signum, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        signal.signal(signum, before)
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1],
+                         ids=lambda signum: signum.name)
 def test_a_signal_stops_after_the_step_and_resume_is_bit_exact(tmp_path: Path,
                                                                signum: int) -> None:
-    with _heard(signum):
+    with preemption_signals_heard():
         _stop_and_resume(tmp_path, signum)
 
 
@@ -225,7 +213,7 @@ def test_an_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
 
 def test_a_second_signal_aborts_at_once(tmp_path: Path) -> None:
     model = _model()
-    with pytest.raises(KeyboardInterrupt):
+    with preemption_signals_heard(), pytest.raises(KeyboardInterrupt):
         _trainer(tmp_path, max_epochs=2).fit(
             model, _sgd(model), _loader(), forward=_signal_at(3, signal.SIGTERM, signal.SIGINT))
     assert not (tmp_path / "checkpoints" / "last.pt").exists()
