@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.fakes import write_fake_cifar10, write_fake_mnist
 from trainkit.signals import PREEMPTION_SIGNALS
@@ -36,6 +37,19 @@ def preemption_signals_heard() -> Iterator[None]:
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+def last_checkpoint(run_dir: Path) -> dict:
+    """``<run_dir>/checkpoints/last.pt``, loaded as users are told to load it."""
+    return torch.load(Path(run_dir) / "checkpoints" / "last.pt", map_location="cpu",
+                      weights_only=True)
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """The same tensor names with bitwise equal values."""
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
 
 
 @pytest.fixture(scope="session")

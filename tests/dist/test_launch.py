@@ -15,7 +15,6 @@ import torch
 from tests.conftest import REPO, offline_env
 from tests.dist.nets import rank_sum
 from tests.fakes import write_fake_mnist
-from trainkit import env
 from trainkit.launch import launch, torchrun_command
 
 
@@ -48,13 +47,6 @@ def test_launcher_rejects_bad_counts_in_one_line() -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip() == "trainkit: the number of processes must be >= 1, got 0"
     assert torchrun_command(["a=1"], nproc=3)[-3:] == ["-m", "trainkit.train", "a=1"]
-
-
-def test_env_report_lists_torchrun_and_slurm_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    monkeypatch.setenv("SLURM_NODEID", "3")
-    seen = env.collect()["distributed_env"]
-    assert seen["TORCHELASTIC_RESTART_COUNT"] == "1" and seen["SLURM_NODEID"] == "3"
 
 
 def _launch_two(tmp_path: Path, *extra: str) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torchmetrics.classification import MulticlassAccuracy
 
-from tests.conftest import REPO, offline_env, run_train
+from tests.conftest import REPO, assert_same_weights, last_checkpoint, offline_env, run_train
 from tests.dist.nets import FlatNet
 from tests.fakes import write_fake_mnist
 from trainkit import InMemoryLoader, Trainer, TrainerConfig, load_mnist
@@ -59,8 +59,7 @@ def only_run_dir(outputs: Path, proc: subprocess.CompletedProcess[str]) -> Path:
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu",
-                      weights_only=True)["model"]
+    return last_checkpoint(run_dir)["model"]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +86,7 @@ def test_two_ranks_write_one_run_and_train_like_one_process_with_twice_the_batch
     assert "global batch 32 = batch 16 x accumulate 1 x world size 2" in (
         run / "train.log").read_text()
     # each rank draws its own random numbers (dropout masks), saved apart for exact resumes
-    rng0, rng1 = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["rng_per_rank"]
+    rng0, rng1 = last_checkpoint(run)["rng_per_rank"]
     assert not torch.equal(rng0["torch"], rng1["torch"])
 
     single = run_train(*overrides(tmp_path / "outputs", data_root, batch=32))
@@ -128,7 +127,7 @@ def test_sigterm_to_one_rank_stops_both_at_one_step_with_one_checkpoint(
     assert summary["status"] == "preempted" and summary["global_step"] == 3
     ckpts = run / "checkpoints"
     assert [p.name for p in ckpts.glob("step_*.pt")] == ["step_000000003.pt"]
-    last = torch.load(ckpts / "last.pt", map_location="cpu", weights_only=True)
+    last = last_checkpoint(run)
     assert last["global_step"] == 3 and len(last["rng_per_rank"]) == 2
 
 
@@ -144,9 +143,7 @@ def test_killed_worker_restarts_the_group_which_resumes_to_the_same_weights(
     assert "at step 2 (epoch 0, batch 2)" in log, log[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["global_step"] == STEPS
-    got, expected = weights(run), weights(two_ranks)
-    for name in got:
-        assert torch.equal(got[name], expected[name]), name
+    assert_same_weights(weights(run), weights(two_ranks))
 
 
 def test_a_failure_on_one_rank_ends_the_job_with_its_one_line_error(

@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, hear_preemption_signals, offline_env, run_train, tiny_run
+from tests.conftest import (
+    REPO,
+    assert_same_weights,
+    hear_preemption_signals,
+    last_checkpoint,
+    offline_env,
+    run_train,
+    tiny_run,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -25,15 +33,8 @@ COMMON = ("trainer.max_epochs=40", "trainer.accumulate_grad_batches=2",
           "trainer.eval_every_n_epochs=40")
 
 
-def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
-
-
 def _assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = _weights(a), _weights(b)
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        assert torch.equal(wa[key], wb[key]), key
+    assert_same_weights(last_checkpoint(a)["model"], last_checkpoint(b)["model"])
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +85,7 @@ def test_signal_saves_stops_and_the_same_command_resumes_bit_exactly(
     assert summary["status"] == "preempted"
     stopped_at = summary["global_step"]
     assert 0 < stopped_at < 320
-    assert torch.load(run_dir / "checkpoints" / "last.pt",
-                      weights_only=True)["global_step"] == stopped_at
+    assert last_checkpoint(run_dir)["global_step"] == stopped_at
     assert signal.Signals(signum).name in (run_dir / "train.log").read_text()
 
     resumed = run_train(*tiny_run(run_dir, mnist_root, *COMMON, *extra))

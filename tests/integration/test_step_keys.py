@@ -9,16 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_train, tiny_run
+from tests.conftest import assert_same_weights, last_checkpoint, run_train, tiny_run
 
 pytestmark = pytest.mark.slow
 
 STEP_KEYS = ("trainer.precision=bf16-mixed", "trainer.accumulate_grad_batches=3",
              "trainer.gradient_clip_val=0.5", "trainer.ema_decay=0.9", "trainer.max_steps=4")
-
-
-def _checkpoint(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
 
 
 def test_step_keys_reach_the_step_and_checkpointing_changes_no_number(
@@ -32,12 +28,11 @@ def test_step_keys_reach_the_step_and_checkpointing_changes_no_number(
     assert "global batch 96 = batch 32 x accumulate 3" in first.stdout
     summary = json.loads((plain / "summary.json").read_text())
     assert summary["global_step"] == 4 and summary["skipped_steps"] == 0
-    a, b = _checkpoint(plain), _checkpoint(wrapped)
+    a, b = last_checkpoint(plain), last_checkpoint(wrapped)
     assert a["precision"]["mode"] == "bf16-mixed" and a["ema"]["updates"] == 4
     assert a["trainer"]["batch_in_epoch"] == 12  # 4 windows of 3 batches
     # recomputing the features block in backward changes no weight and no batch-norm statistic
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
+    assert_same_weights(a["model"], b["model"])
 
 
 def test_compiled_and_eager_runs_agree_and_save_the_same_keys(
@@ -48,7 +43,7 @@ def test_compiled_and_eager_runs_agree_and_save_the_same_keys(
     result = run_train(*tiny_run(compiled, mnist_root, *common, "trainer.compile=true"),
                        timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    a, b = _checkpoint(eager)["model"], _checkpoint(compiled)["model"]
+    a, b = last_checkpoint(eager)["model"], last_checkpoint(compiled)["model"]
     assert a.keys() == b.keys()  # no "_orig_mod." prefixes
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=1e-4)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import offline_env, run_train, tiny_run
+from tests.conftest import assert_same_weights, last_checkpoint, offline_env, run_train, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -80,17 +80,14 @@ def test_rerun_in_same_dir_resumes_and_matches_an_uninterrupted_run(
     second = run_train(*tiny_run(resumed, mnist_root, *common, "trainer.max_steps=20"))
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from" in second.stdout and "at step 11" in second.stdout
-    a = torch.load(straight / "checkpoints" / "last.pt", weights_only=True)["model"]
-    b = torch.load(resumed / "checkpoints" / "last.pt", weights_only=True)["model"]
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    b = last_checkpoint(resumed)["model"]
+    assert_same_weights(last_checkpoint(straight)["model"], b)
     # once more: the run is finished, nothing trains, and the summary still reports metrics
     third = run_train(*tiny_run(resumed, mnist_root, *common, "trainer.max_steps=20"))
     assert third.returncode == 0, third.stderr[-2000:]
     summary = json.loads((resumed / "summary.json").read_text())
     assert summary["global_step"] == 20 and "val/acc" in summary["metrics"]
-    again = torch.load(resumed / "checkpoints" / "last.pt", weights_only=True)["model"]
-    assert all(torch.equal(again[k], b[k]) for k in b)
+    assert_same_weights(last_checkpoint(resumed)["model"], b)
 
 
 def test_multirun_sweeps_learning_rates(tmp_path: Path, mnist_root: Path) -> None:

@@ -3,7 +3,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
+
+from trainkit import env
 
 
 def _env(*args: str) -> subprocess.CompletedProcess[str]:
@@ -38,3 +41,10 @@ def test_unavailable_device_is_one_line_and_nonzero() -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "CUDA is not available" in lines[0]
+
+
+def test_report_lists_torchrun_and_slurm_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("SLURM_NODEID", "3")
+    seen = env.collect()["distributed_env"]
+    assert seen["TORCHELASTIC_RESTART_COUNT"] == "1" and seen["SLURM_NODEID"] == "3"
