@@ -58,7 +58,8 @@ def apply_activation_checkpointing(model: nn.Module, selectors: Sequence[str]) -
     unknown = wanted - matched
     if unknown:
         raise ConfigError(_no_match(model, sorted(unknown)))
-    log.info("activation checkpointing: %s", _describe(model, wrapped))
+    if wrapped:
+        log.info("activation checkpointing: %s", _describe(model, wrapped))
     return wrapped
 
 
@@ -68,7 +69,7 @@ def _no_match(model: nn.Module, unknown: list[str]) -> str:
     paths = [name for name, _ in model.named_children()]
     head = f"trainer.activation_checkpointing: {unknown} match nothing in {type(model).__name__}"
     tail = f"; its paths: {', '.join(paths)}; classes: {', '.join(classes)}"
-    return head + (tail if len(head + tail) <= 200 else tail[: 196 - len(head)] + " ...")
+    return head + (tail if len(head + tail) <= 200 else tail[: max(0, 196 - len(head))] + " ...")
 
 
 def _describe(model: nn.Module, wrapped: list[str]) -> str:

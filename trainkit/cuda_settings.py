@@ -31,11 +31,22 @@ def apply_cuda_settings(device: torch.device, *, cudnn_benchmark: bool, tf32: bo
     """
     if device.type != "cuda":
         return ""
-    torch.cuda.set_device(device)
+    use_device(device)
     benchmark = set_backend_flags(cudnn_benchmark=cudnn_benchmark, tf32=tf32)
     why = " (deterministic algorithms are on)" if cudnn_benchmark and not benchmark else ""
     return (f"cuDNN benchmark {'on' if benchmark else 'off'}{why}, "
             f"TF32 {'on' if tf32 else 'off'}")
+
+
+def use_device(device: torch.device) -> None:
+    """Make a CUDA ``device`` the current one; nothing for other devices.
+
+    Call it before anything touches CUDA: what follows the current device (pinned host memory,
+    the DataLoader's pinning thread, streams and events made without a device) then lands on
+    the run's GPU, and no context is made on ``cuda:0`` for a run on ``cuda:1``.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def set_backend_flags(*, cudnn_benchmark: bool, tf32: bool) -> bool:

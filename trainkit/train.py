@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainkit import distributed
 from trainkit.config import TrainConfig
+from trainkit.cuda_settings import use_device
 from trainkit.data import build_loaders
 from trainkit.errors import TrainkitError
 from trainkit.logging import setup_logging
@@ -51,6 +52,7 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
     """
     settings: TrainConfig = OmegaConf.to_object(cfg)  # type checks done; ranges checked here
     runtime = Runtime.from_env(settings.trainer.device)
+    use_device(runtime.device)  # current before anything touches CUDA (also cuda:1 alone)
     distributed.init_process_group(runtime)  # backend by device: gloo for cpu, NCCL for cuda
     log = setup_logging(run_dir, runtime.is_main)
     seed_everything(settings.trainer.seed)
