@@ -6,9 +6,12 @@ forward is patched, not wrapped), so state_dict keys are unchanged.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,16 +19,20 @@ from torch.utils.checkpoint import checkpoint
 
 from trainkit.errors import ConfigError
 
+log = logging.getLogger("trainkit")
+
 
 def apply_activation_checkpointing(model: nn.Module, selectors: Sequence[str]) -> list[str]:
     """Checkpoint every submodule whose class name or qualified name is in ``selectors``.
 
     A selector matches a class name (``"Block"``, ``"TransformerEncoderLayer"``) or a module
-    path from ``model.named_modules()`` (``"layers.3"``). Uses non-reentrant checkpointing, which
-    works with autocast, ``no_sync`` accumulation and DDP. Returns the names of the wrapped modules.
+    path from ``model.named_modules()`` (``"layers.3"``, ``"features"``). Uses non-reentrant
+    checkpointing, which works with autocast, ``no_sync`` accumulation, DDP and
+    ``torch.compile``. Logs one line saying what was wrapped; returns the wrapped modules' names.
 
     Raises:
-        ConfigError: a selector matched nothing (a typo would otherwise silently save no memory).
+        ConfigError: a selector matched nothing (a typo would otherwise silently save no memory);
+            the message lists the model's module classes and top-level paths.
 
     Example:
         >>> apply_activation_checkpointing(model, ["TransformerEncoderLayer"])  # doctest: +SKIP
@@ -45,18 +52,48 @@ def apply_activation_checkpointing(model: nn.Module, selectors: Sequence[str]) -
             matched |= keys
             continue
         if "forward" not in vars(module):  # not patched yet
-            module.forward = functools.partial(
-                checkpoint, module.forward, use_reentrant=False,
-                context_fn=functools.partial(_contexts, module))
+            module.forward = functools.partial(_checkpointed, module, module.forward)
         matched |= keys
         wrapped.append(name)
     unknown = wanted - matched
     if unknown:
-        raise ConfigError(
-            f"trainer.activation_checkpointing: {sorted(unknown)} match no module class or name "
-            "in the model; use class names (e.g. 'Block') or paths from model.named_modules()"
-        )
+        raise ConfigError(_no_match(model, sorted(unknown)))
+    if wrapped:
+        log.info("activation checkpointing: %s", _describe(model, wrapped))
     return wrapped
+
+
+def _no_match(model: nn.Module, unknown: list[str]) -> str:
+    """One line (<= 200 characters) naming what the model offers to select instead."""
+    classes = list(dict.fromkeys(type(m).__name__ for n, m in model.named_modules() if n))
+    paths = [name for name, _ in model.named_children()]
+    head = f"trainer.activation_checkpointing: {unknown} match nothing in {type(model).__name__}"
+    tail = f"; its paths: {', '.join(paths)}; classes: {', '.join(classes)}"
+    return head + (tail if len(head + tail) <= 200 else tail[: max(0, 196 - len(head))] + " ...")
+
+
+def _describe(model: nn.Module, wrapped: list[str]) -> str:
+    """``"3 modules recomputed in backward: Block x3 (layers.0, layers.1, layers.2)"``."""
+    modules = dict(model.named_modules())
+    counts = collections.Counter(type(modules[name]).__name__ for name in wrapped)
+    classes = ", ".join(f"{cls} x{n}" for cls, n in counts.items())
+    paths = wrapped if len(wrapped) <= 4 else [*wrapped[:2], "...", wrapped[-1]]
+    plural = "" if len(wrapped) == 1 else "s"
+    return f"{len(wrapped)} module{plural} recomputed in backward: {classes} ({', '.join(paths)})"
+
+
+def _checkpointed(module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """``forward`` under non-reentrant checkpointing, batch-norm statistics updated once.
+
+    Eager: the recomputation in backward runs the block's batch-norm layers again, so it runs
+    under :func:`_norm_stats_frozen`. Under ``torch.compile`` a ``context_fn`` must be a pair of
+    TorchDispatchModes, and none is needed: the compiled graph applies buffer mutations once, in
+    the forward, and the backward recomputes only what the gradients need.
+    """
+    if torch.compiler.is_compiling():
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=functools.partial(_contexts, module), **kwargs)
 
 
 def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager[None], ...]:

@@ -32,9 +32,9 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
     ``reuse``: an earlier snapshot no longer needed; its tensors that match in shape, dtype and
     strides are written into instead of allocated (4x faster on the CPU here, and for
     CUDA tensors the pinned memory they land in is allocated once). CUDA tensors are copied
-    without waiting for each one, then the device is synchronised once.
+    without waiting for each one, then each GPU that held some is waited for once.
     """
-    from_cuda: list[bool] = []
+    from_cuda: set[torch.device] = set()
 
     def copy(obj: Any, old: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -42,7 +42,8 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
             fits = (isinstance(old, torch.Tensor) and old.shape == obj.shape
                     and old.dtype == obj.dtype and old.stride() == obj.stride())
             out = old if fits else torch.empty_like(obj, device="cpu", pin_memory=obj.is_cuda)
-            from_cuda.append(obj.is_cuda)
+            if obj.is_cuda:
+                from_cuda.add(obj.device)
             return out.copy_(obj, non_blocking=obj.is_cuda)
         if isinstance(obj, dict):
             olds = old if isinstance(old, dict) else {}
@@ -54,9 +55,24 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
         return obj
 
     copied = copy(state, reuse)
-    if any(from_cuda):
-        torch.cuda.synchronize()  # the non_blocking copies must land before the thread reads them
+    wait_for_copies(from_cuda)
     return copied
+
+
+def wait_for_copies(devices: set[torch.device]) -> None:
+    """Block until the copies queued on each of ``devices`` so far have landed.
+
+    A device-to-host copy runs on the current stream of the tensor's own GPU, whichever device
+    is current (ATen's copy_kernel_cuda guards to the source device), so an event recorded on
+    that stream after the copies covers them. Not ``torch.cuda.synchronize()``: without a
+    device it waits for the *current* one, cuda:0 unless set, and a run on cuda:1 would hand
+    the writer thread a half-copied snapshot; and unlike a device-wide synchronise, the event
+    does not wait for other streams' work (the prefetcher's next batch).
+    """
+    for device in devices:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
 
 
 class AsyncCheckpointWriter:

@@ -32,6 +32,8 @@ class TrainerConfig:
     seed: int = 0
     compile: bool = False
     channels_last: bool = False
+    cudnn_benchmark: bool = True  # CUDA: autotune convolution algorithms per input shape
+    tf32: bool = True  # CUDA, Ampere+: float32 matmuls and convolutions in TF32
     activation_checkpointing: list[str] = field(default_factory=list)
     log_every_n_steps: int = 50
     log_every_n_seconds: float = 60.0  # also log when this long passed (slow steps); 0: off
@@ -69,6 +71,8 @@ class TrainerConfig:
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ConfigError(f"trainer.ema_decay must be in (0, 1) or null, got {self.ema_decay}")
         _check_int("trainer.nonfinite_patience", self.nonfinite_patience, minimum=0)
+        _check_bool("trainer.cudnn_benchmark", self.cudnn_benchmark)
+        _check_bool("trainer.tf32", self.tf32)
         self.activation_checkpointing = list(self.activation_checkpointing)
 
 
@@ -154,6 +158,11 @@ def _check_int(key: str, value: Any, *, minimum: int) -> None:
         raise ConfigError(f"{key} must be an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+
+
+def _check_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -15,58 +15,86 @@ T = TypeVar("T")
 
 def available_devices() -> list[str]:
     """Names of the devices this process can use, e.g. ``["cpu", "cuda:0", "cuda:1"]``."""
-    names = ["cpu"]
-    if torch.cuda.is_available():
-        names += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    if _mps_available():
-        names.append("mps")
-    return names
+    return _device_names(_cuda_count(), _mps_available())
 
 
-def resolve_device(spec: str | torch.device = "auto", local_rank: int = 0) -> torch.device:
+def resolve_device(spec: str | torch.device = "auto", local_rank: int = 0,
+                   local_world_size: int = 1) -> torch.device:
     """Turn ``auto``/``cpu``/``cuda``/``cuda:N``/``mps`` into a usable ``torch.device``.
 
     ``auto`` prefers ``cuda:<local_rank>``, then ``mps``, then ``cpu``. ``cuda`` means
-    ``cuda:<local_rank>``, so one config serves every rank under torchrun.
+    ``cuda:<local_rank>``, so one config serves every rank under torchrun. ``cpu`` asks nothing
+    of CUDA, so a CPU job on a GPU machine creates no CUDA context.
 
     Raises:
-        TrainkitError: the device does not exist here; the message lists what does.
+        TrainkitError: the device does not exist here, or this rank has no GPU of its own;
+            the message lists what exists.
 
     Example:
         >>> resolve_device("cpu")
         device(type='cpu')
     """
     text = str(spec).strip().lower()
-    if text == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", local_rank % torch.cuda.device_count())
-        return torch.device("mps") if _mps_available() else torch.device("cpu")
+    if text == "cpu":
+        return torch.device("cpu")
+    return choose_device(text, local_rank, cuda_count=_cuda_count(), mps=_mps_available(),
+                         local_world_size=local_world_size)
+
+
+def choose_device(spec: str, local_rank: int, *, cuda_count: int, mps: bool,
+                  local_world_size: int = 1) -> torch.device:
+    """:func:`resolve_device`'s decision, from the facts it gathers (a pure function).
+
+    Args:
+        spec: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps`` (lower case).
+        local_rank: this process's rank on its node (torchrun's ``LOCAL_RANK``).
+        cuda_count: visible CUDA devices (0 without CUDA).
+        mps: whether Apple's MPS is usable.
+        local_world_size: processes on this node (torchrun's ``LOCAL_WORLD_SIZE``).
+
+    Raises:
+        TrainkitError: as :func:`resolve_device`. A rank beyond the visible GPUs is an error, not
+            a modulo: two ranks on one GPU would make NCCL fail (or share its memory silently).
+    """
+    names = ", ".join(_device_names(cuda_count, mps))
+    if spec == "auto":
+        if not cuda_count:
+            return torch.device("mps") if mps else torch.device("cpu")
+        spec = "cuda"
     try:
-        device = torch.device(text)
+        device = torch.device(spec)
     except RuntimeError:
         raise TrainkitError(
-            f"unknown device {spec!r}: use auto, cpu, cuda, cuda:N or mps "
-            f"(available here: {', '.join(available_devices())})"
+            f"unknown device {spec!r}: use auto, cpu, cuda, cuda:N or mps (available here: {names})"
         ) from None
     if device.type == "cuda":
-        if not torch.cuda.is_available():
+        if not cuda_count:
             raise TrainkitError(
-                f"device {spec!r} requested but CUDA is not available "
-                f"({_why_no_cuda()}); available here: {', '.join(available_devices())}. "
-                "Use trainer.device=auto or cpu, and run `python -m trainkit.env` for details"
+                f"device {spec!r} requested but CUDA is not available ({_why_no_cuda()}); "
+                f"available here: {names}. Use trainer.device=auto or cpu, and run "
+                "`python -m trainkit.env` for details"
+            )
+        if device.index is None and local_rank >= cuda_count:
+            raise TrainkitError(
+                f"LOCAL_RANK {local_rank} has no GPU: {cuda_count} visible; start at most "
+                f"{cuda_count} processes per node, set trainer.device=cpu, or, with one GPU per "
+                "process through CUDA_VISIBLE_DEVICES, trainer.device=cuda:0"
+            )
+        if device.index is not None and local_world_size > 1:
+            raise TrainkitError(
+                f"trainer.device={spec} would put all {local_world_size} processes of this node "
+                "on one GPU: use trainer.device=cuda (each rank its own, cuda:LOCAL_RANK)"
             )
         index = local_rank if device.index is None else device.index
-        if index >= torch.cuda.device_count():
+        if index >= cuda_count:
             raise TrainkitError(
-                f"device cuda:{index} requested but only {torch.cuda.device_count()} CUDA "
-                f"device(s) are visible; available here: {', '.join(available_devices())}"
+                f"device cuda:{index} requested but only {cuda_count} CUDA device(s) are "
+                f"visible; available here: {names}"
             )
         return torch.device("cuda", index)
-    if device.type == "mps" and not _mps_available():
-        raise TrainkitError(
-            f"device {spec!r} requested but MPS is not available; "
-            f"available here: {', '.join(available_devices())}"
-        )
+    if device.type == "mps" and not mps:
+        raise TrainkitError(f"device {spec!r} requested but MPS is not available; "
+                            f"available here: {names}")
     if device.type not in ("cpu", "cuda", "mps"):
         raise TrainkitError(f"unsupported device {spec!r}: use auto, cpu, cuda, cuda:N or mps")
     return device
@@ -127,6 +155,14 @@ def memory_stats(device: torch.device) -> dict[str, float]:
         "cuda_reserved_gib": torch.cuda.memory_reserved(device) / gib,
         "cuda_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
     }
+
+
+def _device_names(cuda_count: int, mps: bool) -> list[str]:
+    return ["cpu", *(f"cuda:{i}" for i in range(cuda_count)), *(["mps"] if mps else [])]
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _mps_available() -> bool:

@@ -73,8 +73,9 @@ def barrier() -> None:
 def init_process_group(runtime: Runtime, *, timeout_s: float | None = None) -> bool:
     """Join the process group torchrun's environment describes; a no-op in a single process.
 
-    Backend gloo on CPU, ``cpu:gloo,cuda:nccl`` on CUDA (each rank bound to ``cuda:LOCAL_RANK``
-    through ``device_id``). Returns True when this call created the group; pair it with
+    The backend follows ``runtime.device``: gloo on CPU (no CUDA context, no NCCL, even on a GPU
+    machine), ``cpu:gloo,cuda:nccl`` on CUDA (each rank bound to its own GPU through
+    ``device_id``). Returns True when this call created the group; pair it with
     :func:`shutdown`.
 
     Args:
@@ -92,6 +93,37 @@ def init_process_group(runtime: Runtime, *, timeout_s: float | None = None) -> b
     """
     if runtime.world_size <= 1 or not dist.is_available() or dist.is_initialized():
         return False
+    connect_store(runtime, timeout_s=timeout_s)
+    kwargs: dict[str, Any] = {"rank": runtime.rank, "world_size": runtime.world_size}
+    timeout = _timeout(timeout_s)
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    # torchrun's store outlives elastic restarts, and with it the keys through which the ranks of
+    # an earlier attempt published their addresses: a fresh prefix per attempt keeps a restarted
+    # group from dialling processes that no longer exist.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    kwargs["store"] = dist.PrefixStore(f"trainkit/attempt_{attempt}", _job_stores[0])
+    if runtime.device.type == "cuda":
+        torch.cuda.set_device(runtime.device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=runtime.device, **kwargs)
+    else:
+        dist.init_process_group("gloo", **kwargs)
+    return True
+
+
+def connect_store(runtime: Runtime, *, timeout_s: float | None = None) -> bool:
+    """Connect to the job's key-value store (once); False in a single process.
+
+    Enough to agree on a run directory (:func:`shared_run_dir`) before the config is read, so
+    the process group can wait for the device the config names.
+
+    Raises:
+        TrainkitError: ``WORLD_SIZE`` > 1 without the rendezvous variables torchrun sets.
+    """
+    if runtime.world_size <= 1 or not dist.is_available():
+        return False
+    if _job_stores:
+        return True
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise TrainkitError(
@@ -99,22 +131,14 @@ def init_process_group(runtime: Runtime, *, timeout_s: float | None = None) -> b
             "processes with torchrun (see docs/distributed.md), or set RANK, WORLD_SIZE, "
             "MASTER_ADDR and MASTER_PORT yourself"
         )
-    timeout_s = timeout_s if timeout_s is not None else float(os.environ.get(TIMEOUT_ENV, 0))
-    kwargs: dict[str, Any] = {"rank": runtime.rank, "world_size": runtime.world_size}
-    if timeout_s:
-        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-    store = _job_store(runtime, kwargs.get("timeout", datetime.timedelta(minutes=30)))
-    # torchrun's store outlives elastic restarts, and with it the keys through which the ranks of
-    # an earlier attempt published their addresses: a fresh prefix per attempt keeps a restarted
-    # group from dialling processes that no longer exist.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    kwargs["store"] = dist.PrefixStore(f"trainkit/attempt_{attempt}", store)
-    if runtime.device.type == "cuda":
-        torch.cuda.set_device(runtime.device)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=runtime.device, **kwargs)
-    else:
-        dist.init_process_group("gloo", **kwargs)
+    _job_store(runtime, _timeout(timeout_s) or datetime.timedelta(minutes=30))
     return True
+
+
+def _timeout(timeout_s: float | None) -> datetime.timedelta | None:
+    """``timeout_s``, else ``TRAINKIT_DIST_TIMEOUT_S``, as a timedelta; None: torch's default."""
+    seconds = timeout_s if timeout_s is not None else float(os.environ.get(TIMEOUT_ENV, 0))
+    return datetime.timedelta(seconds=seconds) if seconds else None
 
 
 def _job_store(runtime: Runtime, timeout: datetime.timedelta) -> dist.Store:
@@ -244,7 +268,7 @@ def shared_run_dir(run_dir: str | None = None) -> str | None:
     (its own on the first attempt); any rank passing None waits for rank 0's answer (when the
     store has none yet) or gets it. A single process gets ``run_dir`` back.
     """
-    if not is_distributed():
+    if not _job_stores:  # one process (connect_store made no store)
         return run_dir
     store = _job_stores[0]  # torchrun's store: outlives restarts
     if run_dir is not None:
@@ -254,7 +278,7 @@ def shared_run_dir(run_dir: str | None = None) -> str | None:
 
 def published_run_dir() -> str | None:
     """The run directory an earlier attempt of this torchrun job used, if any (no waiting)."""
-    if not is_distributed():
+    if not _job_stores:
         return None
     store = _job_stores[0]
     return store.get(_RUN_DIR_KEY).decode() if store.check([_RUN_DIR_KEY]) else None

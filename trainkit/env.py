@@ -17,6 +17,7 @@ import torch
 
 from trainkit.device import available_devices, resolve_device
 from trainkit.errors import TrainkitError
+from trainkit.precision import bf16_native
 
 # What torchrun sets for each worker, what SLURM sets for each task, and the knobs that change how
 # the backends connect (the usual suspects when a multi-node job hangs at start-up).
@@ -58,7 +59,7 @@ def collect() -> dict[str, Any]:
             info["cuda_devices"].append({
                 "index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
                 "memory_gib": round(p.total_memory / 2**30, 1),
-                "bf16": torch.cuda.is_bf16_supported(),
+                "bf16": bf16_native((p.major, p.minor), hip=bool(torch.version.hip)),
             })
     return info
 
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for d in info["cuda_devices"]:
         rows.append((f"  cuda:{d['index']}", f"{d['name']}, compute capability {d['capability']}, "
-                     f"{d['memory_gib']} GiB, bf16 {'yes' if d['bf16'] else 'no'}"))
+                     f"{d['memory_gib']} GiB, bf16 "
+                     f"{'yes' if d['bf16'] else 'no (emulated only: use 16-mixed)'}"))
     rows += [
         ("MPS available", info["mps_available"]),
         ("CPU cores / torch threads", f"{info['cpu_count']} / {info['torch_threads']}"),

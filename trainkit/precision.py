@@ -84,11 +84,28 @@ class Precision:
             self.scaler.load_state_dict(state["scaler"])
 
 
+def bf16_native(capability: tuple[int, int], *, hip: bool = False) -> bool:
+    """Whether a GPU of this compute capability runs bfloat16 natively: Ampere (8.0) and newer.
+
+    Not ``torch.cuda.is_bf16_supported()``: it also counts emulation, so pre-Ampere cards (V100
+    7.0, T4 7.5) would silently run a slow emulated bf16, and it asks the current device rather
+    than the run's. ROCm GPUs that torch supports (``hip``) run bf16 natively.
+
+    Example:
+        >>> bf16_native((7, 5)), bf16_native((8, 0))
+        (False, True)
+    """
+    return hip or tuple(capability) >= (8, 0)
+
+
 def _check_supported(mode: str, device: torch.device) -> None:
-    if mode == "bf16-mixed" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise TrainkitError(
-            f"bf16-mixed needs a GPU with bfloat16 support (compute capability 8.0+); "
-            f"{torch.cuda.get_device_name(device)} has none: use trainer.precision=16-mixed"
-        )
+    if mode == "bf16-mixed" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)  # of the run's device
+        if not bf16_native(capability, hip=bool(torch.version.hip)):
+            raise TrainkitError(
+                f"bf16-mixed needs a GPU with native bfloat16 (compute capability 8.0+); "
+                f"{device} ({torch.cuda.get_device_name(device)}) has "
+                f"{capability[0]}.{capability[1]}: use trainer.precision=16-mixed"
+            )
     if mode == "16-mixed" and device.type not in ("cuda", "cpu", "mps"):
         raise TrainkitError(f"16-mixed is not supported on {device.type}: use bf16-mixed or 32")

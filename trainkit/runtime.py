@@ -36,8 +36,15 @@ class Runtime:
 
     @classmethod
     def from_env(cls, device: str | torch.device = "auto") -> Runtime:
-        """Read rank and world size from torchrun's environment variables and pick the device."""
+        """Read rank and world size from torchrun's environment variables and pick the device.
+
+        Raises:
+            TrainkitError: ``device`` does not exist here, or, on CUDA, this rank has no GPU of
+                its own (more processes on the node than visible GPUs).
+        """
         rank = int(os.environ.get("RANK", 0))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         world_size = int(os.environ.get("WORLD_SIZE", 1))
-        return cls(resolve_device(device, local_rank), rank, local_rank, world_size)
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        return cls(resolve_device(device, local_rank, local_world_size), rank, local_rank,
+                   world_size)

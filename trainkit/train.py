@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainkit import distributed
 from trainkit.config import TrainConfig
+from trainkit.cuda_settings import use_device
 from trainkit.data import build_loaders
 from trainkit.errors import TrainkitError
 from trainkit.logging import setup_logging
@@ -51,6 +52,8 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
     """
     settings: TrainConfig = OmegaConf.to_object(cfg)  # type checks done; ranges checked here
     runtime = Runtime.from_env(settings.trainer.device)
+    use_device(runtime.device)  # current before anything touches CUDA (also cuda:1 alone)
+    distributed.init_process_group(runtime)  # backend by device: gloo for cpu, NCCL for cuda
     log = setup_logging(run_dir, runtime.is_main)
     seed_everything(settings.trainer.seed)
 
@@ -105,7 +108,7 @@ def main() -> None:
 
 
 def _join_ranks() -> list[str]:
-    """Under torchrun: join the process group and agree on one run directory before Hydra.
+    """Under torchrun: agree on one run directory before Hydra, through the job's store.
 
     Hydra names the run directory per process (``${now:...}`` differs between ranks), and makes
     it and ``.hydra/`` before the job starts. So rank 0 composes first and publishes its folder
@@ -113,10 +116,13 @@ def _join_ranks() -> list[str]:
     writing a ``.hydra/`` of their own. The store outlives elastic restarts: a restarted group
     finds the first attempt's folder there, and resumes from its checkpoints.
 
+    The process group is joined later, in :func:`train`, once the config names the device (and
+    so the backend: a ``trainer.device=cpu`` job on a GPU machine never touches CUDA).
+
     Returns the Hydra overrides that make this rank use the shared folder (none in one process).
     """
-    runtime = Runtime.from_env()
-    if not distributed.init_process_group(runtime):
+    runtime = Runtime.from_env("cpu")  # ranks only: the device is the config's to say
+    if not distributed.connect_store(runtime):
         return []
     run_dir = distributed.published_run_dir()  # set when this is an elastic restart
     if run_dir is None and not runtime.is_main:

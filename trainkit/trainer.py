@@ -28,6 +28,7 @@ from trainkit.activations import apply_activation_checkpointing
 from trainkit.async_checkpoint import AsyncCheckpointWriter
 from trainkit.checkpoint import CheckpointManager, check_config, load_checkpoint, manifest
 from trainkit.config import CheckpointConfig, TrainerConfig
+from trainkit.cuda_settings import apply_cuda_settings
 from trainkit.data.loaders import set_epoch
 from trainkit.device import memory_stats, move_to_device
 from trainkit.distributed import StepVote, barrier, unwrap
@@ -109,6 +110,8 @@ class Trainer:
         self.config = config or TrainerConfig()
         self.checkpoint_config = checkpoint or CheckpointConfig()
         self.runtime = runtime or Runtime.from_env(self.config.device)
+        self._cuda_text = apply_cuda_settings(  # "" off CUDA; said in the first log line
+            self.runtime.device, cudnn_benchmark=self.config.cudnn_benchmark, tf32=self.config.tf32)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.run_config = dict(run_config or {})
         self.precision = Precision(self.config.precision, self.runtime.device)
@@ -173,7 +176,8 @@ class Trainer:
         log.info("training %s on %s for %d steps (%d per epoch), precision %s, %s",
                  type(unwrap(model)).__name__, self.runtime.device, total_steps,
                  math.ceil(len(train_data) / cfg.accumulate_grad_batches), cfg.precision,
-                 _batch_text(train_data, cfg.accumulate_grad_batches, self.runtime.world_size))
+                 _batch_text(train_data, cfg.accumulate_grad_batches, self.runtime.world_size)
+                 + (f", {self._cuda_text}" if self._cuda_text else ""))
         out = Outputs(make_writer(self.run_dir, self.runtime.is_main),
                       StepMeter(self.runtime.device),
                       Progress(total_steps, self.state.global_step,

@@ -4,7 +4,9 @@ Trains your own config for a few steps twice -- once straight through, once stop
 (as a preemption would stop it) and resumed by the same command -- then compares the two final
 checkpoints bit for bit: weights, optimizer, scheduler, precision, EMA, RNG and loop state. When
 they differ it says where, and whether the difference was already there at the stop (the run
-itself is not deterministic) or appeared after the resume (something was not restored).
+itself is not deterministic) or appeared after the resume (something was not restored). The runs
+use deterministic algorithms (cuDNN, cuBLAS's workspace, ``torch.use_deterministic_algorithms``),
+so that on a GPU a mismatch is about resuming, not about the kernels.
 
 Exit status: 0 when the runs match bitwise, 1 when they differ, 2 on bad input.
 """
@@ -24,6 +26,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from trainkit.checkpoint import load_checkpoint
+from trainkit.cuda_settings import deterministic_algorithms
 from trainkit.errors import TrainkitError
 from trainkit.train import CONFIG_DIR, errors_as_one_line, train
 
@@ -64,11 +67,14 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         straight, resumed = work / "straight", work / "resumed"
         print(f"verify_resume: {args.steps} steps straight, then stopped at step {stop_at} "
-              f"and resumed; runs in {work}", flush=True)
-        train(cfg, straight)
-        if train(cfg, resumed, stop_at_step=stop_at)["status"] != "preempted":
-            raise TrainkitError(f"the run ended before step {stop_at}: lower --stop-at")
-        train(cfg, resumed)
+              f"and resumed, with deterministic algorithms; runs in {work}", flush=True)
+        # Deterministic kernels (cuDNN, cuBLAS, torch's own) for all three runs, set before CUDA
+        # is first used: a mismatch it reports is then about resuming, not about the kernels.
+        with deterministic_algorithms():
+            train(cfg, straight)
+            if train(cfg, resumed, stop_at_step=stop_at)["status"] != "preempted":
+                raise TrainkitError(f"the run ended before step {stop_at}: lower --stop-at")
+            train(cfg, resumed)
         return _report(straight / "checkpoints", resumed / "checkpoints", stop_at, args.steps)
     finally:
         if args.keep is None:

@@ -100,3 +100,14 @@ def test_snapshot_brings_cuda_tensors_to_the_cpu() -> None:
     weight.zero_()
     assert again["w"] is copied["w"]
     assert torch.equal(again["w"], 2 * torch.arange(1 << 20, dtype=torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_snapshot_waits_for_the_gpu_that_holds_the_tensors_not_the_current_one() -> None:
+    torch.cuda.set_device(0)  # current: cuda:0; the state lives on cuda:1
+    weight = torch.zeros(1 << 24, device="cuda:1")
+    for _ in range(100):  # milliseconds of queued work, then a 64 MiB copy after it
+        weight.add_(1)
+    copied = snapshot({"w": weight})["w"]
+    assert torch.equal(copied, torch.full((1 << 24,), 100.0))  # read at once, no other wait

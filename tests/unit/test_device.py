@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from trainkit.device import available_devices, move_to_device, resolve_device
+from trainkit.device import available_devices, choose_device, move_to_device, resolve_device
 from trainkit.errors import TrainkitError
 from trainkit.runtime import Runtime
 
@@ -99,3 +99,32 @@ def test_runtime_reads_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert (rt.rank, rt.local_rank, rt.world_size, rt.is_main) == (3, 1, 4, False)
     with pytest.raises(AttributeError):
         rt.rank = 0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("spec", "local_rank", "cuda_count", "expected"), [
+    ("auto", 0, 0, "cpu"),
+    ("auto", 1, 2, "cuda:1"),
+    ("cuda", 1, 2, "cuda:1"),
+    ("cuda:1", 0, 2, "cuda:1"),
+    ("cpu", 3, 2, "cpu"),  # a CPU job on a GPU machine stays on the CPU, whatever its rank
+])
+def test_device_choice_from_rank_and_visible_gpus(spec: str, local_rank: int, cuda_count: int,
+                                                  expected: str) -> None:
+    assert choose_device(spec, local_rank, cuda_count=cuda_count, mps=False) == \
+        torch.device(expected)
+
+
+@pytest.mark.parametrize("spec", ["auto", "cuda"])
+def test_more_ranks_than_gpus_is_one_line_not_a_modulo(spec: str) -> None:
+    with pytest.raises(TrainkitError) as info:  # rank 1 on a one-GPU machine: not cuda:0 again
+        choose_device(spec, 1, cuda_count=1, mps=False, local_world_size=2)
+    message = str(info.value)
+    assert message.startswith("LOCAL_RANK 1 has no GPU: 1 visible")
+    assert "trainer.device=cpu" in message and len(message) <= 200 and "\n" not in message
+
+
+def test_one_explicit_gpu_for_all_ranks_of_a_node_is_refused() -> None:
+    with pytest.raises(TrainkitError, match="all 2 processes of this node on one GPU"):
+        choose_device("cuda:0", 1, cuda_count=2, mps=False, local_world_size=2)
+    # one process per GPU through CUDA_VISIBLE_DEVICES (no torchrun on the node): fine
+    assert choose_device("cuda:0", 1, cuda_count=1, mps=False) == torch.device("cuda", 0)
