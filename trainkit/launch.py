@@ -12,9 +12,12 @@ function, from a script or a notebook. Both use torchrun's own machinery
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -85,8 +88,26 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # port 0: any free port
         max_restarts=max_restarts, start_method=start_method, monitor_interval=0.1,
     )
-    results = elastic_launch(config, _in_process_group)(fn, *args)
+    with _signal_handlers_restored():
+        results = elastic_launch(config, _in_process_group)(fn, *args)
     return [results[rank] for rank in sorted(results)]
+
+
+@contextlib.contextmanager
+def _signal_handlers_restored() -> Iterator[None]:
+    """Put back the signal handlers torch's agent replaces for the launch and never restores
+    (SIGTERM, SIGINT, SIGHUP, SIGQUIT): in a notebook kernel or a sweep they would outlive it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # the agent installs handlers only from the main thread
+        return
+    before = {signum: signal.getsignal(signum) for signum in signal.valid_signals()}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            # None: a handler not set from Python, which Python cannot set back
+            if handler is not None and signal.getsignal(signum) is not handler:
+                signal.signal(signum, handler)
 
 
 def _in_process_group(fn: Callable[..., Any], *args: Any) -> Any:

@@ -21,7 +21,9 @@ def setup_logging(run_dir: str | Path | None, is_main: bool = True) -> logging.L
     """Send trainkit's log lines to stdout and ``<run_dir>/train.log`` (rank 0 only).
 
     Idempotent per run directory, and it replaces handlers left by a previous run in the same
-    process (Hydra multirun, notebooks). Other ranks print warnings and errors only.
+    process (Hydra multirun, notebooks, sweeps): ``Trainer.fit`` calls it, so each run writes only
+    to its own ``train.log``, and ``run_dir=None`` to stdout alone. Other ranks print warnings and
+    errors only.
     """
     logger = logging.getLogger(LOGGER_NAME)
     logger.setLevel(logging.INFO)
@@ -71,12 +73,39 @@ def make_writer(run_dir: str | Path | None, is_main: bool = True) -> Any:
     return SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
 
 
+def in_notebook_kernel() -> bool:
+    """Whether this runs in a Jupyter kernel (IPython's ZMQ shell), not a terminal or a script."""
+    ipython = sys.modules.get("IPython")  # every kernel has imported it; never imported here
+    shell = ipython.get_ipython() if ipython is not None else None
+    return getattr(shell, "kernel", None) is not None  # only the kernel's shell has one
+
+
+def bar_kind(enabled: bool | None = None) -> str | None:
+    """Which progress bar this process can show: ``"notebook"``, ``"terminal"`` or None.
+
+    A widget in a Jupyter kernel with ipywidgets installed (tqdm's notebook frontend); a
+    carriage-return bar when stdout is a terminal; None -- log lines alone -- otherwise, e.g.
+    a kernel without ipywidgets, whose text output would keep every redraw of the bar.
+    ``enabled=False`` asks for none, ``True`` for one even where stdout is not a terminal.
+    """
+    if enabled is False:
+        return None
+    if in_notebook_kernel():
+        try:
+            import ipywidgets  # noqa: F401  (tqdm.notebook draws with it)
+        except ImportError:
+            return "terminal" if enabled else None
+        return "notebook"
+    return "terminal" if enabled or sys.stdout.isatty() else None
+
+
 class Progress:
-    """A live progress bar (ETA, samples/s, loss) when stdout is a terminal; nothing otherwise.
+    """A live progress bar (ETA, samples/s, loss) in a terminal or a notebook; nothing otherwise.
 
     Under nohup, ``tmux pipe-pane``, SLURM or ``> file`` the log lines alone report progress,
-    with no carriage returns to clutter the file. While the bar shows, log lines are printed
-    above it instead of through it.
+    with no carriage returns to clutter the file. While a terminal bar shows, log lines are
+    printed above it instead of through it; in a notebook (see :func:`bar_kind`) the bar is a
+    widget and the log lines follow it as plain text.
 
     Example:
         >>> with Progress(total=1000, initial=0) as progress:  # doctest: +SKIP
@@ -84,13 +113,20 @@ class Progress:
     """
 
     def __init__(self, total: int, initial: int = 0, *, enabled: bool | None = None) -> None:
-        self.enabled = sys.stdout.isatty() if enabled is None else enabled
+        self.kind = bar_kind(enabled)
+        self.enabled = self.kind is not None
         self.total, self.initial = total, initial
         self._bar: Any = None
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Progress:
-        if self.enabled:
+        if self.kind == "notebook":
+            from tqdm.notebook import tqdm as notebook_tqdm
+
+            # leave=True: the bar stays in the cell's output, showing how far the run got
+            self._bar = self._stack.enter_context(notebook_tqdm(
+                total=self.total, initial=self.initial, unit="step", smoothing=0.05))
+        elif self.kind == "terminal":
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 

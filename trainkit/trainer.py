@@ -163,6 +163,7 @@ class Trainer:
             TrainkitError: a checkpoint could not be written or does not fit this run.
         """
         cfg = self.config
+        setup_logging(self.run_dir, self.runtime.is_main)  # this run's train.log, or none
         model = self._prepare_model(model)  # under DDP: rank 0's weights on every rank
         if self.runtime.distributed:
             rng.seed_rank(self.runtime.rank)  # ranks must not draw the same dropout masks

@@ -20,8 +20,11 @@ from trainkit.launch import launch, torchrun_command
 
 @pytest.mark.dist
 def test_launch_runs_a_function_on_two_joined_processes() -> None:
+    handlers = {signum: signal.getsignal(signum) for signum in signal.valid_signals()}
     # rank_sum all-reduces rank + 1: 1 + 2 on both ranks only if both are in one group.
     assert launch(rank_sum, nprocs=2) == [3.0, 3.0]
+    # torch's agent replaced SIGTERM/SIGINT/SIGHUP/SIGQUIT; the caller (a notebook) gets its own back
+    assert {signum: signal.getsignal(signum) for signum in signal.valid_signals()} == handlers
 
 
 @pytest.mark.dist

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from trainkit.data.augment import mix_seed
 from trainkit.data.order import check_shard, epoch_order, shard_size
+from trainkit.data.shm import fit_shared_memory
 from trainkit.errors import ConfigError, TrainkitError
 
 
@@ -203,6 +204,9 @@ def make_loader(
         raise ConfigError("persistent_workers=true needs num_workers >= 1")
     if persistent_workers is None:
         persistent_workers = num_workers > 0
+    # Workers' batches in flight must fit in /dev/shm (64 MB in a default Docker container).
+    num_workers, prefetch_factor = fit_shared_memory(dataset, batch_size, num_workers,
+                                                     prefetch_factor)
     device = torch.device(device)
     if pin_memory is None:
         pin_memory = device.type == "cuda"
