@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainkit import distributed
 from trainkit.config import TrainConfig
+from trainkit.config_dir import config_dir
 from trainkit.data import build_loaders
 from trainkit.errors import TrainkitError
 from trainkit.logging import setup_logging
@@ -35,7 +36,7 @@ from trainkit.runtime import Runtime
 from trainkit.signals import EXIT_PREEMPTED
 from trainkit.trainer import Trainer
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+CONFIG_DIR = str(config_dir())
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 # Users who set HYDRA_FULL_ERROR=1 get full tracebacks; read before main() sets it for itself.
 _SHOW_TRACEBACK = os.environ.get("HYDRA_FULL_ERROR") == "1"
@@ -54,9 +55,11 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
     log = setup_logging(run_dir, runtime.is_main)
     seed_everything(settings.trainer.seed)
 
+    # Your own dataset (a `dataset._target_` node) replaces the built-in one named by data.name.
+    reader = instantiate(cfg.dataset, _partial_=True) if cfg.get("dataset") is not None else None
     train_data, val_data, num_classes = build_loaders(
         settings.data, runtime, seed=settings.trainer.seed,
-        channels_last=settings.trainer.channels_last,
+        channels_last=settings.trainer.channels_last, reader=reader,
     )
     model = instantiate(cfg.model, _convert_="all")
     optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
