@@ -51,10 +51,10 @@ def resolve_device(spec: str | torch.device = "auto", local_rank: int = 0) -> to
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise TrainkitError(
-                f"device {spec!r} requested but CUDA is not available "
-                f"({_why_no_cuda()}); available here: {', '.join(available_devices())}. "
-                "Use trainer.device=auto or cpu, and run `python -m trainkit.env` for details"
-            )
+                f"device {spec!r} requested but CUDA is not available (available here: "
+                f"{', '.join(available_devices())}): use trainer.device=auto or cpu; "
+                "`python -m trainkit.env` tells more",
+                details=[f"why no CUDA: {_why_no_cuda()}"])
         index = local_rank if device.index is None else device.index
         if index >= torch.cuda.device_count():
             raise TrainkitError(

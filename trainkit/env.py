@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from trainkit.device import available_devices, resolve_device
-from trainkit.errors import TrainkitError
+from trainkit.errors import TrainkitError, print_error
 
 # What torchrun sets for each worker, what SLURM sets for each task, and the knobs that change how
 # the backends connect (the usual suspects when a multi-node job hangs at start-up).
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
     except TrainkitError as err:
-        print(f"trainkit: {err}", file=sys.stderr)
+        print_error(str(err), err.details)
         return 2
     check = sanity_check(device)
     verdict = "ok" if check["ok"] else "WRONG RESULT"
