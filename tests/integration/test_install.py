@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, offline_env
+from tests.conftest import REPO, last_checkpoint, offline_env
 from tests.fakes import write_fake_mnist
 
 pytestmark = pytest.mark.slow
@@ -100,6 +100,7 @@ def test_installed_wheel_trains_from_an_empty_folder(builds: dict[str, Path],
     assert "done: test accuracy" in result.stdout
     summary = json.loads((work / "run" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["global_step"] == 5
+    assert last_checkpoint(work / "run")["manifest"]["trainkit"] == _version()
     hydra = yaml.safe_load((work / "run" / ".hydra" / "hydra.yaml").read_text())["hydra"]
     primary = [s["path"] for s in hydra["runtime"]["config_sources"] if s["provider"] == "main"]
     assert primary == [str(target / "trainkit" / "configs")]
