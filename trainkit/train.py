@@ -150,7 +150,7 @@ def errors_as_one_line() -> Iterator[None]:
         _fail(f"config error: {_fold_hydra_message(err)}")
     except RuntimeError as err:
         if _SHOW_TRACEBACK or not _from_collective(err):
-            log_to_file(traceback.format_exc().splitlines())
+            _log_traceback(err)
             raise
         # Another rank died (its own error is above) and took the collective with it.
         _fail("lost contact with another rank, which probably failed; see its error above",
@@ -160,9 +160,16 @@ def errors_as_one_line() -> Iterator[None]:
             raise
         _fail("aborted without saving; re-run the same command to resume from the last "
               "checkpoint", status=130)
-    except Exception:  # a bug, not bad input: the traceback stays, and the log keeps it too
-        log_to_file(traceback.format_exc().splitlines())
+    except Exception as err:  # a bug, not bad input: the traceback stays, and the log keeps it
+        _log_traceback(err)
         raise
+
+
+def _log_traceback(err: BaseException) -> None:
+    """Write ``err``'s traceback to train.log once (the contexts nest: main and the Hydra job)."""
+    if not getattr(err, "_trainkit_logged", False):
+        log_to_file("".join(traceback.format_exception(err)).splitlines())
+        err._trainkit_logged = True  # type: ignore[attr-defined]
 
 
 def _fail(message: str, *, details: Sequence[str] = (), status: int = 2) -> NoReturn:

@@ -171,3 +171,15 @@ def test_divergence_stops_with_one_line_and_status(tmp_path: Path, mnist_root: P
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "diverged" and summary["nonfinite_steps"] == 3
     assert (run_dir / "train.log").read_text().rstrip().endswith(last)  # the log ends with it
+
+
+def test_a_bug_keeps_its_traceback_and_train_log_keeps_it_too(tmp_path: Path,
+                                                              mnist_root: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_steps=4",
+                                 "model._target_=tests.models.BuggyNet"))
+    assert result.returncode == 1  # not bad input: Python's own traceback, once
+    assert result.stderr.count("Traceback") == 1 and "ZeroDivisionError" in result.stderr
+    log = (run_dir / "train.log").read_text()
+    assert log.count("Traceback (most recent call last)") == 1, log
+    assert log.rstrip().endswith("ZeroDivisionError: integer division or modulo by zero")
