@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainkit.errors import TrainkitError, chain_lines, one_line
+from trainkit.errors import TrainkitError, chain_lines
 from trainkit.safe_pickle import load_restricted
 
 # md5 of the uncompressed files torchvision leaves in <root>/MNIST/raw.
@@ -83,7 +83,8 @@ def load_mnist(
     try:
         ds = MNIST(str(root), train=train, download=False)
     except Exception as err:
-        raise TrainkitError(f"cannot read MNIST files in {raw}: {one_line(err)}") from None
+        raise TrainkitError(f"cannot read MNIST files in {raw}: re-download them (python -m "
+                            "trainkit.data download mnist)", details=chain_lines(err)) from None
     if len(ds.data) != len(ds.targets):
         raise TrainkitError(f"MNIST {split} files in {raw} disagree: "
                             f"{len(ds.data)} images but {len(ds.targets)} labels")
@@ -187,7 +188,8 @@ def _read_pickle(path: Path) -> object:
     except TrainkitError as err:
         raise TrainkitError(f"refusing {path}: {err}") from None
     except Exception as err:  # truncated or not a pickle at all
-        raise TrainkitError(f"cannot read CIFAR-10 file {path}: {one_line(err)}") from None
+        raise TrainkitError(f"cannot read CIFAR-10 file {path}: re-download it (python -m "
+                            "trainkit.data download cifar10)", details=chain_lines(err)) from None
 
 
 def _read_cifar_batch(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
