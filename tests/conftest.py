@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.fakes import write_fake_cifar10, write_fake_mnist
+from trainkit.errors import LINE_LIMIT
 from trainkit.signals import PREEMPTION_SIGNALS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,6 +63,16 @@ def mnist_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cifar_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data root with small, learnable CIFAR-10 files in the real python-pickle format."""
     return write_fake_cifar10(tmp_path_factory.mktemp("cifar"))
+
+
+def error_report(stderr: str) -> tuple[list[str], str]:
+    """A failed command's stderr as ``(detail lines, last line)``, checking its shape: indented
+    details, then one ``trainkit:`` line of at most LINE_LIMIT characters, and no traceback."""
+    assert "Traceback" not in stderr, stderr
+    *details, last = [line for line in stderr.rstrip().splitlines() if line.strip()]
+    assert last.startswith("trainkit: ") and len(last) <= LINE_LIMIT, last
+    assert all(line.startswith("  ") for line in details), stderr
+    return details, last
 
 
 def offline_env(**extra: str) -> dict[str, str]:

@@ -20,3 +20,18 @@ class OutOfMemoryNet(MnistNet):
             if self.calls == 3:
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return super().forward(x)
+
+
+class BuggyNet(MnistNet):
+    """MnistNet with a bug in its code: its second training forward divides by zero."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == 2:
+                return super().forward(x) / (1 // 0)
+        return super().forward(x)

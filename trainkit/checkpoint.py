@@ -107,9 +107,9 @@ class CheckpointManager:
                 pass
         except OSError as err:
             raise TrainkitError(
-                f"cannot write checkpoints to {self.directory} ({err.strerror or one_line(err)}): "
-                "choose a writable hydra.run.dir or fix the folder's permissions"
-            ) from None
+                f"cannot write checkpoints ({err.strerror or one_line(err, 60)}): choose a "
+                "writable hydra.run.dir or fix the folder's permissions",
+                details=[f"checkpoint folder: {self.directory}"]) from None
 
     def step_files(self) -> list[Path]:
         """Periodic checkpoints, oldest first."""
@@ -132,9 +132,9 @@ class CheckpointManager:
             return self._save(state, step, periodic=periodic, best=best)
         except OSError as err:
             raise TrainkitError(
-                f"cannot write a checkpoint in {self.directory} ({err.strerror or one_line(err)}); "
-                "existing checkpoints are intact: free disk space or fix permissions, then re-run "
-                "the same command to resume"
+                f"cannot write a checkpoint ({err.strerror or one_line(err, 60)}); existing "
+                "checkpoints are intact: free disk space or fix permissions, then re-run the same "
+                "command to resume", details=[f"checkpoint folder: {self.directory}"]
             ) from None
 
     def _save(self, state: dict[str, Any], step: int, *, periodic: bool, best: bool) -> Path:
@@ -236,10 +236,12 @@ def check_config(state: Mapping[str, Any], run_config: Mapping[str, Any]) -> Non
     changes = config_changes(saved, run_config)
     fatal = [c for c in changes if c.startswith(MUST_MATCH)]
     if fatal:
+        keys = [change.split(":")[0] for change in fatal]
+        named = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
         raise TrainkitError(
-            f"checkpoint {state.get('_path', '')} was made by a different run config "
-            f"({'; '.join(fatal)[:300]}): use another hydra.run.dir or checkpoint.resume=null"
-        )
+            f"the checkpoint was made with another {named}: use another hydra.run.dir, "
+            "checkpoint.resume=null, or the settings it was made with",
+            details=[f"checkpoint: {state.get('_path', '?')}", *fatal])
     if changes:
         log.warning("resuming with a changed config: %s", "; ".join(changes)[:500])
 

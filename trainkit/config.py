@@ -140,8 +140,8 @@ class CheckpointConfig:
 class TrainConfig:
     """Everything one run of ``python -m trainkit.train`` needs.
 
-    ``model``, ``optim``, ``sched`` and ``loss`` are ``_target_`` nodes: the edges where users plug
-    in their own classes.
+    ``model``, ``optim``, ``sched``, ``loss`` and ``dataset`` are ``_target_`` nodes: the edges
+    where users plug in their own classes.
     """
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -151,6 +151,7 @@ class TrainConfig:
     optim: Any = None
     sched: Any = None
     loss: Any = None  # null: plain cross-entropy
+    dataset: Any = None  # null: the built-in data.name; else your reader(root, train) -> TensorData
 
 
 def _check_int(key: str, value: Any, *, minimum: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainkit.errors import TrainkitError, one_line
+from trainkit.errors import TrainkitError, chain_lines
 from trainkit.safe_pickle import load_restricted
 
 # md5 of the uncompressed files torchvision leaves in <root>/MNIST/raw.
@@ -72,11 +72,10 @@ def load_mnist(
         try:
             MNIST(str(root), train=train, download=True)
         except Exception as err:  # offline, proxy, disk full: all end the same way for the user
-            why = f"download failed: {one_line(err)}"
-            raise TrainkitError(_missing_message(raw, missing, why)) from None
+            raise _not_found("MNIST", "mnist", raw, missing, err) from None
         missing = [name for name in MNIST_MD5 if not (raw / name).is_file()]
     if missing:
-        raise TrainkitError(_missing_message(raw, missing, "download is off (data.download=false)"))
+        raise _not_found("MNIST", "mnist", raw, missing, None)
     split = "train" if train else "t10k"
     if verify:
         for name in (f"{split}-images-idx3-ubyte", f"{split}-labels-idx1-ubyte"):
@@ -84,7 +83,8 @@ def load_mnist(
     try:
         ds = MNIST(str(root), train=train, download=False)
     except Exception as err:
-        raise TrainkitError(f"cannot read MNIST files in {raw}: {one_line(err)}") from None
+        raise TrainkitError(f"cannot read MNIST files in {raw}: re-download them (python -m "
+                            "trainkit.data download mnist)", details=chain_lines(err)) from None
     if len(ds.data) != len(ds.targets):
         raise TrainkitError(f"MNIST {split} files in {raw} disagree: "
                             f"{len(ds.data)} images but {len(ds.targets)} labels")
@@ -96,18 +96,25 @@ def check_md5(path: Path, expected: str) -> None:
     digest = hashlib.md5(path.read_bytes(), usedforsecurity=False).hexdigest()
     if digest != expected:
         raise TrainkitError(
-            f"{path} has md5 {digest}, not the official {expected}: the file is corrupt or not "
-            "the official one; re-download it, or set data.verify=false to load it anyway"
-        )
+            f"{path.name} is corrupt or not the official file (md5 mismatch): re-download it, or "
+            "set data.verify=false to load it anyway",
+            details=[f"{path} has md5 {digest}, not the official {expected}"])
 
 
-def _missing_message(raw: Path, missing: list[str], why: str) -> str:
-    return (
-        f"MNIST not found: {raw} lacks {', '.join(missing)} ({why}). Run `python -m trainkit.data "
-        f"download mnist --root DIR` where there is internet and copy DIR here, or put the four "
-        f"files {', '.join(MNIST_MD5)} (uncompressed) in {raw}; point data.root / "
-        "TRAINKIT_DATA_DIR at the folder that holds MNIST/raw"
-    )
+def _not_found(title: str, name: str, folder: Path, missing: list[str],
+               download_error: Exception | None) -> TrainkitError:
+    """Missing files: the last line says how to fetch them; the details say which and why."""
+    why = "the download failed" if download_error else "data.download=false"
+    details = [f"{folder} lacks {', '.join(missing)}"]
+    if download_error is not None:
+        details += ["download error: " + line for line in chain_lines(download_error)]
+    layout = "MNIST/raw" if name == "mnist" else CIFAR10_FOLDER
+    details.append(f"data.root (or TRAINKIT_DATA_DIR) must be the folder that holds {layout}/; "
+                   "the files may also be copied there by hand (uncompressed)")
+    return TrainkitError(
+        f"{title} not found under data.root ({why}): run `python -m trainkit.data download "
+        f"{name} --root DIR` where there is internet, copy DIR here, set data.root=DIR",
+        details=details)
 
 
 def cifar10_files(train: bool) -> dict[str, str]:
@@ -146,12 +153,10 @@ def load_cifar10(
         try:
             download_cifar10(root)
         except Exception as err:  # offline, proxy, disk full: all end the same way for the user
-            raise TrainkitError(_cifar_missing(folder, missing, f"download failed: {one_line(err)}")
-                                ) from None
+            raise _not_found("CIFAR-10", "cifar10", folder, missing, err) from None
         missing = [name for name in files if not (folder / name).is_file()]
     if missing:
-        why = "download is off (data.download=false)"
-        raise TrainkitError(_cifar_missing(folder, missing, why))
+        raise _not_found("CIFAR-10", "cifar10", folder, missing, None)
     if verify:
         for name, md5 in files.items():
             check_md5(folder / name, md5)
@@ -183,7 +188,8 @@ def _read_pickle(path: Path) -> object:
     except TrainkitError as err:
         raise TrainkitError(f"refusing {path}: {err}") from None
     except Exception as err:  # truncated or not a pickle at all
-        raise TrainkitError(f"cannot read CIFAR-10 file {path}: {one_line(err)}") from None
+        raise TrainkitError(f"cannot read CIFAR-10 file {path}: re-download it (python -m "
+                            "trainkit.data download cifar10)", details=chain_lines(err)) from None
 
 
 def _read_cifar_batch(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -201,11 +207,3 @@ def _read_cifar_batch(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndar
     if len(targets) and not (targets.min() >= 0 and targets.max() < num_classes):
         raise TrainkitError(f"{path} has labels outside 0..{num_classes - 1}")
     return data, targets
-
-
-def _cifar_missing(folder: Path, missing: list[str], why: str) -> str:
-    return (
-        f"CIFAR-10 not found: {folder} lacks {', '.join(missing)} ({why}). Run `python -m "
-        "trainkit.data download cifar10 --root DIR` where there is internet and copy DIR here; "
-        f"point data.root / TRAINKIT_DATA_DIR at the folder that holds {CIFAR10_FOLDER}"
-    )

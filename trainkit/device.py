@@ -70,10 +70,9 @@ def choose_device(spec: str, local_rank: int, *, cuda_count: int, mps: bool,
     if device.type == "cuda":
         if not cuda_count:
             raise TrainkitError(
-                f"device {spec!r} requested but CUDA is not available ({_why_no_cuda()}); "
-                f"available here: {names}. Use trainer.device=auto or cpu, and run "
-                "`python -m trainkit.env` for details"
-            )
+                f"device {spec!r} requested but CUDA is not available (available here: {names}): "
+                "use trainer.device=auto or cpu; `python -m trainkit.env` tells more",
+                details=[f"why no CUDA: {_why_no_cuda()}"])
         if device.index is None and local_rank >= cuda_count:
             raise TrainkitError(
                 f"LOCAL_RANK {local_rank} has no GPU: {cuda_count} visible; start at most "

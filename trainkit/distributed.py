@@ -298,6 +298,6 @@ def check_same_start(step: int) -> None:
     steps = all_gather(step)
     if len(set(steps)) > 1:
         raise TrainkitError(
-            f"ranks would start from different steps ({steps}, by rank): every node must see the "
-            "same run dir and checkpoints; put hydra.run.dir on a shared filesystem"
-        )
+            "ranks would start from different steps: every node must see the same run dir and "
+            "checkpoints; put hydra.run.dir on a shared filesystem",
+            details=[f"steps to start from, by rank: {steps}"])

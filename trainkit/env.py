@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from trainkit.device import available_devices, resolve_device
-from trainkit.errors import TrainkitError
+from trainkit.errors import TrainkitError, print_error
 from trainkit.precision import bf16_native
 
 # What torchrun sets for each worker, what SLURM sets for each task, and the knobs that change how
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
     except TrainkitError as err:
-        print(f"trainkit: {err}", file=sys.stderr)
+        print_error(str(err), err.details)
         return 2
     check = sanity_check(device)
     verdict = "ok" if check["ok"] else "WRONG RESULT"

@@ -1,11 +1,33 @@
-"""The one exception type users see as a single line instead of a traceback."""
+"""The one exception type users see as a short error line instead of a traceback."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+# The last line a failed command prints says what is wrong and how to fix it, in at most this
+# many characters (a terminal line or two); longer evidence goes on detail lines before it.
+LINE_LIMIT = 200
+_DETAIL_CHARS = 300  # per detail line: enough for a path and an exception's first words
+_DETAIL_LINES = 12
 
 
 class TrainkitError(Exception):
     """A problem with the user's input or environment, stated with how to fix it.
 
-    Entry points print ``str(error)`` as one line and exit non-zero; library users can catch it.
+    Entry points print ``str(error)`` as the last line (<= :data:`LINE_LIMIT` characters with
+    its ``trainkit:`` prefix) and exit non-zero; ``details`` (file lists, the exception chain,
+    key lists) are printed on lines before it. Library users can catch it.
+
+    Example:
+        >>> raise TrainkitError("MNIST not found: run `python -m trainkit.data download mnist`",
+        ...                     details=["/data/MNIST/raw lacks train-images-idx3-ubyte"])
+        ... # doctest: +SKIP
     """
+
+    def __init__(self, message: str, *, details: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.details = [line for text in details for line in str(text).splitlines() if line]
 
 
 class ConfigError(TrainkitError, ValueError):
@@ -15,3 +37,47 @@ class ConfigError(TrainkitError, ValueError):
 def one_line(err: BaseException, limit: int = 300) -> str:
     """``err``'s message with its whitespace folded, for embedding in a one-line error."""
     return " ".join(str(err).split())[:limit] or type(err).__name__
+
+
+def error_lines(message: str, details: Iterable[str] = (), *, prefix: str = "trainkit: "
+                ) -> list[str]:
+    """What a failed command prints: indented detail lines, then ``prefix + message``.
+
+    The last line is kept to :data:`LINE_LIMIT` characters: a longer message is printed whole
+    as a detail, and the last line keeps its start (what is wrong) and its end (how to fix).
+    Detail lines are cut to a readable length; a long list says how many lines it left out.
+    """
+    message = " ".join(message.split())
+    lines = [_cut(" ".join(d.split()), _DETAIL_CHARS) for d in details if d.strip()]
+    if len(lines) > _DETAIL_LINES:
+        lines[_DETAIL_LINES - 1:] = [f"... and {len(lines) - _DETAIL_LINES + 1} more lines"]
+    last = prefix + message
+    if len(last) > LINE_LIMIT:
+        lines.append(_cut(message, 4 * _DETAIL_CHARS))
+        head = (LINE_LIMIT - 5) * 2 // 5
+        last = last[:head].rstrip() + " ... " + last[-(LINE_LIMIT - 5 - head):].lstrip()
+    return [f"  {line}" for line in lines] + [last]
+
+
+def print_error(message: str, details: Iterable[str] = (), *, prefix: str = "trainkit: "
+                ) -> list[str]:
+    """Print :func:`error_lines` to stderr; return them (for a log file)."""
+    lines = error_lines(message, details, prefix=prefix)
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return lines
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit - 30]}... ({len(text)} characters)"
+
+
+def chain_lines(err: BaseException, limit: int = 6) -> list[str]:
+    """``Type: message`` for ``err`` and the exceptions that caused it, outermost first."""
+    lines: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen and len(lines) < limit:
+        seen.add(id(current))
+        lines.append(f"{type(current).__name__}: {one_line(current, 4 * _DETAIL_CHARS)}")
+        current = current.__cause__ or current.__context__
+    return lines

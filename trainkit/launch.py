@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from trainkit import distributed
-from trainkit.errors import TrainkitError
+from trainkit.errors import TrainkitError, print_error
 from trainkit.runtime import Runtime
 from trainkit.signals import EXIT_PREEMPTED
 
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = torchrun_command(overrides, nproc=args.nproc_per_node,
                                    max_restarts=args.max_restarts)
     except TrainkitError as err:
-        print(f"trainkit: {err}", file=sys.stderr)
+        print_error(str(err), err.details)
         return 2
     print(" ".join(command[1:]).replace("-m torch.distributed.run", "torchrun", 1), flush=True)
     if args.dry_run:

@@ -6,7 +6,7 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,20 @@ def setup_logging(run_dir: str | Path | None, is_main: bool = True) -> logging.L
         handler._trainkit_file = log_file  # type: ignore[attr-defined]
         logger.addHandler(handler)
     return logger
+
+
+def log_to_file(lines: Sequence[str]) -> None:
+    """Write ``lines`` to this process's ``train.log`` only (not the console), if it has one.
+
+    The lines that end a failed run are printed to stderr; this keeps them in the log too, with
+    the same timestamps as the log's other lines.
+    """
+    logger = logging.getLogger(LOGGER_NAME)
+    for handler in logger.handlers:
+        if isinstance(handler, logging.FileHandler):
+            for line in lines:
+                handler.handle(logger.makeRecord(LOGGER_NAME, logging.ERROR, __file__, 0, line,
+                                                 None, None))
 
 
 class NullWriter:

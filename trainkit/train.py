@@ -11,7 +11,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -20,23 +20,24 @@ import torch.distributed
 import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException
+from hydra.errors import HydraException, InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainkit import distributed
 from trainkit.config import TrainConfig
+from trainkit.config_dir import config_dir
 from trainkit.cuda_settings import use_device
 from trainkit.data import build_loaders
-from trainkit.errors import TrainkitError
-from trainkit.logging import setup_logging
+from trainkit.errors import TrainkitError, chain_lines, print_error
+from trainkit.logging import log_to_file, setup_logging
 from trainkit.rng import seed_everything
 from trainkit.runtime import Runtime
 from trainkit.signals import EXIT_PREEMPTED
 from trainkit.trainer import Trainer
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+CONFIG_DIR = str(config_dir())
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 # Users who set HYDRA_FULL_ERROR=1 get full tracebacks; read before main() sets it for itself.
 _SHOW_TRACEBACK = os.environ.get("HYDRA_FULL_ERROR") == "1"
@@ -57,9 +58,11 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
     log = setup_logging(run_dir, runtime.is_main)
     seed_everything(settings.trainer.seed)
 
+    # Your own dataset (a `dataset._target_` node) replaces the built-in one named by data.name.
+    reader = instantiate(cfg.dataset, _partial_=True) if cfg.get("dataset") is not None else None
     train_data, val_data, num_classes = build_loaders(
         settings.data, runtime, seed=settings.trainer.seed,
-        channels_last=settings.trainer.channels_last,
+        channels_last=settings.trainer.channels_last, reader=reader,
     )
     model = instantiate(cfg.model, _convert_="all")
     optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
@@ -140,31 +143,46 @@ def _quoted(value: str) -> str:
 
 @contextlib.contextmanager
 def errors_as_one_line() -> Iterator[None]:
+    """Turn user errors into a short last line (details before it), also written to train.log."""
     try:
         yield
     except (TrainkitError, HydraException, OmegaConfBaseException) as err:
         if _SHOW_TRACEBACK:
             raise
         if isinstance(err, TrainkitError):
-            _fail(str(err))
+            _fail(str(err), details=err.details)
+        if isinstance(err, InstantiationException):  # a `_target_` that fails to import or build
+            _fail(_instantiate_message(err), details=chain_lines(err.__cause__ or err))
         _fail(f"config error: {_fold_hydra_message(err)}")
     except RuntimeError as err:
         if _SHOW_TRACEBACK or not _from_collective(err):
+            _log_traceback(err)
             raise
-        # Another rank died (its own one-line error is above) and took the collective with it.
-        _fail(f"lost contact with another rank, which probably failed; see its error "
-              f"({str(err).strip().splitlines()[0][:200]})", status=1)
+        # Another rank died (its own error is above) and took the collective with it.
+        _fail("lost contact with another rank, which probably failed; see its error above",
+              details=chain_lines(err), status=1)
     except KeyboardInterrupt:  # a second Ctrl-C (or signal) while stopping: abort, no save
         if _SHOW_TRACEBACK:
             raise
         _fail("aborted without saving; re-run the same command to resume from the last "
               "checkpoint", status=130)
+    except Exception as err:  # a bug, not bad input: the traceback stays, and the log keeps it
+        _log_traceback(err)
+        raise
 
 
-def _fail(message: str, status: int = 2) -> NoReturn:
+def _log_traceback(err: BaseException) -> None:
+    """Write ``err``'s traceback to train.log once (the contexts nest: main and the Hydra job)."""
+    if not getattr(err, "_trainkit_logged", False):
+        log_to_file("".join(traceback.format_exception(err)).splitlines())
+        err._trainkit_logged = True  # type: ignore[attr-defined]
+
+
+def _fail(message: str, *, details: Sequence[str] = (), status: int = 2) -> NoReturn:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = f"rank {os.environ.get('RANK', 0)}: " if world_size > 1 else ""
-    print(f"trainkit: {rank}{message}", file=sys.stderr, flush=True)
+    lines = print_error(message, details, prefix=f"trainkit: {rank}")
+    log_to_file(lines)  # the run's train.log, when this process writes one
     sys.exit(status)
 
 
@@ -174,6 +192,21 @@ def _from_collective(err: BaseException) -> bool:
         return True  # gloo/NCCL errors often surface as plain RuntimeErrors from autograd/DDP
     marker = os.sep.join(("torch", "distributed", ""))
     return any(marker in frame.filename for frame in traceback.extract_tb(err.__traceback__))
+
+
+def _instantiate_message(err: InstantiationException) -> str:
+    """What went wrong building a config's ``_target_`` (its import or its call), and the fix."""
+    text = str(err)
+    key = (re.findall(r"full_key: (\S+)", text) or ["a config node"])[0]
+    target = (re.findall(r"target '([^']+)'", text) or ["?"])[0]
+    if "Error locating target" in text:
+        return (f"cannot import {key}._target_={target}: check the name, and that its module is "
+                "importable from here (installed, or on PYTHONPATH)")
+    unexpected = re.findall(r"unexpected keyword argument '(\w+)'", text)
+    if unexpected:
+        return (f"{target} takes no argument '{unexpected[0]}' ({key}.{unexpected[0]}): drop it "
+                f"with ~{key}.{unexpected[0]}, or give {key} a config group of its own")
+    return f"config error: cannot build {key} ({target}); the error is above"
 
 
 def _fold_hydra_message(err: BaseException) -> str:

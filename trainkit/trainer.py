@@ -200,7 +200,7 @@ class Trainer:
             self._write_summary("diverged", {}, started, begin, out.meter)
             raise
         except torch.cuda.OutOfMemoryError:
-            raise TrainkitError(self._out_of_memory(train_data)) from None
+            raise self._out_of_memory(train_data) from None
         finally:
             out.writer.close()
             if self._background is not None:
@@ -280,10 +280,12 @@ class Trainer:
         check_config(state, self.run_config)
         try:
             unwrap(parts.model).load_state_dict(state["model"])
-        except RuntimeError as err:
-            first = str(err).strip().splitlines()
-            raise TrainkitError(f"checkpoint does not fit this model: {' '.join(first[:2])}"
-                                ) from None
+        except RuntimeError as err:  # torch lists every missing/unexpected key: details
+            raise TrainkitError(
+                "checkpoint does not fit this model (other layers or shapes): use the model "
+                "config it was saved with, another hydra.run.dir, or checkpoint.resume=null",
+                details=[f"checkpoint: {state.get('_path', '?')}", *str(err).splitlines()]
+            ) from None
         parts.optimizer.load_state_dict(state["optimizer"])
         if parts.scheduler is not None and state.get("scheduler") is not None:
             parts.scheduler.load_state_dict(state["scheduler"])
@@ -388,9 +390,9 @@ class Trainer:
                      "no checkpoint was written")
             raise NonFiniteLossError(
                 f"stopped at step {state.global_step}: the loss was NaN/inf for "
-                f"{state.nonfinite_streak} steps in a row; {saved}. Lower optim.lr, set "
-                "trainer.gradient_clip_val, use bf16-mixed instead of 16-mixed, or check the data"
-            )
+                f"{state.nonfinite_streak} steps in a row: lower optim.lr, set "
+                "trainer.gradient_clip_val, use bf16-mixed instead of 16-mixed, or check the data",
+                details=[saved])
 
     def _checkpoint_due(self, time_due: bool) -> bool:
         if self.state.nonfinite_streak:
@@ -482,25 +484,26 @@ class Trainer:
         self._saved_at = (step, time.monotonic())
         barrier()  # no rank runs ahead of a checkpoint still being written (or copied)
 
-    def _out_of_memory(self, data: Any) -> str:
-        """One line that says what ran out and what to change."""
+    def _out_of_memory(self, data: Any) -> TrainkitError:
+        """A short line that says what ran out and what to change; the figures as details."""
         device = self.runtime.device
         where = ""
         if device.type == "cuda":
             stats = memory_stats(device)
             total = torch.cuda.get_device_properties(device).total_memory / 2**30
-            where = (f"; peak allocated {stats['cuda_peak_allocated_gib']:.2f} GiB, reserved "
+            where = (f"peak allocated {stats['cuda_peak_allocated_gib']:.2f} GiB, reserved "
                      f"{stats['cuda_reserved_gib']:.2f} of {total:.1f} GiB")
             torch.cuda.empty_cache()
         cfg = self.config
         size = getattr(data, "batch_size", "?")
-        return (
+        return TrainkitError(
             f"out of memory on {device} at step {self.state.global_step} with batch {size} x "
-            f"accumulate {cfg.accumulate_grad_batches}, precision {cfg.precision}{where}. Halve "
-            "data.batch_size and double trainer.accumulate_grad_batches (same global batch), use "
-            "trainer.precision=bf16-mixed, or set trainer.activation_checkpointing; checkpoints "
-            "are untouched, re-run to resume"
-        )
+            f"accumulate {cfg.accumulate_grad_batches}: halve data.batch_size and double "
+            "trainer.accumulate_grad_batches, or use trainer.precision=bf16-mixed",
+            details=[f"precision {cfg.precision}" + (f"; {where}" if where else ""),
+                     "halving the batch and doubling the accumulation keeps the global batch; "
+                     "trainer.activation_checkpointing saves memory too",
+                     "checkpoints are untouched: re-run the same command to resume"])
 
     def _log_train(self, out: Outputs, optimizer: torch.optim.Optimizer,
                    total_steps: int) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import resource
 import signal
@@ -18,6 +17,7 @@ import torch
 from tests.conftest import (
     REPO,
     assert_same_weights,
+    error_report,
     hear_preemption_signals,
     last_checkpoint,
     offline_env,
@@ -150,9 +150,10 @@ def test_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(
         cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300,
         preexec_fn=_limit_file_size)
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "cannot write a checkpoint" in lines[0], result.stderr
-    assert "File too large" in lines[0] and "intact" in lines[0]
+    details, last = error_report(result.stderr)
+    assert "cannot write a checkpoint" in last, result.stderr
+    assert "File too large" in last and "intact" in last
+    assert details == [f"  checkpoint folder: {run_dir / 'checkpoints'}"]
     assert "step 6/12" in result.stdout and "step 8/12" not in result.stdout  # no training on
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
@@ -164,8 +165,21 @@ def test_divergence_stops_with_one_line_and_status(tmp_path: Path, mnist_root: P
     result = run_train(*tiny_run(run_dir, mnist_root, "optim.lr=1e30", "trainer.max_steps=40",
                                  "trainer.nonfinite_patience=3"))
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "NaN/inf for 3 steps in a row" in lines[0], result.stderr
+    details, last = error_report(result.stderr)
+    assert "NaN/inf for 3 steps in a row" in last, result.stderr
+    assert details == ["  no checkpoint was written"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "diverged" and summary["nonfinite_steps"] == 3
-    assert os.path.getsize(run_dir / "train.log") > 0
+    assert (run_dir / "train.log").read_text().rstrip().endswith(last)  # the log ends with it
+
+
+def test_a_bug_keeps_its_traceback_and_train_log_keeps_it_too(tmp_path: Path,
+                                                              mnist_root: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_steps=4",
+                                 "model._target_=tests.models.BuggyNet"))
+    assert result.returncode == 1  # not bad input: Python's own traceback, once
+    assert result.stderr.count("Traceback") == 1 and "ZeroDivisionError" in result.stderr
+    log = (run_dir / "train.log").read_text()
+    assert log.count("Traceback (most recent call last)") == 1, log
+    assert log.rstrip().endswith("ZeroDivisionError: integer division or modulo by zero")

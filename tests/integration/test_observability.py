@@ -18,7 +18,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import REPO, offline_env, run_train, tiny_run
+from tests.conftest import REPO, error_report, offline_env, run_train, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -123,10 +123,10 @@ def test_out_of_memory_is_one_diagnosis_and_keeps_checkpoints(tmp_path: Path,
                                  "checkpoint.resume=null",
                                  "model._target_=tests.models.OutOfMemoryNet"))
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "out of memory on cpu at step 2 with batch 32" in lines[0]
-    assert "data.batch_size" in lines[0] and "accumulate_grad_batches" in lines[0]
-    assert "bf16-mixed" in lines[0]
+    details, last = error_report(result.stderr)
+    assert "out of memory on cpu at step 2 with batch 32" in last
+    assert "data.batch_size" in last and "accumulate_grad_batches" in last
+    assert "bf16-mixed" in last
+    assert "precision 32" in details[0] and "checkpoints are untouched" in details[-1]
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
     assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["global_step"] == 2

@@ -9,7 +9,14 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import assert_same_weights, last_checkpoint, offline_env, run_train, tiny_run
+from tests.conftest import (
+    assert_same_weights,
+    error_report,
+    last_checkpoint,
+    offline_env,
+    run_train,
+    tiny_run,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -114,6 +121,8 @@ BAD_INPUTS = [
     ("trainer.no_such_key=1", "no_such_key"),
     ("optim._target_=torch.optim.NoSuchOptimizer", "NoSuchOptimizer"),
 ]
+# These also print details before the last line: why CUDA is missing, the import error.
+WITH_DETAILS = ("trainer.device=cuda", "optim._target_=torch.optim.NoSuchOptimizer")
 
 
 @pytest.mark.parametrize(("override", "fragment"), BAD_INPUTS)
@@ -123,17 +132,17 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path: Path, mnist_root: Path, ove
         pytest.skip("CUDA is available here")
     result = run_train(*tiny_run(tmp_path / "run", mnist_root, "trainer.max_steps=2"), override)
     assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("trainkit: ") and fragment in lines[0], lines[0]
+    details, last = error_report(result.stderr)  # the last line: <= 200 characters
+    assert bool(details) == (override in WITH_DETAILS), result.stderr
+    assert fragment in last, last
     assert "Traceback" not in result.stdout + result.stderr
 
 
 def test_unknown_experiment_lists_the_known_ones(tmp_path: Path) -> None:
     result = run_train("+exp=nope", f"hydra.run.dir={tmp_path}")
     assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "exp/nope" in lines[0] and "mnist" in lines[0], result.stderr
+    details, last = error_report(result.stderr)
+    assert not details and "exp/nope" in last and "mnist" in last, result.stderr
 
 
 def test_missing_data_offline_names_the_files(tmp_path: Path) -> None:
@@ -142,10 +151,15 @@ def test_missing_data_offline_names_the_files(tmp_path: Path) -> None:
     # download stays on (the default): offline it must fail fast with one line
     result = run_train("+exp=mnist", f"hydra.run.dir={tmp_path / 'run'}", f"data.root={empty}")
     assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "train-images-idx3-ubyte" in lines[0] and "t10k-labels-idx1-ubyte" in lines[0]
-    assert "download failed" in lines[0]
+    details, last = error_report(result.stderr)  # was one line of ~900 characters
+    assert "download failed" in last and "python -m trainkit.data download mnist" in last
+    # the details name the folder, the missing files and the download's exception chain
+    assert f"{empty / 'MNIST' / 'raw'} lacks train-images-idx3-ubyte" in details[0]
+    assert "t10k-labels-idx1-ubyte" in details[0]
+    assert any(line.startswith("  download error: ") for line in details), details
+    # and all of it is in train.log too (it was empty)
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert last in log and details[0].strip() in log
 
 
 def test_bad_input_deletes_no_checkpoint(tmp_path: Path, mnist_root: Path) -> None:
@@ -156,9 +170,12 @@ def test_bad_input_deletes_no_checkpoint(tmp_path: Path, mnist_root: Path) -> No
     result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_steps=2"),
                        "trainer.precision=16-mixed")  # a checkpoint of another precision
     assert result.returncode != 0
-    assert "precision" in result.stderr.strip().splitlines()[-1]
+    details, last = error_report(result.stderr)
+    assert "precision" in last
+    assert "trainer.precision: 32 -> 16-mixed" in "\n".join(details)
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
-    assert (run_dir / "train.log").read_text().startswith(log_before)
+    log = (run_dir / "train.log").read_text()
+    assert log.startswith(log_before) and log.rstrip().endswith(last)
 
 
 @pytest.mark.realdata

@@ -13,7 +13,7 @@ import torch
 
 from tests.fakes import fake_cifar_arrays, py2_pickle, write_py2_pickle
 from trainkit.datasets import load_cifar10
-from trainkit.errors import TrainkitError
+from trainkit.errors import LINE_LIMIT, TrainkitError
 from trainkit.safe_pickle import load_restricted
 
 FOLDER = "cifar-10-batches-py"
@@ -39,10 +39,10 @@ def test_verify_rejects_generated_files(cifar_root: Path) -> None:
 def test_missing_files_name_the_download_command(tmp_path: Path) -> None:
     with pytest.raises(TrainkitError) as info:
         load_cifar10(tmp_path, download=False)
-    message = str(info.value)
-    assert "\n" not in message
+    message, details = str(info.value), info.value.details
+    assert "\n" not in message and len(f"trainkit: {message}") <= LINE_LIMIT
     assert "python -m trainkit.data download cifar10 --root DIR" in message
-    assert "data_batch_1" in message and "batches.meta" in message
+    assert "data_batch_1" in details[0] and "batches.meta" in details[0]
 
 
 def test_pickle_with_another_global_is_refused(tmp_path: Path, cifar_root: Path) -> None:

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
-from trainkit.errors import ConfigError
+from trainkit.errors import LINE_LIMIT, ConfigError
 from trainkit.train import CONFIG_DIR
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "exp").glob("*.yaml"))
@@ -86,8 +86,9 @@ def test_wrong_type_fails_while_composing() -> None:
 )
 def test_out_of_range_values_fail_with_the_key(override: str, fragment: str) -> None:
     cfg = _compose("+exp=mnist", override)
-    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")) as caught:
         OmegaConf.to_object(cfg)
+    assert len(f"trainkit: {caught.value}") <= LINE_LIMIT and not caught.value.details
 
 
 def test_configs_are_plain_python_without_hydra() -> None:

@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
-from trainkit.data import InMemoryLoader
+from trainkit.config import DataConfig
+from trainkit.data import InMemoryLoader, build_loaders
 from trainkit.datasets import TensorData
+from trainkit.errors import ConfigError
+from trainkit.runtime import Runtime
 
 
 def _data(n: int = 100) -> TensorData:
@@ -72,3 +76,21 @@ def test_channels_last_batches() -> None:
                       mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), num_classes=2)
     x, _ = next(iter(InMemoryLoader(data, 4, shuffle=False, channels_last=True)))
     assert x.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_build_loaders_serves_a_dataset_of_ones_own() -> None:
+    calls = []
+
+    def reader(root: str, train: bool) -> TensorData:
+        calls.append((root, train))
+        return _data(100 if train else 40)
+
+    cfg = DataConfig(name="mine", root="/somewhere", batch_size=10, eval_batch_size=20)
+    train, test, num_classes = build_loaders(cfg, Runtime.from_env("cpu"), reader=reader)
+    assert calls == [("/somewhere", True), ("/somewhere", False)]
+    assert (len(train), len(test), num_classes) == (10, 2, 10)
+
+
+def test_an_unknown_dataset_name_points_to_dataset_target() -> None:
+    with pytest.raises(ConfigError, match=r"not one of mnist, cifar10; .*dataset\._target_"):
+        build_loaders(DataConfig(name="imagenet"), Runtime.from_env("cpu"))

@@ -8,7 +8,7 @@ import torch
 
 from tests.fakes import fake_mnist_arrays, write_fake_mnist
 from trainkit.datasets import MNIST_MD5, load_mnist
-from trainkit.errors import TrainkitError
+from trainkit.errors import LINE_LIMIT, TrainkitError
 
 
 def test_reads_torchvision_layout_as_uint8_tensors(mnist_root: Path) -> None:
@@ -29,11 +29,12 @@ def test_verify_rejects_files_that_are_not_the_official_ones(mnist_root: Path) -
 def test_missing_files_name_all_four_and_where(tmp_path: Path) -> None:
     with pytest.raises(TrainkitError) as info:
         load_mnist(tmp_path, download=False)
-    message = str(info.value)
-    assert "\n" not in message
-    for name in MNIST_MD5:
-        assert name in message
-    assert str(tmp_path / "MNIST" / "raw") in message
+    message, details = str(info.value), info.value.details
+    assert "\n" not in message and len(f"trainkit: {message}") <= LINE_LIMIT
+    assert "python -m trainkit.data download mnist --root DIR" in message
+    for name in MNIST_MD5:  # the details say which files are missing, and where
+        assert name in details[0]
+    assert str(tmp_path / "MNIST" / "raw") in details[0]
 
 
 def test_truncated_file_is_a_clear_error(tmp_path: Path, mnist_root: Path) -> None:

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+from tests.conftest import error_report
 from trainkit import env
 
 
@@ -39,8 +40,8 @@ def test_unavailable_device_is_one_line_and_nonzero() -> None:
         return
     result = _env("--device", "cuda")
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "CUDA is not available" in lines[0]
+    details, last = error_report(result.stderr)
+    assert "CUDA is not available" in last and details[0].startswith("  why no CUDA: ")
 
 
 def test_report_lists_torchrun_and_slurm_variables(monkeypatch: pytest.MonkeyPatch) -> None:

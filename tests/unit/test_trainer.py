@@ -111,7 +111,7 @@ def test_consecutive_non_finite_losses_stop_the_run_keeping_the_checkpoint(
     trainer = _trainer(tmp_path, nonfinite_patience=3, every_n_steps=2)
     with pytest.raises(NonFiniteLossError, match="NaN/inf for 3 steps in a row") as caught:
         trainer.fit(model, _sgd(model), data)
-    assert "step 4" in str(caught.value)  # names the last good checkpoint
+    assert "step 4" in caught.value.details[0]  # names the last good checkpoint
     last = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
     assert last["global_step"] == 4  # no save during the streak, none at the stop
     assert torch.isfinite(last["model"]["1.weight"]).all()

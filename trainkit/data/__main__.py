@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainkit.datasets import CIFAR10_FOLDER, MNIST_MD5, check_md5, cifar10_files
-from trainkit.errors import TrainkitError, one_line
+from trainkit.errors import TrainkitError, chain_lines, print_error
 
 
 def _mnist_files() -> tuple[Path, dict[str, str]]:
@@ -95,12 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.names:
             try:
                 DATASETS[name][1](root)
-            except Exception as err:  # offline, proxy, disk: one line, then the next dataset
-                print(f"trainkit: {name}: download failed: {one_line(err)}", file=sys.stderr)
+            except Exception as err:  # offline, proxy, disk: the error chain, then one line
+                print_error(f"{name}: download failed (offline? a proxy? see above): run this "
+                             "where there is internet and copy the folder here", chain_lines(err))
                 return 2
     problems = verify(root, args.names)
     for problem in problems:
-        print(f"trainkit: {problem}", file=sys.stderr)
+        print_error(problem)
     return 2 if problems else 0
 
 

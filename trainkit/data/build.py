@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,13 +16,21 @@ from trainkit.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.errors import ConfigError
 from trainkit.runtime import Runtime
 
-READERS = {"mnist": load_mnist, "cifar10": load_cifar10}
+READERS = {"mnist": load_mnist, "cifar10": load_cifar10}  # the built-in datasets, by data.name
+# A user's own dataset: called as ``reader(root=data.root, train=True/False)``, returns one split.
+Reader = Callable[..., TensorData]
 
 
 def build_loaders(
-    cfg: DataConfig, runtime: Runtime, *, seed: int = 0, channels_last: bool = False
+    cfg: DataConfig, runtime: Runtime, *, seed: int = 0, channels_last: bool = False,
+    reader: Reader | None = None,
 ) -> tuple[Any, Any, int]:
     """Training and evaluation loaders for the dataset ``cfg.name``, and its number of classes.
+
+    ``reader`` replaces the built-in datasets with your own: ``reader(root=cfg.root, train=...)``
+    returns a :class:`~trainkit.datasets.TensorData` (uint8 images ``[N, C, H, W]``, int64
+    labels, per-channel mean/std in 0..1, the number of classes); ``cfg.name`` then only names it.
+    The entry point builds it from the config's ``dataset`` node (``_target_`` and its keys).
 
     ``data.loader=memory`` (the default) serves each split from memory on ``runtime.device``
     (GPU-resident on CUDA) and augments whole batches there. ``data.loader=dataloader`` is the
@@ -34,11 +43,15 @@ def build_loaders(
         ConfigError: an unknown dataset name, or a batch size the data cannot fill.
         TrainkitError: the files are missing (offline), corrupt or malformed.
     """
-    if cfg.name not in READERS:
-        raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(READERS)}")
-    read = READERS[cfg.name]
-    train = read(cfg.root, train=True, verify=cfg.verify, download=cfg.download)
-    test = read(cfg.root, train=False, verify=cfg.verify, download=cfg.download)
+    if reader is not None:
+        train, test = reader(root=cfg.root, train=True), reader(root=cfg.root, train=False)
+    elif cfg.name not in READERS:
+        raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(READERS)}; "
+                          "for your own dataset set dataset._target_ (see the README)")
+    else:
+        read = READERS[cfg.name]
+        train = read(cfg.root, train=True, verify=cfg.verify, download=cfg.download)
+        test = read(cfg.root, train=False, verify=cfg.verify, download=cfg.download)
     if cfg.loader == "dataloader":
         return (_dataloader(train, cfg, runtime, seed, channels_last, training=True),
                 _dataloader(test, cfg, runtime, seed, channels_last, training=False),

@@ -1,0 +1,7 @@
+"""``python -m trainkit <command>``: the same as the ``trainkit`` console command."""
+
+import sys
+
+from trainkit.cli import main
+
+sys.exit(main())

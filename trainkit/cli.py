@@ -1,0 +1,47 @@
+"""``trainkit <command>``: the console command a pip install puts on the PATH.
+
+Each command is the module of the same name, so ``trainkit train +exp=mnist`` is
+``python -m trainkit.train +exp=mnist`` and the ``python -m`` forms keep working. Under
+torchrun: ``torchrun --nproc_per_node=2 --no-python trainkit train +exp=cifar``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module whose main() runs it, what it does)
+COMMANDS = {
+    "train": ("trainkit.train", "train with the Hydra entry point: trainkit train +exp=mnist"),
+    "launch": ("trainkit.launch", "torchrun with one process per GPU, then train"),
+    "data": ("trainkit.data.__main__", "download or verify datasets: trainkit data download mnist"),
+    "env": ("trainkit.env", "report devices, versions and the distributed environment"),
+    "verify-resume": ("trainkit.verify_resume", "check that stopping and resuming is bit-exact"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``trainkit <command> [args...]``; return its exit status."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
+        width = max(map(len, COMMANDS))
+        usage = "\n".join(f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items())
+        print(f"usage: trainkit <command> [args...]\n\ncommands:\n{usage}\n\n"
+              "`trainkit <command> --help` describes each one.",
+              file=sys.stdout if args and args[0] in ("-h", "--help") else sys.stderr)
+        if args and args[0] not in ("-h", "--help"):
+            print(f"trainkit: unknown command {args[0]!r}: use one of {', '.join(COMMANDS)}",
+                  file=sys.stderr)
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    command, rest = args[0], args[1:]
+    module = importlib.import_module(COMMANDS[command][0])
+    if command == "train":
+        # Hydra reads the overrides from sys.argv itself.
+        sys.argv = [f"trainkit {command}", *rest]
+        module.main()
+        return 0
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
