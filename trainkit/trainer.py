@@ -35,6 +35,7 @@ from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
 from trainkit.logging import Progress, make_writer, setup_logging, write_hparams, write_summary
 from trainkit.metrics import StepMeter
+from trainkit.nonfinite import NonFiniteCounter, NonFiniteTally
 from trainkit.precision import Precision
 from trainkit.runtime import Runtime
 from trainkit.signals import Preemption
@@ -310,6 +311,7 @@ class Trainer:
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
         vote = StepVote(stop=lambda: preemption.requested, save_due=self._time_due)
         agree = vote.nonfinite if vote.active else None
+        self._nonfinite = NonFiniteCounter()  # NaN/inf windows of steps the host did not check
         while not done and state.epoch < cfg.max_epochs:
             set_epoch(data, state.epoch, state.batch_in_epoch)
             per_epoch = len(data)
@@ -318,16 +320,26 @@ class Trainer:
             for window in windows(data, cfg.accumulate_grad_batches):
                 # Blocked on the data since the last step ended (time/data_wait_pct).
                 meter.data_wait += time.perf_counter() - fetched
+                on_host = check_finite and self._checks_on_host(state.global_step + 1,
+                                                                total_steps, stop_at_step)
                 result = train_window(
                     train_model, window, optimizer=parts.optimizer, precision=self.precision,
                     criterion=criterion, forward=forward, device=self.runtime.device,
                     clip_val=cfg.gradient_clip_val, clip_algorithm=cfg.gradient_clip_algorithm,
-                    check_finite=check_finite, agree=agree,
+                    check_finite=on_host, guard_finite=check_finite and not on_host, agree=agree,
                 )
+                # the steps the device checked are counted first: this one may extend a streak
+                tally = self._read_nonfinite() if on_host else None
+                if result.finite_flag is not None:
+                    self._nonfinite.add(result.finite_flag)
                 self._count(result, parts, len(window), per_epoch)
+                if tally is not None:
+                    self._stop_if_diverged(tally)
                 # the loss as a number when the NaN check already read it: no second sync
                 loss = result.loss if result.value is None else result.value
-                meter.add(result.samples, loss if result.finite else None, result.grad_norm)
+                # a skipped fp16 step's norm is of overflowed gradients (inf): left out
+                meter.add(result.samples, loss if result.finite else None,
+                          result.grad_norm if result.stepped else None, result.finite_flag)
                 if bar:
                     out.progress.step()
                 if state.global_step % log_every == 0 or (
@@ -336,6 +348,7 @@ class Trainer:
                     last_log = time.monotonic()
                 stop, time_due = vote.stop_and_save()
                 if stop or state.global_step == stop_at_step:
+                    self._stop_if_diverged(self._read_nonfinite())  # counted before the save
                     self._save(parts, periodic=True)
                     log.warning("stopped at step %d; re-run the same command to resume",
                                 state.global_step)
@@ -351,6 +364,8 @@ class Trainer:
                 results = evaluate()
         if evaluate and not results:  # resumed a finished run: report it again
             results = evaluate()
+        # none pending after a last step; some with a loader shorter than its len()
+        self._stop_if_diverged(self._read_nonfinite())
         return "completed", results
 
     def _count(self, result: Any, parts: Parts, batches: int, per_epoch: int) -> None:
@@ -377,23 +392,60 @@ class Trainer:
         log.warning("step %d: loss is %s; step skipped (%d in a row)", state.global_step,
                     result.value, state.nonfinite_streak)
         if state.nonfinite_streak >= self.config.nonfinite_patience:
-            saved = (f"the last checkpoint, {self.checkpoints.last}, is from step "
-                     f"{self._saved_at[0]} and intact"
-                     if self.checkpoints is not None and self._saved_at[0] >= 0 else
-                     "no checkpoint was written")
-            raise NonFiniteLossError(
-                f"stopped at step {state.global_step}: the loss was NaN/inf for "
-                f"{state.nonfinite_streak} steps in a row; {saved}. Lower optim.lr, set "
-                "trainer.gradient_clip_val, use bf16-mixed instead of 16-mixed, or check the data"
-            )
+            raise self._diverged(state.nonfinite_streak)
+
+    def _diverged(self, streak: int) -> NonFiniteLossError:
+        saved = (f"the last checkpoint, {self.checkpoints.last}, is from step "
+                 f"{self._saved_at[0]} and intact"
+                 if self.checkpoints is not None and self._saved_at[0] >= 0 else
+                 "no checkpoint was written")
+        return NonFiniteLossError(
+            f"stopped at step {self.state.global_step}: the loss was NaN/inf for "
+            f"{streak} steps in a row; {saved}. Lower optim.lr, set "
+            "trainer.gradient_clip_val, use bf16-mixed instead of 16-mixed, or check the data"
+        )
+
+    def _checks_on_host(self, step: int, total_steps: int, stop_at_step: int | None) -> bool:
+        """Whether step ``step`` reads its NaN/inf check on the host (and skips a bad step).
+
+        Where the loop waits for the device anyway -- a logging step, a periodic checkpoint, the
+        last step -- and at every step while a NaN/inf streak runs, so that
+        ``trainer.nonfinite_patience`` counts exactly. Other steps are checked on the device.
+        """
+        every = self.checkpoint_config.every_n_steps
+        return bool(self.state.nonfinite_streak or step % self.config.log_every_n_steps == 0
+                    or (every and step % every == 0) or step >= total_steps
+                    or step == stop_at_step)
+
+    def _read_nonfinite(self) -> NonFiniteTally:
+        """Count the NaN/inf windows the device saw since the last read, into the state.
+
+        A host read (sync) when steps were checked on the device since the last one. Ranks read
+        at the same steps and hold the same (all-reduced) tally, so they stop together.
+        """
+        tally = self._nonfinite.read()
+        if not tally.count:
+            return tally
+        state = self.state
+        state.nonfinite_steps += tally.count
+        state.skipped_steps += tally.count
+        state.nonfinite_streak = tally.streak  # device-checked runs start after a finite step
+        log.warning("%d step(s) up to step %d had a NaN/inf loss; their gradients were dropped",
+                    tally.count, state.global_step)
+        return tally
+
+    def _stop_if_diverged(self, tally: NonFiniteTally) -> None:
+        if tally.count and tally.longest >= self.config.nonfinite_patience:
+            raise self._diverged(tally.longest)
 
     def _checkpoint_due(self, time_due: bool) -> bool:
-        if self.state.nonfinite_streak:
-            return False  # weights did not move; keep the last good checkpoint the newest
         every = self.checkpoint_config.every_n_steps
-        if every and self.state.global_step % every == 0:
-            return True
-        return time_due  # agreed by all ranks (StepVote)
+        if not (time_due or (every and self.state.global_step % every == 0)):
+            return False  # time_due: agreed by all ranks (StepVote)
+        # a save never follows NaN/inf steps the host has not counted
+        self._stop_if_diverged(self._read_nonfinite())
+        # in a NaN/inf streak the weights did not move; keep the last good checkpoint the newest
+        return not self.state.nonfinite_streak
 
     def _time_due(self) -> bool:
         """Whether ``checkpoint.every_n_minutes`` passed since the last save, by rank 0's clock."""
