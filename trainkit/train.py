@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import hydra
+import torch
 import torch.distributed
 import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
@@ -28,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from trainkit import distributed
 from trainkit.config import TrainConfig
 from trainkit.data import build_loaders
-from trainkit.errors import TrainkitError
+from trainkit.errors import TrainkitError, one_line
 from trainkit.logging import setup_logging
 from trainkit.rng import seed_everything
 from trainkit.runtime import Runtime
@@ -142,6 +143,11 @@ def errors_as_one_line() -> Iterator[None]:
         if isinstance(err, TrainkitError):
             _fail(str(err))
         _fail(f"config error: {_fold_hydra_message(err)}")
+    except torch.cuda.OutOfMemoryError as err:  # before fit, which reports its own (status oom)
+        if _SHOW_TRACEBACK:
+            raise
+        _fail(f"out of memory before training started: {one_line(err, 80)}; free the GPU "
+              "(nvidia-smi shows who holds it) or use data.loader=dataloader")
     except RuntimeError as err:
         if _SHOW_TRACEBACK or not _from_collective(err):
             raise

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainkit import distributed, rng
+from trainkit import distributed, oom, rng
 from trainkit.activations import apply_activation_checkpointing
 from trainkit.async_checkpoint import AsyncCheckpointWriter
 from trainkit.checkpoint import CheckpointManager, check_config, load_checkpoint, manifest
 from trainkit.config import CheckpointConfig, TrainerConfig
 from trainkit.data.loaders import set_epoch
-from trainkit.device import memory_stats, move_to_device
+from trainkit.device import move_to_device
 from trainkit.distributed import StepVote, barrier, unwrap
 from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
@@ -158,8 +158,31 @@ class Trainer:
         Raises:
             NonFiniteLossError: ``trainer.nonfinite_patience`` NaN/inf losses in a row; the
                 checkpoints written before are left as they were.
-            TrainkitError: a checkpoint could not be written or does not fit this run.
+            TrainkitError: a checkpoint could not be written or does not fit this run, or the
+                device ran out of memory (``status: "oom"``; the allocator's summary is in
+                train.log).
         """
+        self._begun: tuple[float, tuple[int, int], StepMeter] | None = None
+        started = time.perf_counter()
+        try:
+            return self._fit(model, optimizer, train_data, criterion=criterion,
+                             scheduler=scheduler, val_data=val_data, metrics=metrics,
+                             forward=forward, preemption=preemption, stop_at_step=stop_at_step)
+        except torch.cuda.OutOfMemoryError as err:  # moving the model, resuming, a step, eval
+            oom.release(err, optimizer)
+            line = oom.report(err, self.runtime.device, step=self.state.global_step,
+                              batch=getattr(train_data, "batch_size", "?"),
+                              accumulate=self.config.accumulate_grad_batches,
+                              precision=self.config.precision)
+        begun = self._begun or (started, (self.state.samples_seen, self.state.global_step),
+                                StepMeter(self.runtime.device))
+        self._write_summary("oom", {}, *begun)
+        raise TrainkitError(line)
+
+    def _fit(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_data: Iterable[Any],
+             *, criterion: Criterion, scheduler: Any, val_data: Iterable[Any] | None,
+             metrics: Mapping[str, Any] | None, forward: Forward, preemption: Preemption | None,
+             stop_at_step: int | None) -> dict[str, Any]:
         cfg = self.config
         model = self._prepare_model(model)  # under DDP: rank 0's weights on every rank
         if self.runtime.distributed:
@@ -183,6 +206,7 @@ class Trainer:
         evaluate = (lambda: self._validate(parts, val_data, out.writer, criterion, metrics,
                                            forward)) if val_data is not None else None
         begin = (self.state.samples_seen, self.state.global_step)  # this process's own share
+        self._begun = (started, begin, out.meter)  # for the summary of a run out of memory
         preemption = preemption or Preemption()
         try:
             with preemption, out.progress:
@@ -195,8 +219,6 @@ class Trainer:
         except NonFiniteLossError:
             self._write_summary("diverged", {}, started, begin, out.meter)
             raise
-        except torch.cuda.OutOfMemoryError:
-            raise TrainkitError(self._out_of_memory(train_data)) from None
         finally:
             out.writer.close()
             if self._background is not None:
@@ -276,6 +298,8 @@ class Trainer:
         check_config(state, self.run_config)
         try:
             unwrap(parts.model).load_state_dict(state["model"])
+        except torch.cuda.OutOfMemoryError:
+            raise  # not a mismatch: fit reports it as out of memory
         except RuntimeError as err:
             first = str(err).strip().splitlines()
             raise TrainkitError(f"checkpoint does not fit this model: {' '.join(first[:2])}"
@@ -528,26 +552,6 @@ class Trainer:
                 self.checkpoints.save(state, step, periodic=periodic, best=best)
         self._saved_at = (step, time.monotonic())
         barrier()  # no rank runs ahead of a checkpoint still being written (or copied)
-
-    def _out_of_memory(self, data: Any) -> str:
-        """One line that says what ran out and what to change."""
-        device = self.runtime.device
-        where = ""
-        if device.type == "cuda":
-            stats = memory_stats(device)
-            total = torch.cuda.get_device_properties(device).total_memory / 2**30
-            where = (f"; peak allocated {stats['cuda_peak_allocated_gib']:.2f} GiB, reserved "
-                     f"{stats['cuda_reserved_gib']:.2f} of {total:.1f} GiB")
-            torch.cuda.empty_cache()
-        cfg = self.config
-        size = getattr(data, "batch_size", "?")
-        return (
-            f"out of memory on {device} at step {self.state.global_step} with batch {size} x "
-            f"accumulate {cfg.accumulate_grad_batches}, precision {cfg.precision}{where}. Halve "
-            "data.batch_size and double trainer.accumulate_grad_batches (same global batch), use "
-            "trainer.precision=bf16-mixed, or set trainer.activation_checkpointing; checkpoints "
-            "are untouched, re-run to resume"
-        )
 
     def _log_train(self, out: Outputs, optimizer: torch.optim.Optimizer,
                    total_steps: int) -> None:
