@@ -20,3 +20,19 @@ class OutOfMemoryNet(MnistNet):
             if self.calls == 3:
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return super().forward(x)
+
+
+class ExhaustingNet(MnistNet):
+    """MnistNet whose third training forward asks the allocator for more than any device has
+    (a real out-of-memory on a GPU, from the caching allocator itself)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == 3:
+                x = x + torch.empty(2**48, dtype=torch.uint8, device=x.device).sum()  # 256 TiB
+        return super().forward(x)
