@@ -38,16 +38,30 @@ def test_the_syncs_check_says_why_not_without_cuda() -> None:
     assert "CUDA" in syncs.main([])["skipped"]
 
 
+def test_the_sync_count_check_passes_on_the_cpu() -> None:
+    """The harness the GPU check runs under set_sync_debug_mode, with its read counts."""
+    from benchmarks.syncs import measure
+
+    result = measure(torch.device("cpu"), steps=6, log_every=3)
+    assert result["failures"] == []
+    runs = result["by_precision"]["16-mixed"]["runs"]
+    assert runs[1]["host_reads"] > runs[0]["host_reads"]  # GradScaler's read per step, reported
+    assert [r["met"] for r in result["rows"]] == [True, True, None]
+
+
 @pytest.mark.slow
-def test_sigterm_then_resume_case_passes_on_the_cpu(tmp_path: Path) -> None:
-    """Three real processes: a straight run, one stopped by SIGTERM, its resume; bitwise equal."""
+def test_resume_cases_pass_on_the_cpu(tmp_path: Path) -> None:
+    """Real processes: a straight run; one stopped by SIGTERM and resumed; one saving in the
+    background, stopped by its step limit and resumed. Bitwise equal to the straight run."""
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", str(tmp_path), "--device", "cpu",
-         "--only", "sigterm_resume"], cwd=REPO, env=offline_env(), capture_output=True,
-        text=True, timeout=600)
+         "--only", "sigterm_resume,async_save_resume"], cwd=REPO, env=offline_env(),
+        capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["passed"] == ["sigterm_resume"] and not report["failed"]
+    assert sorted(report["passed"]) == ["async_save_resume", "sigterm_resume"]
     case = report["cases"]["sigterm_resume"]
     assert 0 < case["stopped_at"] < case["global_step"] == 30
     assert case["largest_weight_difference"] == 0.0
+    assert len(report["cases"]["async_save_resume"]["checkpoints_equal"]) == 6
+    assert "gpu_check: 2 passed, 0 failed" in result.stdout
