@@ -198,13 +198,18 @@ def sigterm_resume(ctx: Context) -> dict[str, Any]:
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     lines = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if f"/{m} loss" in line:  # a step's log line: training is under way
-            proc.send_signal(signal.SIGTERM)
-            break
-    rest, _ = proc.communicate(timeout=CASE_TIMEOUT_S)
+    watchdog = threading.Timer(CASE_TIMEOUT_S, proc.kill)  # a run that never logs a step
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if f"/{m} loss" in line:  # a step's log line: training is under way
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=CASE_TIMEOUT_S)
+    finally:
+        watchdog.cancel()
     output = "".join(lines) + rest
     if proc.returncode != 75:
         raise CaseFailed(f"exit status {proc.returncode} after SIGTERM, not 75: "
@@ -336,7 +341,10 @@ def throughput(ctx: Context) -> dict[str, Any]:
     """``benchmarks.gpu``: CIFAR-10 loaders, training speed per precision, the shaped run."""
     from benchmarks.gpu import main
 
-    return main(["--device", ctx.device, *([] if ctx.cuda else ["--quick"])])
+    result = main(["--device", ctx.device, *([] if ctx.cuda else ["--quick"])])
+    if "failed" in result["shaped_run"]:
+        raise CaseFailed(f"the +exp=cifar run: {result['shaped_run']['failed']}")
+    return result
 
 
 # name -> (case, runs on the CPU too); in this order, the last two alone
