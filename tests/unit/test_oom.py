@@ -76,3 +76,27 @@ def test_out_of_memory_ends_with_one_line_and_status_oom(tmp_path: Path, model: 
     log = (tmp_path / "train.log").read_text()
     assert "out of memory: CUDA out of memory. Tried to allocate" in log  # the details
     assert all(p.grad is None for p in model.parameters())  # the step's gradients let go
+
+
+def test_release_drops_what_the_failed_frames_hold_while_the_error_is_still_alive() -> None:
+    import weakref
+
+    from trainkit.oom import release
+
+    held: list[weakref.ref] = []
+
+    def step() -> None:
+        activation = torch.ones(1000)  # what a failed forward leaves in its frame
+        held.append(weakref.ref(activation))
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+
+    model = nn.Linear(4, 2)
+    model(torch.ones(3, 4)).sum().backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        step()
+    except torch.cuda.OutOfMemoryError as err:
+        assert held[0]() is not None  # the traceback keeps it alive...
+        release(err, optimizer)
+        assert held[0]() is None  # ...until release, before any cache would be emptied
+        assert model.weight.grad is None
