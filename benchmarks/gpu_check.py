@@ -238,8 +238,9 @@ def explicit_device(ctx: Context) -> dict[str, Any]:
 
 def dataloader_prefetcher(ctx: Context) -> dict[str, Any]:
     """``data.loader=dataloader``: workers, pinned memory, the DevicePrefetcher, end to end."""
+    pinned = ["data.pin_memory=true"] if ctx.cuda else []  # pinning needs CUDA
     return completed(ctx.train("dataloader", "data.loader=dataloader", "data.num_workers=4",
-                               "data.pin_memory=true", "trainer.max_steps=40"))
+                               *pinned, "trainer.max_steps=40"))
 
 
 def ddp_cpu_on_gpu_machine(ctx: Context) -> dict[str, Any]:
@@ -351,7 +352,7 @@ def throughput(ctx: Context) -> dict[str, Any]:
 CASES: dict[str, tuple[Case, bool]] = {
     "unit_tests_on_cuda": (unit_tests_on_cuda, False),
     "compile": (compile_, False),
-    "activation_checkpointing": (activation_checkpointing, False),
+    "activation_checkpointing": (activation_checkpointing, True),
     "compile_and_activation_checkpointing": (compile_and_activation_checkpointing, False),
     "async_save_resume": (async_save_resume, True),
     "sigterm_resume": (sigterm_resume, True),
