@@ -30,23 +30,24 @@ def release(error: BaseException, optimizer: torch.optim.Optimizer | None = None
 
 
 def report(error: BaseException, device: torch.device, *, step: int, batch: Any,
-           accumulate: int, precision: str) -> str:
-    """Log the details (the error, the allocator's figures and summary); return the last line.
+           accumulate: int, precision: str) -> tuple[str, list[str]]:
+    """The last line (what ran out, what to change; <= 200 characters) and the detail lines.
 
-    The returned line says what ran out and what to change, in at most 200 characters.
+    The allocator's summary (what still holds memory once the step's tensors are gone) goes to
+    the log, at length; the details are the error, the figures and what the advice keeps.
     """
-    details = [f"out of memory: {one_line(error, 400)}",
-               f"batch {batch} x accumulate {accumulate}, precision {precision}"]
+    figures = f"precision {precision}, batch {batch} x accumulate {accumulate}"
     if device.type == "cuda":
         stats = memory_stats(device)
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
-        details.append(f"peak allocated {stats['cuda_peak_allocated_gib']:.2f} GiB, reserved "
-                       f"{stats['cuda_reserved_gib']:.2f} of {total:.1f} GiB")
-    for line in details:
-        log.error(line)
-    if device.type == "cuda":  # what still holds memory after the step's tensors were dropped
+        figures += (f"; peak allocated {stats['cuda_peak_allocated_gib']:.2f} GiB, reserved "
+                    f"{stats['cuda_reserved_gib']:.2f} of {total:.1f} GiB")
         log.info("allocator summary for %s:\n%s", device, torch.cuda.memory_summary(device))
-    return advice(device, step, batch)
+    details = [figures, f"out of memory: {one_line(error, 400)}",
+               "halving the batch and doubling the accumulation keeps the global batch; "
+               "trainer.activation_checkpointing saves memory too",
+               "checkpoints are untouched: re-run the same command to resume"]
+    return advice(device, step, batch), details
 
 
 def advice(device: torch.device, step: int, batch: Any) -> str:

@@ -170,10 +170,12 @@ class Trainer:
                              forward=forward, preemption=preemption, stop_at_step=stop_at_step)
         except torch.cuda.OutOfMemoryError as err:  # moving the model, resuming, a step, eval
             oom.release(err, optimizer)
-            line = oom.report(err, self.runtime.device, step=self.state.global_step,
-                              batch=getattr(train_data, "batch_size", "?"),
-                              accumulate=self.config.accumulate_grad_batches,
-                              precision=self.config.precision)
+            line, details = oom.report(err, self.runtime.device, step=self.state.global_step,
+                                       batch=getattr(train_data, "batch_size", "?"),
+                                       accumulate=self.config.accumulate_grad_batches,
+                                       precision=self.config.precision)
+        for detail in details:  # the lines before the last one
+            log.error(detail)
         begun = self._begun or (started, (self.state.samples_seen, self.state.global_step),
                                 StepMeter(self.runtime.device))
         self._write_summary("oom", {}, *begun)
