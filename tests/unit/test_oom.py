@@ -73,8 +73,10 @@ def test_out_of_memory_ends_with_one_line_and_status_oom(tmp_path: Path, model: 
     assert "data.batch_size" in line and "accumulate_grad_batches" in line
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "oom" and summary["global_step"] == step
-    log = (tmp_path / "train.log").read_text()
-    assert "out of memory: CUDA out of memory. Tried to allocate" in log  # the details
+    # the details: on the error for the entry point to print (when it carries them), or logged
+    shown = "\n".join(getattr(caught.value, "details", [])) + (tmp_path / "train.log").read_text()
+    assert "out of memory: CUDA out of memory. Tried to allocate" in shown
+    assert "precision 32" in shown and "checkpoints are untouched" in shown
     assert all(p.grad is None for p in model.parameters())  # the step's gradients let go
 
 
