@@ -35,3 +35,19 @@ class BuggyNet(MnistNet):
             if self.calls == 2:
                 return super().forward(x) / (1 // 0)
         return super().forward(x)
+
+
+class ExhaustingNet(MnistNet):
+    """MnistNet whose third training forward asks the allocator for more than any device has
+    (a real out-of-memory on a GPU, from the caching allocator itself)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == 3:
+                x = x + torch.empty(2**48, dtype=torch.uint8, device=x.device).sum()  # 256 TiB
+        return super().forward(x)

@@ -244,8 +244,18 @@ class StepVote:
         self._agreed: tuple[bool, bool] | None = None
         self.active = is_distributed()
 
-    def nonfinite(self, local: bool) -> bool:
-        """Whether any rank's loss was NaN/inf; also agrees on stopping and saving."""
+    def nonfinite(self, local: bool | torch.Tensor) -> bool | torch.Tensor:
+        """Whether any rank's loss was NaN/inf; also agrees on stopping and saving.
+
+        Given a 0-d tensor on a GPU, the answer is a tensor there, all-reduced by NCCL without
+        the host waiting for it; stopping and saving are then agreed by :meth:`stop_and_save`.
+        """
+        if isinstance(local, torch.Tensor):
+            if local.device.type != "cpu":
+                flag = local.to(torch.uint8)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # queued on the GPU: no host read
+                return flag.bool()
+            return torch.tensor(self.nonfinite(bool(local)))  # a CPU tensor: reading it is free
         bad, stop, save = any_rank(local, self._stop(), self._save_due())
         self._agreed = (stop, save)
         return bad

@@ -19,34 +19,48 @@ class DeviceMean:
 
     Values are kept as tensors and folded into one every ``fold_every``, so rare logging does not
     hold a tensor per step, and adding a value costs no device op. Plain floats (values already
-    read on the host) are summed on the host.
+    read on the host) are summed on the host. A value added with a ``keep`` flag (a 0-d bool
+    tensor, unread) counts only where the flag is true: the mean of the finite losses, say, when
+    which were finite is known only on the device.
     """
 
     def __init__(self, fold_every: int = 256) -> None:
         self.fold_every = fold_every
         self._values: list[torch.Tensor] = []
+        self._kept: list[torch.Tensor] = []  # the flags of values added with one
         self._host = 0.0
-        self._count = 0
+        self._count = 0  # values that count for certain
 
-    def add(self, value: torch.Tensor | float) -> None:
-        self._count += 1
+    def add(self, value: torch.Tensor | float, keep: torch.Tensor | None = None) -> None:
         if isinstance(value, float):
+            self._count += 1
             self._host += value
             return
+        if keep is None:
+            self._count += 1
+        else:  # where, not a product: 0 * NaN is NaN
+            value = torch.where(keep, value.float(), 0.0)
+            self._kept.append(keep)
         self._values.append(value)
         if len(self._values) >= self.fold_every:
             self._values = [torch.stack(self._values).float().sum()]
+        if len(self._kept) >= self.fold_every:
+            self._kept = [torch.stack(self._kept).float().sum()]
 
     def pop(self) -> float:
-        """The mean so far (syncs once), then start over; NaN when nothing was added."""
-        if not self._count:
-            return float("nan")
-        total = self._host
+        """The mean so far (syncs once), then start over; NaN when nothing counted."""
+        total, count = self._host, float(self._count)
+        sums = []
         if self._values:
-            total += torch.stack(self._values).float().sum().item()
-        mean = total / self._count
-        self._values, self._host, self._count = [], 0.0, 0
-        return mean
+            sums.append(torch.stack(self._values).float().sum())
+        if self._kept:
+            sums.append(torch.stack(self._kept).float().sum())
+        if sums:
+            read = torch.stack(sums).tolist()  # host sync: the one per log step
+            total += read[0]
+            count += read[1] if self._kept else 0.0
+        self._values, self._kept, self._host, self._count = [], [], 0.0, 0
+        return total / count if count else float("nan")
 
 
 class StepMeter:
@@ -79,13 +93,14 @@ class StepMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def add(self, samples: int, loss: torch.Tensor | float | None = None,
-            grad_norm: torch.Tensor | None = None) -> None:
+            grad_norm: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> None:
+        """One step; ``keep`` (a device flag) leaves out the loss and norm where it is false."""
         self.steps += 1
         self.samples += samples
         if loss is not None:
-            self.loss.add(loss)
+            self.loss.add(loss, keep)
         if grad_norm is not None:
-            self.grad_norm.add(grad_norm)
+            self.grad_norm.add(grad_norm, keep)
 
     def read(self) -> dict[str, float]:
         """The window's figures as TensorBoard tags; then a new window starts."""

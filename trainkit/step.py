@@ -60,6 +60,8 @@ class StepResult(NamedTuple):
     samples: int
     finite: bool = True  # False when the loss was NaN or inf (checked only when asked)
     value: float | None = None  # the loss as a number, when the check read it
+    # guard_finite: whether the loss was finite (all ranks agreed), on the device and unread
+    finite_flag: torch.Tensor | None = None
 
 
 def train_window(
@@ -74,7 +76,8 @@ def train_window(
     clip_val: float | None = None,
     clip_algorithm: str = "norm",
     check_finite: bool = False,
-    agree: Callable[[bool], bool] | None = None,
+    guard_finite: bool = False,
+    agree: Callable[[Any], Any] | None = None,
 ) -> StepResult:
     """Forward/backward every micro-batch of ``window``, then one (possibly skipped) step.
 
@@ -87,6 +90,11 @@ def train_window(
     overflow flag every step anyway). Under DDP pass ``agree``: given this rank's "loss is NaN/inf",
     it returns whether any rank's is, so all ranks skip together (the all-reduce already mixed the
     bad gradients into every rank's); :class:`~trainkit.distributed.StepVote` provides one.
+
+    ``guard_finite`` is the same check without the host read: on a NaN or inf loss the window's
+    gradients are set to zero on the device and the optimizer step runs on them (plain SGD: no
+    change; momentum, Adam's moments and weight decay still move the weights, never by a bad
+    gradient). ``finite_flag`` says which it was, unread; ``agree`` then takes and returns a tensor.
     """
     sizes = [batch_size(b) for b in window]
     total = sum(sizes)
@@ -115,6 +123,9 @@ def train_window(
         if nonfinite:
             optimizer.zero_grad(set_to_none=True)
             return StepResult(loss, None, False, total, finite=False, value=value)
+    finite_flag = None
+    if guard_finite and not check_finite:
+        finite_flag = _drop_nonfinite_gradients(optimizer, loss, agree)
     grad_norm = None
     if clip_val is not None:
         precision.unscale_(optimizer)  # clip true gradients, not loss-scaled ones
@@ -125,4 +136,18 @@ def train_window(
             nn.utils.clip_grad_value_(params, clip_val)
     stepped = precision.step(optimizer)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, grad_norm, stepped, total, True, value)
+    return StepResult(loss, grad_norm, stepped, total, True, value, finite_flag)
+
+
+def _drop_nonfinite_gradients(optimizer: torch.optim.Optimizer, loss: torch.Tensor,
+                              agree: Callable[[Any], Any] | None) -> torch.Tensor:
+    """Zero every gradient when ``loss`` is NaN/inf, on the device: no host read, no sync."""
+    finite = torch.isfinite(loss)
+    if agree is not None:  # any rank's bad loss drops every rank's step (a device all-reduce)
+        finite = agree(finite.logical_not()).logical_not()
+    bad = finite.logical_not()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                param.grad.masked_fill_(bad, 0.0)  # a 0-d mask: all or nothing
+    return finite

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import hydra
+import torch
 import torch.distributed
 import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
@@ -30,7 +31,7 @@ from trainkit.config import TrainConfig
 from trainkit.config_dir import config_dir
 from trainkit.cuda_settings import use_device
 from trainkit.data import build_loaders
-from trainkit.errors import TrainkitError, chain_lines, print_error
+from trainkit.errors import TrainkitError, chain_lines, one_line, print_error
 from trainkit.logging import log_to_file, setup_logging
 from trainkit.rng import seed_everything
 from trainkit.runtime import Runtime
@@ -154,6 +155,11 @@ def errors_as_one_line() -> Iterator[None]:
         if isinstance(err, InstantiationException):  # a `_target_` that fails to import or build
             _fail(_instantiate_message(err), details=chain_lines(err.__cause__ or err))
         _fail(f"config error: {_fold_hydra_message(err)}")
+    except torch.cuda.OutOfMemoryError as err:  # before fit, which reports its own (status oom)
+        if _SHOW_TRACEBACK:
+            raise
+        _fail(f"out of memory before training started: {one_line(err, 80)}; free the GPU "
+              "(nvidia-smi shows who holds it) or use data.loader=dataloader")
     except RuntimeError as err:
         if _SHOW_TRACEBACK or not _from_collective(err):
             _log_traceback(err)

@@ -23,19 +23,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainkit import distributed, rng
+from trainkit import distributed, oom, rng
 from trainkit.activations import apply_activation_checkpointing
 from trainkit.async_checkpoint import AsyncCheckpointWriter
 from trainkit.checkpoint import CheckpointManager, check_config, load_checkpoint, manifest
 from trainkit.config import CheckpointConfig, TrainerConfig
 from trainkit.cuda_settings import apply_cuda_settings
 from trainkit.data.loaders import set_epoch
-from trainkit.device import memory_stats, move_to_device
+from trainkit.device import move_to_device
 from trainkit.distributed import StepVote, barrier, unwrap
 from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
 from trainkit.logging import Progress, make_writer, setup_logging, write_hparams, write_summary
 from trainkit.metrics import StepMeter
+from trainkit.nonfinite import NonFiniteCounter, NonFiniteTally
 from trainkit.precision import Precision
 from trainkit.runtime import Runtime
 from trainkit.signals import Preemption
@@ -160,8 +161,31 @@ class Trainer:
         Raises:
             NonFiniteLossError: ``trainer.nonfinite_patience`` NaN/inf losses in a row; the
                 checkpoints written before are left as they were.
-            TrainkitError: a checkpoint could not be written or does not fit this run.
+            TrainkitError: a checkpoint could not be written or does not fit this run, or the
+                device ran out of memory (``status: "oom"``; the allocator's summary is in
+                train.log).
         """
+        self._begun: tuple[float, tuple[int, int], StepMeter] | None = None
+        started = time.perf_counter()
+        try:
+            return self._fit(model, optimizer, train_data, criterion=criterion,
+                             scheduler=scheduler, val_data=val_data, metrics=metrics,
+                             forward=forward, preemption=preemption, stop_at_step=stop_at_step)
+        except torch.cuda.OutOfMemoryError as err:  # moving the model, resuming, a step, eval
+            oom.release(err, optimizer)
+            line, details = oom.report(err, self.runtime.device, step=self.state.global_step,
+                                       batch=getattr(train_data, "batch_size", "?"),
+                                       accumulate=self.config.accumulate_grad_batches,
+                                       precision=self.config.precision)
+        begun = self._begun or (started, (self.state.samples_seen, self.state.global_step),
+                                StepMeter(self.runtime.device))
+        self._write_summary("oom", {}, *begun)
+        raise TrainkitError(line, details=details)
+
+    def _fit(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_data: Iterable[Any],
+             *, criterion: Criterion, scheduler: Any, val_data: Iterable[Any] | None,
+             metrics: Mapping[str, Any] | None, forward: Forward, preemption: Preemption | None,
+             stop_at_step: int | None) -> dict[str, Any]:
         cfg = self.config
         setup_logging(self.run_dir, self.runtime.is_main)  # this run's train.log, or none
         model = self._prepare_model(model)  # under DDP: rank 0's weights on every rank
@@ -187,6 +211,7 @@ class Trainer:
         evaluate = (lambda: self._validate(parts, val_data, out.writer, criterion, metrics,
                                            forward)) if val_data is not None else None
         begin = (self.state.samples_seen, self.state.global_step)  # this process's own share
+        self._begun = (started, begin, out.meter)  # for the summary of a run out of memory
         preemption = preemption or Preemption()
         try:
             with preemption, out.progress:
@@ -199,8 +224,6 @@ class Trainer:
         except NonFiniteLossError:
             self._write_summary("diverged", {}, started, begin, out.meter)
             raise
-        except torch.cuda.OutOfMemoryError:
-            raise self._out_of_memory(train_data) from None
         finally:
             out.writer.close()
             if self._background is not None:
@@ -280,6 +303,8 @@ class Trainer:
         check_config(state, self.run_config)
         try:
             unwrap(parts.model).load_state_dict(state["model"])
+        except torch.cuda.OutOfMemoryError:
+            raise  # not a mismatch: fit reports it as out of memory
         except RuntimeError as err:  # torch lists every missing/unexpected key: details
             raise TrainkitError(
                 "checkpoint does not fit this model (other layers or shapes): use the model "
@@ -317,6 +342,7 @@ class Trainer:
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
         vote = StepVote(stop=lambda: preemption.requested, save_due=self._time_due)
         agree = vote.nonfinite if vote.active else None
+        self._nonfinite = NonFiniteCounter()  # NaN/inf windows of steps the host did not check
         while not done and state.epoch < cfg.max_epochs:
             set_epoch(data, state.epoch, state.batch_in_epoch)
             per_epoch = len(data)
@@ -325,16 +351,26 @@ class Trainer:
             for window in windows(data, cfg.accumulate_grad_batches):
                 # Blocked on the data since the last step ended (time/data_wait_pct).
                 meter.data_wait += time.perf_counter() - fetched
+                on_host = check_finite and self._checks_on_host(state.global_step + 1,
+                                                                total_steps, stop_at_step)
                 result = train_window(
                     train_model, window, optimizer=parts.optimizer, precision=self.precision,
                     criterion=criterion, forward=forward, device=self.runtime.device,
                     clip_val=cfg.gradient_clip_val, clip_algorithm=cfg.gradient_clip_algorithm,
-                    check_finite=check_finite, agree=agree,
+                    check_finite=on_host, guard_finite=check_finite and not on_host, agree=agree,
                 )
+                # the steps the device checked are counted first: this one may extend a streak
+                tally = self._read_nonfinite() if on_host else None
+                if result.finite_flag is not None:
+                    self._nonfinite.add(result.finite_flag)
                 self._count(result, parts, len(window), per_epoch)
+                if tally is not None:
+                    self._stop_if_diverged(tally)
                 # the loss as a number when the NaN check already read it: no second sync
                 loss = result.loss if result.value is None else result.value
-                meter.add(result.samples, loss if result.finite else None, result.grad_norm)
+                # a skipped fp16 step's norm is of overflowed gradients (inf): left out
+                meter.add(result.samples, loss if result.finite else None,
+                          result.grad_norm if result.stepped else None, result.finite_flag)
                 if bar:
                     out.progress.step()
                 if state.global_step % log_every == 0 or (
@@ -343,6 +379,7 @@ class Trainer:
                     last_log = time.monotonic()
                 stop, time_due = vote.stop_and_save()
                 if stop or state.global_step == stop_at_step:
+                    self._stop_if_diverged(self._read_nonfinite())  # counted before the save
                     self._save(parts, periodic=True)
                     log.warning("stopped at step %d; re-run the same command to resume",
                                 state.global_step)
@@ -358,6 +395,8 @@ class Trainer:
                 results = evaluate()
         if evaluate and not results:  # resumed a finished run: report it again
             results = evaluate()
+        # none pending after a last step; some with a loader shorter than its len()
+        self._stop_if_diverged(self._read_nonfinite())
         return "completed", results
 
     def _count(self, result: Any, parts: Parts, batches: int, per_epoch: int) -> None:
@@ -384,23 +423,60 @@ class Trainer:
         log.warning("step %d: loss is %s; step skipped (%d in a row)", state.global_step,
                     result.value, state.nonfinite_streak)
         if state.nonfinite_streak >= self.config.nonfinite_patience:
-            saved = (f"the last checkpoint, {self.checkpoints.last}, is from step "
-                     f"{self._saved_at[0]} and intact"
-                     if self.checkpoints is not None and self._saved_at[0] >= 0 else
-                     "no checkpoint was written")
-            raise NonFiniteLossError(
-                f"stopped at step {state.global_step}: the loss was NaN/inf for "
-                f"{state.nonfinite_streak} steps in a row: lower optim.lr, set "
-                "trainer.gradient_clip_val, use bf16-mixed instead of 16-mixed, or check the data",
-                details=[saved])
+            raise self._diverged(state.nonfinite_streak)
+
+    def _diverged(self, streak: int) -> NonFiniteLossError:
+        saved = (f"the last checkpoint, {self.checkpoints.last}, is from step "
+                 f"{self._saved_at[0]} and intact"
+                 if self.checkpoints is not None and self._saved_at[0] >= 0 else
+                 "no checkpoint was written")
+        return NonFiniteLossError(
+            f"stopped at step {self.state.global_step}: the loss was NaN/inf for "
+            f"{streak} steps in a row: lower optim.lr, set "
+            "trainer.gradient_clip_val, use bf16-mixed instead of 16-mixed, or check the data",
+            details=[saved])
+
+    def _checks_on_host(self, step: int, total_steps: int, stop_at_step: int | None) -> bool:
+        """Whether step ``step`` reads its NaN/inf check on the host (and skips a bad step).
+
+        Where the loop waits for the device anyway -- a logging step, a periodic checkpoint, the
+        last step -- and at every step while a NaN/inf streak runs, so that
+        ``trainer.nonfinite_patience`` counts exactly. Other steps are checked on the device.
+        """
+        every = self.checkpoint_config.every_n_steps
+        return bool(self.state.nonfinite_streak or step % self.config.log_every_n_steps == 0
+                    or (every and step % every == 0) or step >= total_steps
+                    or step == stop_at_step)
+
+    def _read_nonfinite(self) -> NonFiniteTally:
+        """Count the NaN/inf windows the device saw since the last read, into the state.
+
+        A host read (sync) when steps were checked on the device since the last one. Ranks read
+        at the same steps and hold the same (all-reduced) tally, so they stop together.
+        """
+        tally = self._nonfinite.read()
+        if not tally.count:
+            return tally
+        state = self.state
+        state.nonfinite_steps += tally.count
+        state.skipped_steps += tally.count
+        state.nonfinite_streak = tally.streak  # device-checked runs start after a finite step
+        log.warning("%d step(s) up to step %d had a NaN/inf loss; their gradients were dropped",
+                    tally.count, state.global_step)
+        return tally
+
+    def _stop_if_diverged(self, tally: NonFiniteTally) -> None:
+        if tally.count and tally.longest >= self.config.nonfinite_patience:
+            raise self._diverged(tally.longest)
 
     def _checkpoint_due(self, time_due: bool) -> bool:
-        if self.state.nonfinite_streak:
-            return False  # weights did not move; keep the last good checkpoint the newest
         every = self.checkpoint_config.every_n_steps
-        if every and self.state.global_step % every == 0:
-            return True
-        return time_due  # agreed by all ranks (StepVote)
+        if not (time_due or (every and self.state.global_step % every == 0)):
+            return False  # time_due: agreed by all ranks (StepVote)
+        # a save never follows NaN/inf steps the host has not counted
+        self._stop_if_diverged(self._read_nonfinite())
+        # in a NaN/inf streak the weights did not move; keep the last good checkpoint the newest
+        return not self.state.nonfinite_streak
 
     def _time_due(self) -> bool:
         """Whether ``checkpoint.every_n_minutes`` passed since the last save, by rank 0's clock."""
@@ -483,27 +559,6 @@ class Trainer:
                 self.checkpoints.save(state, step, periodic=periodic, best=best)
         self._saved_at = (step, time.monotonic())
         barrier()  # no rank runs ahead of a checkpoint still being written (or copied)
-
-    def _out_of_memory(self, data: Any) -> TrainkitError:
-        """A short line that says what ran out and what to change; the figures as details."""
-        device = self.runtime.device
-        where = ""
-        if device.type == "cuda":
-            stats = memory_stats(device)
-            total = torch.cuda.get_device_properties(device).total_memory / 2**30
-            where = (f"peak allocated {stats['cuda_peak_allocated_gib']:.2f} GiB, reserved "
-                     f"{stats['cuda_reserved_gib']:.2f} of {total:.1f} GiB")
-            torch.cuda.empty_cache()
-        cfg = self.config
-        size = getattr(data, "batch_size", "?")
-        return TrainkitError(
-            f"out of memory on {device} at step {self.state.global_step} with batch {size} x "
-            f"accumulate {cfg.accumulate_grad_batches}: halve data.batch_size and double "
-            "trainer.accumulate_grad_batches, or use trainer.precision=bf16-mixed",
-            details=[f"precision {cfg.precision}" + (f"; {where}" if where else ""),
-                     "halving the batch and doubling the accumulation keeps the global batch; "
-                     "trainer.activation_checkpointing saves memory too",
-                     "checkpoints are untouched: re-run the same command to resume"])
 
     def _log_train(self, out: Outputs, optimizer: torch.optim.Optimizer,
                    total_steps: int) -> None:

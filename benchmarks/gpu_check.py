@@ -1,0 +1,443 @@
+"""Every CUDA path of trainkit once, each as a case that fails when the path is broken.
+
+    bash benchmarks/gpu_check.sh <out_dir>                  # on a GPU machine (brings Hydra along)
+    python -m benchmarks.gpu_check <out_dir>                # the same, Hydra already installed
+    python -m benchmarks.gpu_check <out_dir> --device cpu --only sigterm_resume   # (the tests)
+
+Writes ``<out_dir>/gpu_check.json`` (every case: ok, seconds, what it measured or why it failed;
+the sync counts; the throughput figures) and prints everything else, which ``gpu_check.sh`` keeps
+as ``<out_dir>/gpu_check.log``. Runs go to a temporary folder, deleted at the end. Independent
+cases run four at a time; the timing ones (``syncs``, ``throughput``) run alone at the end.
+Without CUDA (and no ``--device cpu``) it says so in one line and exits 0. Exit status 1 when a
+case failed.
+
+Comparisons between runs are bitwise: those runs go through
+:mod:`benchmarks.deterministic_train` (deterministic cuDNN/cuBLAS/torch kernels), so a
+difference is about checkpointing and resuming, not about kernels; the JSON gives the largest
+absolute difference of the weights as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import REPO
+from trainkit.errors import one_line
+
+Case = Callable[["Context"], dict[str, Any]]
+CASE_TIMEOUT_S = 240  # one process; the whole check aims at <= 8 minutes on an H200
+_print_lock = threading.Lock()
+
+
+class CaseFailed(Exception):
+    """A case's check did not hold; the message says which."""
+
+
+class Context:
+    """Where the runs go, the data, the device and the overrides every run of a kind shares."""
+
+    def __init__(self, work: Path, device: str) -> None:
+        from tests.fakes import write_fake_cifar10, write_fake_mnist
+
+        self.work, self.device = work, device
+        self.cuda = device == "cuda"
+        data = work / "data"
+        write_fake_mnist(data)
+        write_fake_cifar10(data, n_train=10_000 if self.cuda else 512, n_test=1_000 if self.cuda
+                           else 128)
+        common = [f"data.root={data}", "data.verify=false", "data.download=false"]
+        # CIFAR on a GPU (bf16, channels_last, the in-memory loader); the small MNIST net on a CPU
+        self.exp = (["+exp=cifar", *common] if self.cuda else
+                    ["+exp=mnist", *common, "data.batch_size=32", "trainer.device=cpu"])
+        self.mnist = ["+exp=mnist", *common, "data.batch_size=32"]
+
+    def run_dir(self, name: str) -> Path:
+        return self.work / "runs" / name
+
+    def train(self, name: str, *overrides: str, module: str = "trainkit.train",
+              launcher: tuple[str, ...] = (), expect: int = 0, exp: list[str] | None = None
+              ) -> dict[str, Any]:
+        """``python -m <module> <exp> <overrides>`` into run dir ``name``; its outcome."""
+        run = self.run_dir(name)
+        cmd = [sys.executable, *launcher, "-m", module, *(self.exp if exp is None else exp),
+               *overrides, f"hydra.run.dir={run}"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                              timeout=CASE_TIMEOUT_S)
+        output = proc.stdout + proc.stderr
+        if proc.returncode != expect:
+            last = (proc.stderr.strip().splitlines() or output.strip().splitlines() or ["-"])[-1]
+            raise CaseFailed(f"exit status {proc.returncode}, not {expect}: {last[:300]}")
+        summary_file = run / "summary.json"
+        summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+        return {"run": run, "summary": summary, "output": output, "stderr": proc.stderr}
+
+
+def completed(outcome: dict[str, Any]) -> dict[str, Any]:
+    """The summary of a run that must have completed with finite metrics."""
+    summary = outcome["summary"]
+    if summary.get("status") != "completed":
+        raise CaseFailed(f"status {summary.get('status')!r}, not 'completed'")
+    bad = {k: v for k, v in summary["metrics"].items() if not math.isfinite(v)}
+    if bad:
+        raise CaseFailed(f"non-finite metrics {bad}")
+    return {k: summary[k] for k in ("global_step", "samples_per_s", "metrics", "peak_memory")}
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def compare(a: Path, b: Path) -> float:
+    """Largest absolute difference between two checkpoints' weights; CaseFailed unless 0."""
+    wa, wb = weights(a), weights(b)
+    if wa.keys() != wb.keys():
+        raise CaseFailed(f"{a.name} and {b.name} hold different tensors")
+    diff = max(((x.double() - y.double()).abs().max().item() if x.is_floating_point()
+                else float(not torch.equal(x, y))) for x, y in zip(wa.values(), wb.values()))
+    if diff != 0.0:
+        raise CaseFailed(f"{b} differs from {a}: largest weight difference {diff:.3g}")
+    return diff
+
+
+# -- the cases ------------------------------------------------------------------------------------
+
+def unit_tests_on_cuda(ctx: Context) -> dict[str, Any]:
+    """The unit tests of the modules with CUDA paths, where they run on the GPU."""
+    files = sorted(str(p.relative_to(REPO)) for name in (
+        "device", "prefetch", "async_checkpoint", "loaders", "step", "data", "cuda_settings",
+        "activations") for p in (REPO / "tests" / "unit").glob(
+            f"test_{name}.py"))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-m", "not slow and not dist", *files], cwd=REPO, capture_output=True,
+                          text=True, timeout=CASE_TIMEOUT_S)
+    last = (proc.stdout.strip().splitlines() or ["-"])[-1]
+    if proc.returncode != 0:
+        raise CaseFailed(f"pytest: {last}\n{proc.stdout[-3000:]}")
+    return {"files": files, "pytest": last}
+
+
+def compile_(ctx: Context) -> dict[str, Any]:
+    return completed(ctx.train("compile", "trainer.compile=true", "trainer.max_steps=30"))
+
+
+AC = "trainer.activation_checkpointing=[features]"  # the conv stack, batch-norms inside
+
+
+def activation_checkpointing(ctx: Context) -> dict[str, Any]:
+    return completed(ctx.train("activation_checkpointing", AC, "trainer.max_steps=30"))
+
+
+def compile_and_activation_checkpointing(ctx: Context) -> dict[str, Any]:
+    return completed(ctx.train("compile_ac", "trainer.compile=true", AC, "trainer.max_steps=30"))
+
+
+def _exact(ctx: Context) -> tuple[int, tuple[str, ...]]:
+    """Steps M of the runs compared bitwise, and their overrides: constant LR (a resumed run may
+    extend it), checkpoints every M/6 kept, evaluation at the end only, a log line every 10."""
+    m = 300 if ctx.cuda else 30
+    return m, ("sched=constant", f"checkpoint.every_n_steps={m // 6}", "checkpoint.keep_last=100",
+               "trainer.max_epochs=1000", "trainer.eval_every_n_epochs=1000",
+               "trainer.log_every_n_steps=10")
+
+
+DETERMINISTIC = "benchmarks.deterministic_train"
+_straight_lock = threading.Lock()
+
+
+def _straight(ctx: Context) -> Path:
+    """The reference run (made once, whichever case asks first)."""
+    with _straight_lock:
+        run = ctx.run_dir("straight")
+        if not (run / "summary.json").exists():
+            m, exact = _exact(ctx)
+            completed(ctx.train("straight", *exact, f"trainer.max_steps={m}", module=DETERMINISTIC))
+        return run
+
+
+def async_save_resume(ctx: Context) -> dict[str, Any]:
+    """``checkpoint.async_save`` on an explicit ``cuda:0``: every snapshot equals the synchronous
+    run's checkpoint of the same step, and a resume from the async checkpoint ends equal."""
+    m, exact = _exact(ctx)
+    device = ["trainer.device=cuda:0"] if ctx.cuda else []
+    args = (*exact, "checkpoint.async_save=true", *device)
+    ctx.train("async", *args, f"trainer.max_steps={m // 2}", module=DETERMINISTIC)
+    resumed = ctx.train("async", *args, f"trainer.max_steps={m}", module=DETERMINISTIC)
+    if f"at step {m // 2}" not in resumed["output"]:
+        raise CaseFailed(f"the second run did not resume from step {m // 2}")
+    straight = _straight(ctx) / "checkpoints"
+    steps = sorted(p.name for p in straight.glob("step_*.pt"))
+    for name in steps:
+        compare(straight / name, ctx.run_dir("async") / "checkpoints" / name)
+    return {"checkpoints_equal": steps, **completed(resumed)}
+
+
+def sigterm_resume(ctx: Context) -> dict[str, Any]:
+    """SIGTERM at the first log line: one checkpoint, exit 75; the same command resumes and
+    ends bitwise equal to the uninterrupted run."""
+    m, exact = _exact(ctx)
+    run = ctx.run_dir("sigterm")
+    cmd = [sys.executable, "-m", DETERMINISTIC, *ctx.exp, *exact, f"trainer.max_steps={m}",
+           f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines = []
+    watchdog = threading.Timer(CASE_TIMEOUT_S, proc.kill)  # a run that never logs a step
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if f"/{m} loss" in line:  # a step's log line: training is under way
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=CASE_TIMEOUT_S)
+    finally:
+        watchdog.cancel()
+    output = "".join(lines) + rest
+    if proc.returncode != 75:
+        raise CaseFailed(f"exit status {proc.returncode} after SIGTERM, not 75: "
+                         f"{output.strip().splitlines()[-1:]}")
+    stopped = json.loads((run / "summary.json").read_text())["global_step"]
+    if not 0 < stopped < m:
+        raise CaseFailed(f"stopped at step {stopped}, not inside the run")
+    resumed = ctx.train("sigterm", *exact, f"trainer.max_steps={m}", module=DETERMINISTIC)
+    diff = compare(_straight(ctx) / "checkpoints" / "last.pt", run / "checkpoints" / "last.pt")
+    return {"stopped_at": stopped, "largest_weight_difference": diff, **completed(resumed)}
+
+
+def explicit_device(ctx: Context) -> dict[str, Any]:
+    """``trainer.device=cuda:N`` for the last GPU (cuda:0 on a one-GPU machine), async saves."""
+    n = torch.cuda.device_count() - 1
+    outcome = ctx.train("explicit_device", f"trainer.device=cuda:{n}", "trainer.max_steps=40",
+                        "checkpoint.async_save=true", "checkpoint.every_n_steps=20")
+    if f"on cuda:{n}" not in outcome["output"]:
+        raise CaseFailed(f"the log does not say the run trained on cuda:{n}")
+    for path in (outcome["run"] / "checkpoints").glob("*.pt"):
+        if not all(torch.isfinite(t).all() for t in weights(path).values()
+                   if t.is_floating_point()):
+            raise CaseFailed(f"{path.name} holds non-finite weights")
+    return {"device": f"cuda:{n}", **completed(outcome)}
+
+
+def dataloader_prefetcher(ctx: Context) -> dict[str, Any]:
+    """``data.loader=dataloader``: workers, pinned memory, the DevicePrefetcher, end to end."""
+    pinned = ["data.pin_memory=true"] if ctx.cuda else []  # pinning needs CUDA
+    return completed(ctx.train("dataloader", "data.loader=dataloader", "data.num_workers=4",
+                               *pinned, "trainer.max_steps=40"))
+
+
+def ddp_cpu_on_gpu_machine(ctx: Context) -> dict[str, Any]:
+    """``torchrun --nproc-per-node=2 ... trainer.device=cpu``: gloo, no GPU touched."""
+    outcome = ctx.train("ddp_cpu", "trainer.device=cpu", "trainer.precision=32",
+                        "trainer.max_steps=10", exp=ctx.mnist, launcher=(
+                            "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"))
+    if outcome["summary"].get("world_size") != 2:
+        raise CaseFailed(f"world size {outcome['summary'].get('world_size')}, not 2")
+    return completed(outcome)
+
+
+def nccl(ctx: Context) -> dict[str, Any]:
+    """torchrun on min(2, GPUs) processes with trainkit's backend, then NCCL collectives."""
+    n = min(2, torch.cuda.device_count())
+    outcome = ctx.train("nccl", "trainer.max_steps=20", launcher=(
+        "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"))
+    proc = subprocess.run([sys.executable, "-c", _COLLECTIVES], cwd=REPO, capture_output=True,
+                          text=True, timeout=CASE_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise CaseFailed(f"NCCL collectives: {(proc.stderr.strip().splitlines() or ['-'])[-1]}")
+    return {"processes": n, "collectives": proc.stdout.strip(), **completed(outcome)}
+
+
+_COLLECTIVES = """
+import torch, torch.distributed as dist
+dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, store=dist.HashStore(),
+                        device_id=torch.device("cuda", 0))
+on_gpu, on_cpu = torch.ones(4, device="cuda"), torch.ones(4)
+dist.all_reduce(on_gpu)
+dist.all_reduce(on_cpu)
+dist.barrier()
+assert on_gpu.sum().item() == 4 and on_cpu.sum().item() == 4
+print("nccl", torch.cuda.nccl.version(), "and gloo collectives ok")
+dist.destroy_process_group()
+"""
+
+
+def _amp(ctx: Context, precision: str) -> dict[str, Any]:
+    """A run at ``precision``: finite losses, few skipped steps, CUDA memory and (fp16 only) the
+    loss scale in TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    outcome = ctx.train(f"amp_{precision}", f"trainer.precision={precision}",
+                        "trainer.max_steps=100")
+    result = completed(outcome)
+    summary = outcome["summary"]
+    events = EventAccumulator(str(outcome["run"] / "tb")).Reload()
+    tags = events.Tags()["scalars"]
+    losses = [e.value for e in events.Scalars("train/loss")]
+    checks = {
+        "finite losses": all(math.isfinite(v) for v in losses),
+        "few skipped steps": summary["skipped_steps"] < summary["global_step"] // 2,
+        "CUDA memory in TensorBoard": "memory/cuda_peak_allocated_gib" in tags,
+        "loss scale iff fp16": ("amp/loss_scale" in tags) == (precision == "16-mixed"),
+    }
+    failed = [name for name, held in checks.items() if not held]
+    if failed:
+        raise CaseFailed(f"{', '.join(failed)} (tags {sorted(tags)})")
+    return {"skipped_steps": summary["skipped_steps"], **result}
+
+
+def fp16_gradscaler(ctx: Context) -> dict[str, Any]:
+    return _amp(ctx, "16-mixed")
+
+
+def bf16(ctx: Context) -> dict[str, Any]:
+    return _amp(ctx, "bf16-mixed")
+
+
+def out_of_memory(ctx: Context) -> dict[str, Any]:
+    """A real allocator OOM in the third step: one line, status oom, the allocator's summary."""
+    outcome = ctx.train("oom", "model._target_=tests.models.ExhaustingNet", "trainer.max_steps=10",
+                        exp=ctx.mnist, expect=2)
+    last = outcome["stderr"].strip().splitlines()[-1]
+    log = (outcome["run"] / "train.log").read_text()
+    checks = {
+        "one short last line": len(last) <= 200 and "out of memory on cuda" in last,
+        "status oom": outcome["summary"].get("status") == "oom",
+        "allocator summary in train.log": "memory summary" in log.lower(),
+    }
+    failed = [name for name, held in checks.items() if not held]
+    if failed:
+        raise CaseFailed(f"{', '.join(failed)}; last line: {last}")
+    return {"last_line": last}
+
+
+def syncs(ctx: Context) -> dict[str, Any]:
+    """``benchmarks.syncs``: host reads and sync_debug_mode syncs grow with logs, not steps."""
+    from benchmarks.syncs import measure
+
+    result = measure(torch.device(ctx.device))
+    if result["failures"]:
+        raise CaseFailed("; ".join(result["failures"]))
+    return result
+
+
+def throughput(ctx: Context) -> dict[str, Any]:
+    """``benchmarks.gpu``: CIFAR-10 loaders, training speed per precision, the shaped run."""
+    from benchmarks.gpu import main
+
+    result = main(["--device", ctx.device, *([] if ctx.cuda else ["--quick"])])
+    if "failed" in result["shaped_run"]:
+        raise CaseFailed(f"the +exp=cifar run: {result['shaped_run']['failed']}")
+    return result
+
+
+# name -> (case, runs on the CPU too); in this order, the last two alone
+CASES: dict[str, tuple[Case, bool]] = {
+    "unit_tests_on_cuda": (unit_tests_on_cuda, False),
+    "compile": (compile_, False),
+    "activation_checkpointing": (activation_checkpointing, True),
+    "compile_and_activation_checkpointing": (compile_and_activation_checkpointing, False),
+    "async_save_resume": (async_save_resume, True),
+    "sigterm_resume": (sigterm_resume, True),
+    "explicit_device": (explicit_device, False),
+    "dataloader_prefetcher": (dataloader_prefetcher, True),
+    "ddp_cpu_on_gpu_machine": (ddp_cpu_on_gpu_machine, True),
+    "nccl": (nccl, False),
+    "fp16_gradscaler": (fp16_gradscaler, False),
+    "bf16": (bf16, False),
+    "out_of_memory": (out_of_memory, False),
+    "syncs": (syncs, True),
+    "throughput": (throughput, True),
+}
+ALONE = ("syncs", "throughput")  # timings: nothing else runs meanwhile
+
+
+def run_case(name: str, ctx: Context) -> dict[str, Any]:
+    case, on_cpu = CASES[name]
+    if not ctx.cuda and not on_cpu:
+        return {"ok": None, "skipped": "needs CUDA"}
+    start = time.perf_counter()
+    try:
+        result = {"ok": True, **case(ctx)}
+    except (CaseFailed, subprocess.TimeoutExpired) as err:
+        result = {"ok": False, "error": str(err)}
+    except Exception as err:  # a bug in the case itself: its traceback, the others still run
+        result = {"ok": False, "error": one_line(err), "traceback": traceback.format_exc()}
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    with _print_lock:
+        status = {True: "PASS", False: "FAIL", None: "skipped"}[result["ok"]]
+        print(f"== {name}: {status} in {result['seconds']} s", flush=True)
+        print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2,
+                         default=str)[:6000], flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="where gpu_check.json goes")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: the cases that can, on the CPU (for the tests)")
+    parser.add_argument("--only", default=",".join(CASES), help="comma-separated case names")
+    parser.add_argument("--parallel", type=int, default=4, help="cases run at once")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = set(names) - set(CASES)
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(sorted(unknown))}; have {', '.join(CASES)}")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out = args.out_dir / "gpu_check.json"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        result: dict[str, Any] = {"skipped": "CUDA is not available on this machine"}
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"gpu_check: skipped: {result['skipped']}")
+        return result
+    started = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="trainkit-gpu-check-"))
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        ctx = Context(work, args.device)
+        together = [n for n in names if n not in ALONE]
+        with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+            cases = dict(zip(together, pool.map(lambda n: run_case(n, ctx), together)))
+        cases.update({n: run_case(n, ctx) for n in names if n in ALONE})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result = {
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "gpus": torch.cuda.device_count() if args.device == "cuda" else 0,
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "seconds": round(time.perf_counter() - started, 1),
+        "passed": [n for n, r in cases.items() if r["ok"] is True],
+        "failed": [n for n, r in cases.items() if r["ok"] is False],
+        "skipped": [n for n, r in cases.items() if r["ok"] is None],
+        "cases": cases,
+    }
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"gpu_check: {len(result['passed'])} passed, {len(result['failed'])} failed "
+          f"({', '.join(result['failed']) or 'none'}), {len(result['skipped'])} skipped, in "
+          f"{result['seconds']} s; results in {out}")
+    if result["failed"]:
+        sys.exit(1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The GPU check without a GPU: its script parses and skips in one line, and the cases that can
+run on the CPU pass there, so the one run on a lent GPU does not fail on its own code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, offline_env
+
+SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+
+
+def test_the_script_parses_and_without_cuda_skips_in_one_line(tmp_path: Path) -> None:
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: the script would run every case")
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", str(SCRIPT), str(out)], cwd=tmp_path, capture_output=True,
+                            text=True, env=offline_env(PYTHON=sys.executable), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines() == [
+        "gpu_check: skipped: CUDA is not available on this machine"]
+    usage = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "<out_dir>" in usage.stderr
+
+
+def test_the_syncs_check_says_why_not_without_cuda() -> None:
+    from benchmarks import syncs
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    assert "CUDA" in syncs.main([])["skipped"]
+
+
+def test_the_sync_count_check_passes_on_the_cpu() -> None:
+    """The harness the GPU check runs under set_sync_debug_mode, with its read counts."""
+    from benchmarks.syncs import measure
+
+    result = measure(torch.device("cpu"), steps=6, log_every=3)
+    assert result["failures"] == []
+    runs = result["by_precision"]["16-mixed"]["runs"]
+    assert runs[1]["host_reads"] > runs[0]["host_reads"]  # GradScaler's read per step, reported
+    assert [r["met"] for r in result["rows"]] == [True, True, None]
+
+
+@pytest.mark.slow
+def test_resume_cases_pass_on_the_cpu(tmp_path: Path) -> None:
+    """Real processes: a straight run; one stopped by SIGTERM and resumed; one saving in the
+    background, stopped by its step limit and resumed. Bitwise equal to the straight run."""
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", str(tmp_path), "--device", "cpu",
+         "--only", "sigterm_resume,async_save_resume"], cwd=REPO, env=offline_env(),
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert sorted(report["passed"]) == ["async_save_resume", "sigterm_resume"]
+    case = report["cases"]["sigterm_resume"]
+    assert 0 < case["stopped_at"] < case["global_step"] == 30
+    assert case["largest_weight_difference"] == 0.0
+    assert len(report["cases"]["async_save_resume"]["checkpoints_equal"]) == 6
+    assert "gpu_check: 2 passed, 0 failed" in result.stdout
