@@ -16,6 +16,7 @@ from trainkit.errors import ConfigError
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 PAD_MODES = ("constant", "reflect")
+HANG_ACTIONS = ("report", "abort")
 
 
 @dataclass
@@ -38,6 +39,8 @@ class TrainerConfig:
     eval_every_n_epochs: int = 1
     ema_decay: float | None = None  # e.g. 0.999: evaluate (and checkpoint) an EMA of the weights
     nonfinite_patience: int = 5  # stop after this many NaN/inf losses in a row; 0: no check
+    hang_timeout_s: float | None = None  # no step this long: dump stacks; null: auto; 0: off
+    hang_action: str = "report"  # or "abort": exit with status 124 (torchrun restarts)
 
     def __post_init__(self) -> None:
         _check_int("trainer.max_epochs", self.max_epochs, minimum=1)
@@ -69,6 +72,12 @@ class TrainerConfig:
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ConfigError(f"trainer.ema_decay must be in (0, 1) or null, got {self.ema_decay}")
         _check_int("trainer.nonfinite_patience", self.nonfinite_patience, minimum=0)
+        if self.hang_timeout_s is not None and (isinstance(self.hang_timeout_s, bool)
+                                                or not self.hang_timeout_s >= 0):
+            raise ConfigError(f"trainer.hang_timeout_s must be >= 0 (0: off) or null (automatic), "
+                              f"got {self.hang_timeout_s!r}")
+        if self.hang_action not in HANG_ACTIONS:
+            raise ConfigError(f"trainer.hang_action={self.hang_action!r}: use 'report' or 'abort'")
         self.activation_checkpointing = list(self.activation_checkpointing)
 
 
