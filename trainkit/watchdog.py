@@ -187,10 +187,11 @@ class Watchdog:
         self._arm_fallback(limit - idle)
         record = self._record(step, idle, kind if busy else None)
         if started:
-            stacks = self._dump(f"{_doing(kind, step)} for {idle:.0f} s (limit {limit:.0f} s)")
+            stacks = self._dump(f"{_doing(kind, step)} for {_seconds(idle)} (limit "
+                                f"{_seconds(limit)})")
             if self.rank != 0:  # rank 0 speaks for every rank below
-                log.warning("rank %d: no progress for %.0f s: %s; stacks in %s", self.rank,
-                            idle, _rank_text(self.rank, record), stacks)
+                log.warning("rank %d: no progress for %s: %s; stacks in %s", self.rank,
+                            _seconds(idle), _rank_text(self.rank, record), stacks)
         if self._board is not None:
             self._board.publish(self.rank, record)
         if self.rank == 0:
@@ -324,8 +325,8 @@ def hang_line(records: dict[int, dict[str, Any] | None], stacks: str) -> str:
     else:
         who = f"ranks {_ranges(behind)}"
     if len(records) == 1:
-        return f"hang: no progress for {idle:.0f} s: {who}; every thread's stack in {stacks}"
-    line = f"hang: no progress for {idle:.0f} s; behind: {who}"
+        return f"hang: no progress for {_seconds(idle)}: {who}; every thread's stack in {stacks}"
+    line = f"hang: no progress for {_seconds(idle)}; behind: {who}"
     waiting: dict[Any, list[int]] = {}
     for rank, rec in sorted(records.items()):
         if rank not in behind and rec is not None:
@@ -353,6 +354,10 @@ def _doing(kind: str, step: int | None) -> str:
     if kind in ("step", "first step"):
         return f"no step after step {step}" if step is not None else "no first step"
     return f"in {kind} after step {step}"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if value < 10 else f"{value:.0f} s"
 
 
 def _where(thread_id: int) -> str | None:
