@@ -275,15 +275,19 @@ def collectives_issued() -> int | None:
     """How many collectives this rank has issued on the default group; None where unknown.
 
     Ranks stuck at the same step differ here: those waiting inside a collective have issued it,
-    the rank they wait for has not. (A private counter of torch's process groups, read only to
-    name the rank a hang waits for; anything unexpected gives None.)
+    the rank they wait for has not. Counted over the group's backends (gloo's agreements and
+    NCCL's gradients under ``cpu:gloo,cuda:nccl``). A private counter of torch's process groups,
+    read only to name the rank a hang waits for: anything unexpected gives None.
     """
     if not is_distributed():
         return None
-    try:
-        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
-    except Exception:
-        return None
+    group = dist.distributed_c10d._get_default_group()
+    counts: dict[str, int] = {}
+    for device in ("cpu", "cuda"):
+        with contextlib.suppress(Exception):  # no backend for that device
+            backend = group._get_backend(torch.device(device))
+            counts[type(backend).__name__] = int(backend._get_sequence_number_for_group())
+    return sum(counts.values()) if counts else None
 
 
 def _attempt_prefix() -> str:

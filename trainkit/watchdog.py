@@ -136,7 +136,7 @@ class Watchdog:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        faulthandler.cancel_dump_traceback_later()
+        self._arm_fallback(None)
         if kind is None and (self._reported or self._hang):  # it ended before the next look
             self._recovered(self._beat[0])
 
@@ -156,6 +156,7 @@ class Watchdog:
         self._reported = False  # rank 0: the hang line is out and no recovery line yet
         self._seen: tuple[int | None, float] = (None, 0.0)  # (step, its idle time) at last look
         self._board: _Board | None = None
+        self._armed = False  # faulthandler's timer is ours and running
 
     def _run(self) -> None:
         try:
@@ -190,8 +191,8 @@ class Watchdog:
             stacks = self._dump(f"{_doing(kind, step)} for {_seconds(idle)} (limit "
                                 f"{_seconds(limit)})")
             if self.rank != 0:  # rank 0 speaks for every rank below
-                log.warning("rank %d: no progress for %s: %s; stacks in %s", self.rank,
-                            _seconds(idle), _rank_text(self.rank, record), stacks)
+                log.warning("hang: no progress for %s on %s; stacks in %s", _seconds(idle),
+                            _rank_text(self.rank, record), stacks)
         if self._board is not None:
             self._board.publish(self.rank, record)
         if self.rank == 0:
@@ -238,6 +239,8 @@ class Watchdog:
                 return str(path)
             except OSError as err:  # a full or read-only disk may be the very cause
                 header += f"(could not write {path}: {one_line(err)})\n"
+        if sys.__stderr__ is None:  # no stderr at all (pythonw, some daemons)
+            return "nowhere (no run dir, no stderr)"
         sys.__stderr__.write(header)
         sys.__stderr__.flush()
         faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
@@ -249,14 +252,17 @@ class Watchdog:
         return str(self.run_dir / HANG_DIR / ("rank<R>.txt" if self.world_size > 1 else
                                               f"rank{self.rank}.txt"))
 
-    def _arm_fallback(self, remaining: float) -> None:
+    def _arm_fallback(self, remaining: float | None) -> None:
         """A C timer that dumps to stderr should this thread itself never run again (a C call
-        that holds the GIL): re-armed at every look, so it fires only if the looks stop."""
-        if self._hang is None:
+        that holds the GIL): re-armed at every look, so it fires only if the looks stop.
+        ``None`` (or a hang this thread saw itself) disarms it."""
+        if remaining is not None and self._hang is None and sys.__stderr__ is not None:
             faulthandler.dump_traceback_later(max(remaining, 0.0) + 3 * self._poll_s + 5,
                                               file=sys.__stderr__)
-        else:  # this thread saw the hang itself: no second dump
+            self._armed = True
+        elif self._armed:  # only our own timer: another one (pytest's) is left alone
             faulthandler.cancel_dump_traceback_later()
+            self._armed = False
 
     def _abort(self, own: dict[str, Any]) -> None:
         """Write the summary (rank 0), then exit so that torchrun can restart the group."""
@@ -275,7 +281,10 @@ class Watchdog:
                     "idle_s": max(rec["idle_s"] for rec in records.values() if rec),
                     "stacks": self._stacks_text()}
             if self.on_abort is not None:
-                self.on_abort(hang)
+                try:
+                    self.on_abort(hang)
+                except Exception as err:  # the exit below matters more than the summary
+                    log.error("could not write the summary of the hang: %s", one_line(err))
             log.error("hang_action=abort: exiting with status %d; torchrun --max-restarts (or "
                       "re-running the command) resumes from the last checkpoint", EXIT_HUNG)
             if board is not None:

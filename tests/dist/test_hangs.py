@@ -28,7 +28,7 @@ def hang_lines(log: str) -> list[str]:
 def test_a_sleeping_rank_is_named_with_its_step_and_stack_and_the_job_goes_on(
         data_root: Path, tmp_path: Path) -> None:
     outputs = tmp_path / "outputs"
-    proc = torchrun(*overrides(outputs, data_root, TIMEOUT, *SLEEP_AT, "+model.sleep_s=6"))
+    proc = torchrun(*overrides(outputs, data_root, TIMEOUT, *SLEEP_AT, "+model.sleep_s=5"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = only_run_dir(outputs, proc)
     stacks = (run / "hangs" / "rank1.txt").read_text()
@@ -56,6 +56,7 @@ def test_abort_ends_the_hung_group_which_torchrun_restarts_from_the_last_checkpo
     log = (run / "train.log").read_text()
     [line] = hang_lines(log)
     assert "behind: rank 1 (last completed step 2" in line, line
+    assert "in _maybe_fail" in (run / "hangs" / "rank1.txt").read_text()  # dumped before exiting
     assert f"hang_action=abort: exiting with status {EXIT_HUNG}" in log
     assert "at step 2 (epoch 0, batch 2)" in log.split(line)[1], log  # resumed from step 2
     summary = json.loads((run / "summary.json").read_text())

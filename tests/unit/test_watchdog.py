@@ -117,3 +117,15 @@ def test_the_rank_behind_is_the_one_the_others_wait_for_in_a_collective() -> Non
 def test_bad_settings_are_one_line_errors(kwargs: dict, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         TrainerConfig(**kwargs)
+
+
+def test_the_keys_compose_with_their_defaults() -> None:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from trainkit.train import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["+exp=mnist", "trainer.hang_timeout_s=30"])
+    settings = OmegaConf.to_object(cfg).trainer
+    assert (settings.hang_timeout_s, settings.hang_action) == (30.0, "report")
