@@ -84,9 +84,12 @@ def test_the_automatic_limit_grows_with_the_slowest_step_seen() -> None:
     watchdog._owner = threading.get_ident()
     start = time.monotonic()  # step 1 ends; step 2 takes 41 s, seen 40 s in by a look
     watchdog._beat = (1, start)
-    watchdog._look(start + 40)
-    watchdog._beat = (2, start + 41)
-    watchdog._look(start + 42)
+    try:
+        watchdog._look(start + 40)
+        watchdog._beat = (2, start + 41)
+        watchdog._look(start + 42)
+    finally:
+        watchdog._arm_fallback(None)  # each look armed faulthandler's timer in this process
     assert watchdog.limit("step") == pytest.approx(400)
     assert Watchdog(timeout_s=7).limit("step") == 7  # an explicit limit is kept
 
