@@ -23,7 +23,6 @@ import contextlib
 import datetime
 import faulthandler
 import functools
-import json
 import logging
 import os
 import sys
@@ -35,6 +34,15 @@ from typing import Any, TypeVar
 
 from trainkit import distributed
 from trainkit.errors import one_line
+from trainkit.heartbeats import (
+    Board,
+    Record,
+    Records,
+    behind_ranks,
+    hang_line,
+    rank_text,
+    seconds_text,
+)
 
 log = logging.getLogger("trainkit")
 
@@ -123,7 +131,7 @@ class Watchdog:
             return self
         self._reset()
         store = distributed.attempt_store("hang")
-        self._board = _Board(store, self.world_size) if store is not None else None
+        self._board = Board(store, self.world_size) if store is not None else None
         self._owner = threading.get_ident()  # the thread whose steps are watched
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="trainkit-watchdog", daemon=True)
@@ -155,7 +163,7 @@ class Watchdog:
         self._hang: dict[str, Any] | None = None  # this process's hang, while it lasts
         self._reported = False  # rank 0: the hang line is out and no recovery line yet
         self._seen: tuple[int | None, float] = (None, 0.0)  # (step, its idle time) at last look
-        self._board: _Board | None = None
+        self._board: Board | None = None
         self._armed = False  # faulthandler's timer is ours and running
 
     def _run(self) -> None:
@@ -188,11 +196,11 @@ class Watchdog:
         self._arm_fallback(limit - idle)
         record = self._record(step, idle, kind if busy else None)
         if started:
-            stacks = self._dump(f"{_doing(kind, step)} for {_seconds(idle)} (limit "
-                                f"{_seconds(limit)})")
+            stacks = self._dump(f"{_doing(kind, step)} for {seconds_text(idle)} (limit "
+                                f"{seconds_text(limit)})")
             if self.rank != 0:  # rank 0 speaks for every rank below
-                log.warning("hang: no progress for %s on %s; stacks in %s", _seconds(idle),
-                            _rank_text(self.rank, record), stacks)
+                log.warning("hang: no progress for %s on %s; stacks in %s", seconds_text(idle),
+                            rank_text(self.rank, record), stacks)
         if self._board is not None:
             self._board.publish(self.rank, record)
         if self.rank == 0:
@@ -200,16 +208,16 @@ class Watchdog:
         if self._hang is not None and self.action == "abort":
             self._abort(record)
 
-    def _record(self, step: int | None, idle: float, busy: str | None) -> dict[str, Any]:
+    def _record(self, step: int | None, idle: float, busy: str | None) -> Record:
         """This rank's heartbeat as the others see it."""
         hang = self._hang or {}
         return {"step": step, "idle_s": round(idle, 1), "busy": busy, "hung": bool(hang),
                 "where": hang.get("where"), "seq": distributed.collectives_issued()}
 
-    def _records(self, own: dict[str, Any]) -> dict[int, dict[str, Any] | None]:
+    def _records(self, own: Record) -> Records:
         return self._board.read() if self._board is not None else {self.rank: own}
 
-    def _overview(self, records: dict[int, dict[str, Any] | None]) -> None:
+    def _overview(self, records: Records) -> None:
         """Rank 0: one line when some rank hangs, one when all move again."""
         hung = any(rec and rec["hung"] for rec in records.values())
         if hung and not self._reported:
@@ -264,7 +272,7 @@ class Watchdog:
             faulthandler.cancel_dump_traceback_later()
             self._armed = False
 
-    def _abort(self, own: dict[str, Any]) -> None:
+    def _abort(self, own: Record) -> None:
         """Write the summary (rank 0), then exit so that torchrun can restart the group."""
         board, grace = self._board, 3 * self._poll_s + 10
         if self.rank == 0:
@@ -312,61 +320,10 @@ def watched(kind: str) -> Callable[[_T], _T]:
     return decorate
 
 
-def behind_ranks(records: dict[int, dict[str, Any] | None]) -> list[int]:
-    """The ranks the others wait for: the fewest steps completed, then the fewest collectives
-    issued (a rank waiting inside a collective has issued it; the one it waits for has not)."""
-    def progress(rec: dict[str, Any] | None) -> tuple[int, int]:
-        if rec is None:
-            return (-2, 0)  # no heartbeat at all: stuck before its first look
-        step = -1 if rec["step"] is None else rec["step"]
-        return (step, rec["seq"] if rec["seq"] is not None else 0)
-
-    lowest = min(progress(rec) for rec in records.values())
-    return [rank for rank, rec in sorted(records.items()) if progress(rec) == lowest]
-
-
-def hang_line(records: dict[int, dict[str, Any] | None], stacks: str) -> str:
-    """One line: how long, who is behind (step, doing what, where), who waits, where stacks are."""
-    behind = behind_ranks(records)
-    idle = max((rec["idle_s"] for rec in records.values() if rec), default=0.0)
-    if len(behind) <= 3:
-        who = ", ".join(_rank_text(rank, records[rank]) for rank in behind)
-    else:
-        who = f"ranks {_ranges(behind)}"
-    if len(records) == 1:
-        return f"hang: no progress for {_seconds(idle)}: {who}; every thread's stack in {stacks}"
-    line = f"hang: no progress for {_seconds(idle)}; behind: {who}"
-    waiting: dict[Any, list[int]] = {}
-    for rank, rec in sorted(records.items()):
-        if rank not in behind and rec is not None:
-            waiting.setdefault(rec["step"], []).append(rank)
-    if waiting:
-        line += f"; waiting for {'it' if len(behind) == 1 else 'them'}: " + ", ".join(
-            f"rank{'s' if len(ranks) > 1 else ''} {_ranges(ranks)} (step {step})"
-            for step, ranks in waiting.items())
-    return f"{line}; every thread's stack in {stacks}"
-
-
-def _rank_text(rank: int, rec: dict[str, Any] | None) -> str:
-    if rec is None:
-        return f"rank {rank} (no heartbeat)"
-    parts = [f"last completed step {rec['step']}" if rec["step"] is not None
-             else "no step completed yet"]
-    if rec["busy"]:
-        parts.append(f"in {rec['busy']}")
-    if rec["where"]:
-        parts.append(f"at {rec['where']}")
-    return f"rank {rank} ({', '.join(parts)})"
-
-
 def _doing(kind: str, step: int | None) -> str:
     if kind in ("step", "first step"):
         return f"no step after step {step}" if step is not None else "no first step"
     return f"in {kind} after step {step}"
-
-
-def _seconds(value: float) -> str:
-    return f"{value:.1f} s" if value < 10 else f"{value:.0f} s"
 
 
 def _where(thread_id: int) -> str | None:
@@ -375,34 +332,3 @@ def _where(thread_id: int) -> str | None:
     if frame is None:
         return None
     return f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})"
-
-
-def _ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
-    spans: list[list[int]] = []
-    for rank in ranks:
-        if spans and rank == spans[-1][1] + 1:
-            spans[-1][1] = rank
-        else:
-            spans.append([rank, rank])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-
-
-class _Board:
-    """Every rank's latest heartbeat record, in the job's store (one key per rank)."""
-
-    def __init__(self, store: Any, world_size: int) -> None:
-        self.store = store
-        self.keys = [f"rank{rank}" for rank in range(world_size)]
-
-    def publish(self, rank: int, record: dict[str, Any]) -> None:
-        self.store.set(self.keys[rank], json.dumps(record))
-
-    def read(self) -> dict[int, dict[str, Any] | None]:
-        if self.store.check(self.keys):  # the usual case: one round trip for all ranks
-            values = self.store.multi_get(self.keys)
-        else:  # a rank not watching yet: get() would block until it is
-            values = [self.store.get(key) if self.store.check([key]) else None
-                      for key in self.keys]
-        return {rank: json.loads(value) if value is not None else None
-                for rank, value in enumerate(values)}

@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from trainkit import CheckpointConfig, ConfigError, Trainer, TrainerConfig
-from trainkit.watchdog import Watchdog, behind_ranks, hang_line
+from trainkit.heartbeats import behind_ranks, hang_line
+from trainkit.watchdog import Watchdog
 
 BLOCK_AT = 8  # the first sample of the third batch of 4: steps 1 and 2 complete first
 
