@@ -72,8 +72,9 @@ class TrainerConfig:
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ConfigError(f"trainer.ema_decay must be in (0, 1) or null, got {self.ema_decay}")
         _check_int("trainer.nonfinite_patience", self.nonfinite_patience, minimum=0)
-        if self.hang_timeout_s is not None and (isinstance(self.hang_timeout_s, bool)
-                                                or not self.hang_timeout_s >= 0):
+        timeout = self.hang_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not timeout >= 0):
             raise ConfigError(f"trainer.hang_timeout_s must be >= 0 (0: off) or null (automatic), "
                               f"got {self.hang_timeout_s!r}")
         if self.hang_action not in HANG_ACTIONS:

@@ -116,6 +116,7 @@ def test_the_rank_behind_is_the_one_the_others_wait_for_in_a_collective() -> Non
 @pytest.mark.parametrize(("kwargs", "fragment"), [
     ({"hang_timeout_s": -1}, "trainer.hang_timeout_s must be >= 0 (0: off) or null"),
     ({"hang_timeout_s": True}, "trainer.hang_timeout_s must be >= 0"),
+    ({"hang_timeout_s": "5m"}, "trainer.hang_timeout_s must be >= 0"),
     ({"hang_action": "kill"}, "trainer.hang_action='kill': use 'report' or 'abort'"),
 ])
 def test_bad_settings_are_one_line_errors(kwargs: dict, fragment: str) -> None:
