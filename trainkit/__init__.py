@@ -27,11 +27,13 @@ from trainkit.runtime import Runtime
 from trainkit.signals import EXIT_PREEMPTED, Preemption
 from trainkit.step import StepResult, train_window, windows
 from trainkit.trainer import NonFiniteLossError, Trainer, TrainState
+from trainkit.watchdog import EXIT_HUNG, Watchdog
 
 __version__ = "0.1.0"
 
 __all__ = [
     "EMA",
+    "EXIT_HUNG",
     "EXIT_PREEMPTED",
     "AsyncCheckpointWriter",
     "CheckpointConfig",
@@ -52,6 +54,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "TrainkitError",
+    "Watchdog",
     "apply_activation_checkpointing",
     "available_devices",
     "build_loaders",

@@ -16,6 +16,7 @@ from trainkit.errors import ConfigError
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 PAD_MODES = ("constant", "reflect")
+HANG_ACTIONS = ("report", "abort")
 
 
 @dataclass
@@ -40,6 +41,8 @@ class TrainerConfig:
     eval_every_n_epochs: int = 1
     ema_decay: float | None = None  # e.g. 0.999: evaluate (and checkpoint) an EMA of the weights
     nonfinite_patience: int = 5  # stop after this many NaN/inf losses in a row; 0: no check
+    hang_timeout_s: float | None = None  # no step this long: dump stacks; null: auto; 0: off
+    hang_action: str = "report"  # or "abort": exit with status 124 (torchrun restarts)
 
     def __post_init__(self) -> None:
         _check_int("trainer.max_epochs", self.max_epochs, minimum=1)
@@ -73,6 +76,13 @@ class TrainerConfig:
         _check_int("trainer.nonfinite_patience", self.nonfinite_patience, minimum=0)
         _check_bool("trainer.cudnn_benchmark", self.cudnn_benchmark)
         _check_bool("trainer.tf32", self.tf32)
+        timeout = self.hang_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not timeout >= 0):
+            raise ConfigError(f"trainer.hang_timeout_s must be >= 0 (0: off) or null (automatic), "
+                              f"got {self.hang_timeout_s!r}")
+        if self.hang_action not in HANG_ACTIONS:
+            raise ConfigError(f"trainer.hang_action={self.hang_action!r}: use 'report' or 'abort'")
         self.activation_checkpointing = list(self.activation_checkpointing)
 
 

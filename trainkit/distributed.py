@@ -101,8 +101,7 @@ def init_process_group(runtime: Runtime, *, timeout_s: float | None = None) -> b
     # torchrun's store outlives elastic restarts, and with it the keys through which the ranks of
     # an earlier attempt published their addresses: a fresh prefix per attempt keeps a restarted
     # group from dialling processes that no longer exist.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    kwargs["store"] = dist.PrefixStore(f"trainkit/attempt_{attempt}", _job_stores[0])
+    kwargs["store"] = dist.PrefixStore(_attempt_prefix(), _job_stores[0])
     if runtime.device.type == "cuda":
         torch.cuda.set_device(runtime.device)
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=runtime.device, **kwargs)
@@ -292,6 +291,42 @@ def published_run_dir() -> str | None:
         return None
     store = _job_stores[0]
     return store.get(_RUN_DIR_KEY).decode() if store.check([_RUN_DIR_KEY]) else None
+
+
+def attempt_store(namespace: str) -> dist.Store | None:
+    """``namespace`` in the job's key-value store, for this attempt of the job only.
+
+    For small notes between ranks off the collectives' path (the hang watchdog's heartbeats).
+    None in a single process, or when the process group was not joined through
+    :func:`init_process_group`.
+    """
+    if not is_distributed() or not _job_stores:
+        return None
+    return dist.PrefixStore(f"{_attempt_prefix()}/{namespace}", _job_stores[0])
+
+
+def collectives_issued() -> int | None:
+    """How many collectives this rank has issued on the default group; None where unknown.
+
+    Ranks stuck at the same step differ here: those waiting inside a collective have issued it,
+    the rank they wait for has not. Counted over the group's backends (gloo's agreements and
+    NCCL's gradients under ``cpu:gloo,cuda:nccl``). A private counter of torch's process groups,
+    read only to name the rank a hang waits for: anything unexpected gives None.
+    """
+    if not is_distributed():
+        return None
+    group = dist.distributed_c10d._get_default_group()
+    counts: dict[str, int] = {}
+    for device in ("cpu", "cuda"):
+        with contextlib.suppress(Exception):  # no backend for that device
+            backend = group._get_backend(torch.device(device))
+            counts[type(backend).__name__] = int(backend._get_sequence_number_for_group())
+    return sum(counts.values()) if counts else None
+
+
+def _attempt_prefix() -> str:
+    # torchrun's store outlives elastic restarts: keys of an earlier attempt must not be read.
+    return f"trainkit/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _cpu_group() -> Any:

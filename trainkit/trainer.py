@@ -41,6 +41,7 @@ from trainkit.precision import Precision
 from trainkit.runtime import Runtime
 from trainkit.signals import Preemption
 from trainkit.step import Criterion, Forward, batch_size, default_forward, train_window, windows
+from trainkit.watchdog import Watchdog, watched
 
 log = logging.getLogger("trainkit")
 
@@ -129,6 +130,9 @@ class Trainer:
             AsyncCheckpointWriter(self.checkpoints)
             if self.checkpoints is not None and self.checkpoint_config.async_save else None)
         self._saved_at: tuple[int, float] = (-1, time.monotonic())  # (step, time) of last save
+        self._watchdog = Watchdog(self.config.hang_timeout_s, self.config.hang_action,
+                                  run_dir=self.run_dir, rank=self.runtime.rank,
+                                  world_size=self.runtime.world_size)
 
     # -- public -------------------------------------------------------------------------------
 
@@ -213,8 +217,10 @@ class Trainer:
         begin = (self.state.samples_seen, self.state.global_step)  # this process's own share
         self._begun = (started, begin, out.meter)  # for the summary of a run out of memory
         preemption = preemption or Preemption()
+        self._watchdog.on_abort = lambda hang: self._write_summary(  # hang_action=abort
+            "hung", {}, started, begin, out.meter, hang=hang)
         try:
-            with preemption, out.progress:
+            with preemption, out.progress, self._watchdog:
                 status, results = self._train(parts, criterion, forward, evaluate, out,
                                               total_steps, preemption, stop_at_step)
             if status == "completed" and self.checkpoint_config.save_last:
@@ -364,6 +370,7 @@ class Trainer:
                 if result.finite_flag is not None:
                     self._nonfinite.add(result.finite_flag)
                 self._count(result, parts, len(window), per_epoch)
+                self._watchdog.beat(state.global_step)
                 if tally is not None:
                     self._stop_if_diverged(tally)
                 # the loss as a number when the NaN check already read it: no second sync
@@ -484,6 +491,7 @@ class Trainer:
         return (bool(minutes) and self.runtime.is_main
                 and time.monotonic() - self._saved_at[1] >= 60 * minutes)
 
+    @watched("evaluation")
     def _validate(self, parts: Parts, data: Iterable[Any], writer: Any, criterion: Criterion,
                   metrics: Mapping[str, Any], forward: Forward) -> dict[str, float]:
         """Evaluate (with the EMA weights when on), log, and keep the best checkpoint."""
@@ -543,6 +551,7 @@ class Trainer:
         log.info("resumed from %s at step %d (epoch %d, batch %d)", state.get("_path", resume),
                  self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
 
+    @watched("checkpoint")
     def _save(self, parts: Parts, *, periodic: bool, best: bool = False) -> None:
         step = self.state.global_step
         if self._saved_at[0] == step and not best:
@@ -579,7 +588,7 @@ class Trainer:
                  scalars["throughput/samples_per_s"], scalars["time/data_wait_pct"], memory)
 
     def _write_summary(self, status: str, results: dict[str, float], started: float,
-                       begin: tuple[int, int], meter: StepMeter) -> dict[str, Any]:
+                       begin: tuple[int, int], meter: StepMeter, **extra: Any) -> dict[str, Any]:
         wall = time.perf_counter() - started
         state = self.state
         (samples_at_start, step_at_start) = begin
@@ -599,6 +608,7 @@ class Trainer:
             "steps_per_s": steps / wall if wall else 0.0,
             "world_size": self.runtime.world_size,
             "peak_memory": meter.peaks(),
+            **extra,
         }
         if self.run_dir is not None and self.runtime.is_main:
             write_summary(self.run_dir, summary)

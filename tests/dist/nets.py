@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 from torch import nn
 
 from trainkit.errors import TrainkitError
 
-FAULTS = ("sigterm", "sigkill", "error")
+FAULTS = ("sigterm", "sigkill", "error", "sleep")
 
 
 class FlatNet(nn.Module):
@@ -24,17 +25,19 @@ class FlatNet(nn.Module):
     Args:
         num_classes: outputs.
         fault: ``sigterm`` / ``sigkill`` (the process signals itself) or ``error`` (a
-            TrainkitError) at training forward number ``fault_at`` of rank ``fault_rank``.
+            TrainkitError) at training forward number ``fault_at`` of rank ``fault_rank``, or
+            ``sleep`` there for ``sleep_s`` seconds (a stuck step).
     """
 
     def __init__(self, num_classes: int = 10, fault: str | None = None, fault_rank: int = 1,
-                 fault_at: int = 0) -> None:
+                 fault_at: int = 0, sleep_s: float = 0.0) -> None:
         super().__init__()
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"fault must be one of {FAULTS}")
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 32), nn.ReLU(),
                                  nn.Linear(32, num_classes))
         self.fault, self.fault_rank, self.fault_at = fault, fault_rank, fault_at
+        self.sleep_s = sleep_s
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,6 +50,9 @@ class FlatNet(nn.Module):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if (self.fault is None or not first_attempt or self.calls != self.fault_at
                 or int(os.environ.get("RANK", 0)) != self.fault_rank):
+            return
+        if self.fault == "sleep":
+            time.sleep(self.sleep_s)
             return
         if self.fault == "error":
             raise TrainkitError("injected failure for the test")

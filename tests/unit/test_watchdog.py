@@ -1,0 +1,136 @@
+"""The hang watchdog in one process: real threads, real stalls (short ones), real files."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from trainkit import CheckpointConfig, ConfigError, Trainer, TrainerConfig
+from trainkit.heartbeats import behind_ranks, hang_line
+from trainkit.watchdog import Watchdog
+
+BLOCK_AT = 8  # the first sample of the third batch of 4: steps 1 and 2 complete first
+
+
+class BlockingDataset(Dataset):
+    """Random samples; reading sample ``BLOCK_AT`` blocks for ``seconds`` (a stuck reader)."""
+
+    def __init__(self, seconds: float, n: int = 24) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+        self.seconds = seconds
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index == BLOCK_AT:
+            time.sleep(self.seconds)
+        return self.x[index], self.y[index]
+
+
+def test_a_blocking_data_loader_is_dumped_and_reported_and_its_recovery_too(
+        tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    trainer = Trainer(TrainerConfig(device="cpu", max_steps=6, hang_timeout_s=1.0),
+                      run_dir=tmp_path, checkpoint=CheckpointConfig(resume=None))
+    data = DataLoader(BlockingDataset(seconds=2.5), batch_size=4)
+    summary = trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+
+    assert summary["status"] == "completed" and summary["global_step"] == 6
+    stacks = (tmp_path / "hangs" / "rank0.txt").read_text()
+    assert "rank 0, no step after step 2 for" in stacks
+    assert "in __getitem__" in stacks and "test_watchdog.py" in stacks, stacks
+    log = (tmp_path / "train.log").read_text()
+    hang = [line for line in log.splitlines() if "hang: no progress" in line]
+    assert len(hang) == 1, log  # one line per hang, however many looks it lasted
+    assert "rank 0 (last completed step 2, at __getitem__ (test_watchdog.py:" in hang[0]
+    assert str(tmp_path / "hangs" / "rank0.txt") in hang[0]
+    after = re.search(r"hang over: training moves again \(step (\d)\)", log.split(hang[0])[1])
+    assert after and int(after[1]) > 2, log
+
+
+def test_evaluations_and_saves_longer_than_the_timeout_are_no_hang(tmp_path: Path) -> None:
+    watchdog = Watchdog(timeout_s=0.8, run_dir=tmp_path)
+    with watchdog:
+        watchdog.beat(1)
+        with watchdog.busy("evaluation"), watchdog.busy("checkpoint"):
+            time.sleep(2.0)  # 2.5 limits, nested like a best-checkpoint save in an evaluation
+        time.sleep(0.2)  # the step clock restarted when the evaluation ended
+        assert not (tmp_path / "hangs").exists()
+        time.sleep(1.2)  # but a step that does not end is a hang
+        assert "no step after step 1" in (tmp_path / "hangs" / "rank0.txt").read_text()
+
+
+def test_zero_turns_it_off(tmp_path: Path) -> None:
+    watchdog = Watchdog(timeout_s=0, run_dir=tmp_path)
+    before = threading.active_count()
+    with watchdog:
+        assert threading.active_count() == before  # no thread at all
+
+
+def test_the_automatic_limit_grows_with_the_slowest_step_seen() -> None:
+    watchdog = Watchdog(timeout_s=None)
+    assert (watchdog.limit("step"), watchdog.limit("first step")) == (300, 900)
+    assert watchdog.limit("evaluation") == watchdog.limit("checkpoint") == 1800
+    watchdog._owner = threading.get_ident()
+    start = time.monotonic()  # step 1 ends; step 2 takes 41 s, seen 40 s in by a look
+    watchdog._beat = (1, start)
+    try:
+        watchdog._look(start + 40)
+        watchdog._beat = (2, start + 41)
+        watchdog._look(start + 42)
+    finally:
+        watchdog._arm_fallback(None)  # each look armed faulthandler's timer in this process
+    assert watchdog.limit("step") == pytest.approx(400)
+    assert Watchdog(timeout_s=7).limit("step") == 7  # an explicit limit is kept
+
+
+def test_the_rank_behind_is_the_one_the_others_wait_for_in_a_collective() -> None:
+    def record(step: int | None, seq: int, where: str | None = None) -> dict:
+        return {"step": step, "idle_s": 31.0, "busy": None, "hung": True, "where": where,
+                "seq": seq}
+
+    # rank 1 never reached the all-reduce of step 3 that ranks 0 and 2 wait in
+    records = {0: record(2, 41), 1: record(2, 40, "forward (nets.py:61)"), 2: record(2, 41)}
+    assert behind_ranks(records) == [1]
+    line = hang_line(records, "runs/x/hangs/rank<R>.txt")
+    assert line == ("hang: no progress for 31 s; behind: rank 1 (last completed step 2, at "
+                    "forward (nets.py:61)); waiting for it: ranks 0, 2 (step 2); every thread's "
+                    "stack in runs/x/hangs/rank<R>.txt")
+    records[3] = None  # a rank that never published a heartbeat is the one to look at
+    assert behind_ranks(records) == [3]
+    assert "behind: rank 3 (no heartbeat)" in hang_line(records, "x")
+    assert json.dumps(records)  # records travel through the store as JSON
+
+
+@pytest.mark.parametrize(("kwargs", "fragment"), [
+    ({"hang_timeout_s": -1}, "trainer.hang_timeout_s must be >= 0 (0: off) or null"),
+    ({"hang_timeout_s": True}, "trainer.hang_timeout_s must be >= 0"),
+    ({"hang_timeout_s": "5m"}, "trainer.hang_timeout_s must be >= 0"),
+    ({"hang_action": "kill"}, "trainer.hang_action='kill': use 'report' or 'abort'"),
+])
+def test_bad_settings_are_one_line_errors(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        TrainerConfig(**kwargs)
+
+
+def test_the_keys_compose_with_their_defaults() -> None:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from trainkit.train import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["+exp=mnist", "trainer.hang_timeout_s=30"])
+    settings = OmegaConf.to_object(cfg).trainer
+    assert (settings.hang_timeout_s, settings.hang_action) == (30.0, "report")

@@ -1,0 +1,334 @@
+"""Hang watchdog: when no training step completes for too long, say which rank is stuck and where.
+
+A stuck rank (a DataLoader worker deadlock, a full network disk, a collective one rank never
+reaches) freezes every rank of a DDP job without a word: gloo waits for ever, NCCL until its
+timeout. The loop calls :meth:`Watchdog.beat` after every step, which only stores the step and
+the time in an attribute; a thread per process looks every few seconds, and when no step has
+completed for the limit:
+
+- this process appends every thread's Python stack to ``<run_dir>/hangs/rank<R>.txt``;
+- rank 0 logs one line naming the ranks that are behind, the step each last completed and where
+  the stacks are, and one more line if the job moves again;
+- with ``action="abort"``, rank 0 writes ``summary.json`` with ``"status": "hung"`` and every
+  stuck process exits with :data:`EXIT_HUNG`, so that ``torchrun --max-restarts`` restarts the
+  group, which resumes from the last checkpoint.
+
+Under torchrun each watchdog thread publishes its rank's heartbeat in the job's store every few
+seconds; the training thread never touches the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import faulthandler
+import functools
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from trainkit import distributed
+from trainkit.errors import one_line
+from trainkit.heartbeats import (
+    Board,
+    Record,
+    Records,
+    behind_ranks,
+    hang_line,
+    rank_text,
+    seconds_text,
+)
+
+log = logging.getLogger("trainkit")
+
+# The exit status of a process the watchdog ended (hang_action=abort): what timeout(1) returns
+# when its command timed out. torchrun restarts the group on it like on any failure.
+EXIT_HUNG = 124
+HANG_DIR = "hangs"
+AUTO_FLOOR_S = 300.0  # the automatic limit never goes below 5 minutes...
+AUTO_FACTOR = 10.0  # ...and is 10 times the slowest step (or evaluation, or save) seen
+FIRST_STEP_S = 900.0  # the first step of a fit may compile, autotune and start loader workers
+BUSY_FLOOR_S = 1800.0  # an evaluation or checkpoint save may take this long in any case
+MAX_POLL_S = 5.0
+_T = TypeVar("_T", bound=Callable[..., Any])
+
+
+class Watchdog:
+    """Reports (or ends) a process whose training steps stopped completing.
+
+    Args:
+        timeout_s: seconds without a completed step that count as a hang; None derives it from
+            the steps seen (10 x the slowest, at least 5 minutes); 0 turns the watchdog off.
+            Evaluations and checkpoint saves (:meth:`busy`) get at least 30 minutes and 10 x
+            the slowest of their kind; the first step of a fit at least 15 minutes.
+        action: ``report`` (dump and keep watching) or ``abort`` (dump, then exit with
+            :data:`EXIT_HUNG`).
+        run_dir: where ``hangs/rank<R>.txt`` goes; None dumps to stderr.
+        rank: this process's rank.
+        world_size: the number of ranks.
+
+    Example:
+        >>> watchdog = Watchdog(timeout_s=600, run_dir="runs/demo")  # doctest: +SKIP
+        >>> with watchdog:
+        ...     for step, batch in enumerate(data, 1):
+        ...         train_step(batch)
+        ...         watchdog.beat(step)
+    """
+
+    def __init__(self, timeout_s: float | None = None, action: str = "report", *,
+                 run_dir: str | Path | None = None, rank: int = 0, world_size: int = 1) -> None:
+        self.timeout_s, self.action = timeout_s, action
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.rank, self.world_size = rank, world_size
+        # Called (from the watchdog thread) with the hang's facts before an abort: the Trainer
+        # writes summary.json through it.
+        self.on_abort: Callable[[dict[str, Any]], None] | None = None
+        self._slowest: dict[str, float] = {}  # kind -> longest one seen, seconds
+        self._poll_s = MAX_POLL_S if not timeout_s else min(MAX_POLL_S, max(0.1, timeout_s / 4))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._reset()
+
+    def beat(self, step: int) -> None:
+        """Record that ``step`` just completed: two attribute stores, nothing else."""
+        self._beat = (step, time.monotonic())
+
+    @contextlib.contextmanager
+    def busy(self, kind: str) -> Iterator[None]:
+        """Mark an evaluation or a checkpoint save: it gets its own, longer limit."""
+        started = time.monotonic()
+        self._busy = (*self._busy, (kind, started))
+        try:
+            yield
+        finally:
+            now = time.monotonic()
+            self._slowest[kind] = max(self._slowest.get(kind, 0.0), now - started)
+            if len(self._busy) == 1:  # the step clock restarts after the pause...
+                self._beat = (self._beat[0], now)
+            self._busy = self._busy[:-1]  # ...before the pause ends: the thread reads _busy first
+
+    def limit(self, kind: str = "step") -> float:
+        """Seconds without progress that count as a hang while doing ``kind``.
+
+        ``kind`` is ``step``, ``first step`` (none completed yet in this fit), or what
+        :meth:`busy` was given (``evaluation``, ``checkpoint``).
+        """
+        step = self.timeout_s if self.timeout_s is not None else max(
+            AUTO_FLOOR_S, AUTO_FACTOR * self._slowest.get("step", 0.0))
+        if kind == "step":
+            return step
+        if kind == "first step":
+            return max(step, FIRST_STEP_S)
+        return max(step, BUSY_FLOOR_S, AUTO_FACTOR * self._slowest.get(kind, 0.0))
+
+    def __enter__(self) -> Watchdog:
+        if self.timeout_s == 0:
+            return self
+        self._reset()
+        store = distributed.attempt_store("hang")
+        self._board = Board(store, self.world_size) if store is not None else None
+        self._owner = threading.get_ident()  # the thread whose steps are watched
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="trainkit-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self._arm_fallback(None)
+        if kind is None and (self._reported or self._hang):  # it ended before the next look
+            self._recovered(self._beat[0])
+
+    def _recovered(self, step: int | None) -> None:
+        if self.rank == 0:
+            log.info("hang over: training moves again (step %s)", step)
+        else:
+            log.warning("rank %d: hang over, moving again (step %s)", self.rank, step)
+        self._hang, self._reported = None, False
+
+    # -- the watchdog thread ------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._beat: tuple[int | None, float] = (None, time.monotonic())  # (step, when)
+        self._busy: tuple[tuple[str, float], ...] = ()  # (kind, since), outermost first
+        self._hang: dict[str, Any] | None = None  # this process's hang, while it lasts
+        self._reported = False  # rank 0: the hang line is out and no recovery line yet
+        self._seen: tuple[int | None, float] = (None, 0.0)  # (step, its idle time) at last look
+        self._board: Board | None = None
+        self._armed = False  # faulthandler's timer is ours and running
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self._poll_s):
+                self._look(time.monotonic())
+        except Exception as err:  # never take training down; say that watching stopped
+            log.warning("hang watchdog stopped: %s", one_line(err))
+
+    def _look(self, now: float) -> None:
+        busy = self._busy  # read before _beat: busy() sets _beat before it clears _busy
+        step, at = self._beat
+        if busy:
+            kind, since = busy[0]
+            self._seen = (step, 0.0)
+        else:
+            kind, since = ("step" if step is not None else "first step"), at
+            seen_step, seen_idle = self._seen
+            if step != seen_step and seen_step is not None:  # a gap ended: it lasted >= that
+                self._slowest["step"] = max(self._slowest.get("step", 0.0), seen_idle)
+            self._seen = (step, now - at)
+        idle, limit = now - since, self.limit(kind)
+        started = idle > limit and self._hang is None
+        if started:
+            self._hang = {"where": _where(self._owner)}
+        elif idle <= limit and self._hang is not None:
+            self._hang = None
+            if self.rank != 0:
+                self._recovered(step)
+        self._arm_fallback(limit - idle)
+        record = self._record(step, idle, kind if busy else None)
+        if started:
+            stacks = self._dump(f"{_doing(kind, step)} for {seconds_text(idle)} (limit "
+                                f"{seconds_text(limit)})")
+            if self.rank != 0:  # rank 0 speaks for every rank below
+                log.warning("hang: no progress for %s on %s; stacks in %s", seconds_text(idle),
+                            rank_text(self.rank, record), stacks)
+        if self._board is not None:
+            self._board.publish(self.rank, record)
+        if self.rank == 0:
+            self._overview(self._records(record))
+        if self._hang is not None and self.action == "abort":
+            self._abort(record)
+
+    def _record(self, step: int | None, idle: float, busy: str | None) -> Record:
+        """This rank's heartbeat as the others see it."""
+        hang = self._hang or {}
+        return {"step": step, "idle_s": round(idle, 1), "busy": busy, "hung": bool(hang),
+                "where": hang.get("where"), "seq": distributed.collectives_issued()}
+
+    def _records(self, own: Record) -> Records:
+        return self._board.read() if self._board is not None else {self.rank: own}
+
+    def _overview(self, records: Records) -> None:
+        """Rank 0: one line when some rank hangs, one when all move again."""
+        hung = any(rec and rec["hung"] for rec in records.values())
+        if hung and not self._reported:
+            log.warning(hang_line(records, self._stacks_text()))
+            self._reported = True
+        elif not hung and self._reported:
+            steps = [rec["step"] for rec in records.values() if rec and rec["step"] is not None]
+            self._recovered(min(steps, default=None))
+
+    def _dump(self, what: str) -> str:
+        """Append every thread's Python stack to hangs/rank<R>.txt; returns where they went.
+
+        faulthandler walks the threads' frames without running their code, so it also shows a
+        thread stuck in C code (a collective, a lock, a read from a dead disk).
+        """
+        header = (f"trainkit hang watchdog, {time.strftime('%Y-%m-%d %H:%M:%S')}: rank "
+                  f"{self.rank}, {what}\n")
+        if self.run_dir is not None:
+            path = self.run_dir / HANG_DIR / f"rank{self.rank}.txt"
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "a") as file:
+                    file.write(header)
+                    file.flush()
+                    faulthandler.dump_traceback(file, all_threads=True)
+                    file.write("\n")
+                return str(path)
+            except OSError as err:  # a full or read-only disk may be the very cause
+                header += f"(could not write {path}: {one_line(err)})\n"
+        if sys.__stderr__ is None:  # no stderr at all (pythonw, some daemons)
+            return "nowhere (no run dir, no stderr)"
+        sys.__stderr__.write(header)
+        sys.__stderr__.flush()
+        faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
+        return "stderr"
+
+    def _stacks_text(self) -> str:
+        if self.run_dir is None:
+            return "each process's stderr"
+        return str(self.run_dir / HANG_DIR / ("rank<R>.txt" if self.world_size > 1 else
+                                              f"rank{self.rank}.txt"))
+
+    def _arm_fallback(self, remaining: float | None) -> None:
+        """A C timer that dumps to stderr should this thread itself never run again (a C call
+        that holds the GIL): re-armed at every look, so it fires only if the looks stop.
+        ``None`` (or a hang this thread saw itself) disarms it."""
+        if remaining is not None and self._hang is None and sys.__stderr__ is not None:
+            faulthandler.dump_traceback_later(max(remaining, 0.0) + 3 * self._poll_s + 5,
+                                              file=sys.__stderr__)
+            self._armed = True
+        elif self._armed:  # only our own timer: another one (pytest's) is left alone
+            faulthandler.cancel_dump_traceback_later()
+            self._armed = False
+
+    def _abort(self, own: Record) -> None:
+        """Write the summary (rank 0), then exit so that torchrun can restart the group."""
+        board, grace = self._board, 3 * self._poll_s + 10
+        if self.rank == 0:
+            records = self._records(own)
+            deadline = time.monotonic() + grace
+            # the others stall at about the same moment: give them time to dump their stacks
+            while board is not None and time.monotonic() < deadline and not all(
+                    rec and rec["hung"] for rec in records.values()):
+                time.sleep(self._poll_s)
+                records = self._records(own)
+            behind = behind_ranks(records)
+            steps = [records[r]["step"] for r in behind if records[r] is not None]
+            hang = {"ranks": behind, "step": min(steps, default=None),
+                    "idle_s": max(rec["idle_s"] for rec in records.values() if rec),
+                    "stacks": self._stacks_text()}
+            if self.on_abort is not None:
+                try:
+                    self.on_abort(hang)
+                except Exception as err:  # the exit below matters more than the summary
+                    log.error("could not write the summary of the hang: %s", one_line(err))
+            log.error("hang_action=abort: exiting with status %d; torchrun --max-restarts (or "
+                      "re-running the command) resumes from the last checkpoint", EXIT_HUNG)
+            if board is not None:
+                board.store.set("aborted", "1")
+        elif board is not None:
+            with contextlib.suppress(Exception):  # rank 0 says it is done, or the grace ends
+                board.store.wait(["aborted"], datetime.timedelta(seconds=2 * grace))
+        for handler in log.handlers:
+            handler.flush()
+        sys.stdout.flush()
+        os._exit(EXIT_HUNG)  # the stuck main thread cannot raise; sys.exit here ends a thread
+
+
+def watched(kind: str) -> Callable[[_T], _T]:
+    """Run a method of an object with a ``_watchdog`` as :meth:`Watchdog.busy` ``kind``."""
+
+    def decorate(method: _T) -> _T:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with self._watchdog.busy(kind):
+                return method(self, *args, **kwargs)
+
+        return run  # type: ignore[return-value]
+
+    return decorate
+
+
+def _doing(kind: str, step: int | None) -> str:
+    if kind in ("step", "first step"):
+        return f"no step after step {step}" if step is not None else "no first step"
+    return f"in {kind} after step {step}"
+
+
+def _where(thread_id: int) -> str | None:
+    """The innermost Python frame of a thread, as ``function (file:line)``."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return None
+    return f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})"
