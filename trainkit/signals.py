@@ -7,9 +7,12 @@ stops with status ``preempted``. A second signal aborts at once (a second Ctrl-C
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -77,5 +80,96 @@ class Preemption:
             log.warning("second signal (%s): aborting without saving", name)
             raise KeyboardInterrupt
         self.received = signum
-        log.warning("received %s: finishing this step, saving a checkpoint, then stopping "
-                    "(send it again to abort without saving)", name)
+        # Rank 0 alone says it: a signal to the whole job reaches every rank at once, and all of
+        # them stop at the same step anyway (other ranks' consoles show warnings only).
+        say = log.warning if os.environ.get("RANK", "0") == "0" else log.info
+        say("received %s: finishing this step, saving a checkpoint, then stopping "
+            "(send it again to abort without saving)", name)
+
+
+class StoppedBeforeTraining(BaseException):
+    """A preemption signal came before the training loop began: there is nothing to save.
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so that no ``except Exception`` on the way
+    (Hydra's, a dataset's) swallows it. Entry points print :attr:`message` and exit 75.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def message(self) -> str:
+        return (f"stopped by {signal.Signals(self.signum).name} before training started, with "
+                "nothing to save; re-run the same command to start (or resume) the run")
+
+
+def stop_before_training() -> None:
+    """For entry points, as early as they can: until a :class:`Preemption` takes over (in
+    ``Trainer.fit``), a preemption signal raises :class:`StoppedBeforeTraining` in the main
+    thread, instead of killing the process by its default action (SIGHUP: status 129).
+
+    Signals ignored (``nohup``) stay ignored. Once raised, the previous handlers come back, so a
+    second signal acts at once.
+    """
+    previous = {signum: signal.getsignal(signum) for signum in PREEMPTION_SIGNALS}
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        for other, handler in previous.items():
+            signal.signal(other, handler)
+        raise StoppedBeforeTraining(signum)
+
+    for signum, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(signum, stop)
+
+
+def shield_worker(worker_id: int | None = None) -> None:
+    """In a DataLoader worker: outlive preemption signals sent to the whole process group.
+
+    ``kill -- -PGID``, Ctrl-C in a terminal, a closing SSH session and schedulers signal every
+    process of a job, workers included. A worker that dies of it makes the main process fail
+    (``DataLoader worker (pid N) is killed by signal``) before it can save; a worker that
+    inherited its parent's handlers would log the signal once more. So the worker ignores
+    SIGINT, SIGHUP and SIGUSR1, and SIGTERM unless its parent sends it (the DataLoader's last
+    resort for a stuck worker, which torch's own worker handler obeys the same way). The main
+    process handles the signal and shuts the workers down. Use it as ``worker_init_fn`` of your
+    own DataLoader, or through :func:`shielded_worker_init`; :func:`~trainkit.make_loader`
+    does this already.
+    """
+    can_check_sender = hasattr(signal, "sigwaitinfo")  # not on macOS: there SIGTERM is ignored
+    for signum in PREEMPTION_SIGNALS:
+        if signum != signal.SIGTERM or not can_check_sender:
+            signal.signal(signum, signal.SIG_IGN)
+    if not can_check_sender:
+        return
+    # A blocked SIGTERM stays pending until the thread below takes it and reads its sender (an
+    # ignored one would be discarded unseen). Threads started later in the worker inherit the
+    # mask, so none of them acts on it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_exit_on_parents_sigterm, args=(os.getppid(),), daemon=True,
+                     name="trainkit-sigterm").start()
+
+
+def _exit_on_parents_sigterm(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)  # as torch's worker handler does, so the parent reports no failure
+
+
+def shielded_worker_init(
+        worker_init_fn: Callable[[int], None] | None = None) -> Callable[[int], None]:
+    """A ``worker_init_fn`` that runs :func:`shield_worker`, then ``worker_init_fn`` if given
+    (picklable when yours is, for the ``spawn`` start method).
+
+    Example:
+        >>> DataLoader(data, num_workers=4,  # doctest: +SKIP
+        ...            worker_init_fn=shielded_worker_init(my_init))
+    """
+    return functools.partial(_shield_then, worker_init_fn)
+
+
+def _shield_then(worker_init_fn: Callable[[int], None] | None, worker_id: int) -> None:
+    shield_worker(worker_id)
+    if worker_init_fn is not None:
+        worker_init_fn(worker_id)
