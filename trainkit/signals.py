@@ -2,7 +2,9 @@
 
 A signal does not interrupt the step in flight: the loop finishes it, saves one checkpoint and
 stops with status ``preempted``. A second signal aborts at once (a second Ctrl-C raises
-``KeyboardInterrupt``), for when the save itself is not wanted.
+``KeyboardInterrupt``), for when the save itself is not wanted -- except the same signal again
+within :data:`REPEAT_WINDOW_S`: that is one request delivered twice, as when the whole process
+group is signalled and torchrun (or srun) forwards its own copy to the workers.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
@@ -27,6 +30,9 @@ PREEMPTION_SIGNALS = tuple(
 # The exit status of a run that stopped on a signal after saving its checkpoint: EX_TEMPFAIL
 # from sysexits.h, "try again later" -- re-running the same command resumes it.
 EXIT_PREEMPTED = 75
+# The same signal again within this many seconds is the same request, not a second one: a
+# signal to a job's process group reaches each worker directly and, forwarded, from torchrun.
+REPEAT_WINDOW_S = 2.0
 
 
 class Preemption:
@@ -47,6 +53,7 @@ class Preemption:
     def __init__(self, signals: tuple[int, ...] = PREEMPTION_SIGNALS) -> None:
         self.signals = signals
         self.received: int | None = None
+        self._received_at = 0.0
         self._previous: dict[int, Any] = {}
 
     @property
@@ -77,9 +84,11 @@ class Preemption:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.requested:
+            if signum == self.received and time.monotonic() - self._received_at < REPEAT_WINDOW_S:
+                return  # one request that came twice (the group's and torchrun's forwarded one)
             log.warning("second signal (%s): aborting without saving", name)
             raise KeyboardInterrupt
-        self.received = signum
+        self.received, self._received_at = signum, time.monotonic()
         # Rank 0 alone says it: a signal to the whole job reaches every rank at once, and all of
         # them stop at the same step anyway (other ranks' consoles show warnings only).
         say = log.warning if os.environ.get("RANK", "0") == "0" else log.info
@@ -110,13 +119,13 @@ def stop_before_training() -> None:
     thread, instead of killing the process by its default action (SIGHUP: status 129).
 
     Signals ignored (``nohup``) stay ignored. Once raised, the previous handlers come back, so a
-    second signal acts at once.
+    second signal acts at once; the same signal again is ignored (torchrun forwards its copy).
     """
     previous = {signum: signal.getsignal(signum) for signum in PREEMPTION_SIGNALS}
 
     def stop(signum: int, frame: FrameType | None) -> None:
         for other, handler in previous.items():
-            signal.signal(other, handler)
+            signal.signal(other, signal.SIG_IGN if other == signum else handler)
         raise StoppedBeforeTraining(signum)
 
     for signum, handler in previous.items():

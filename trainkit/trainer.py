@@ -337,8 +337,9 @@ class Trainer:
                 stop, time_due = vote.stop_and_save()
                 if stop or state.global_step == stop_at_step:
                     self._save(parts, periodic=True)
-                    log.warning("stopped at step %d; re-run the same command to resume",
-                                state.global_step)
+                    say = log.warning if self.runtime.is_main else log.info  # once per job
+                    say("stopped at step %d; re-run the same command to resume",
+                        state.global_step)
                     return "preempted", results
                 if self._checkpoint_due(time_due):
                     self._save(parts, periodic=True)

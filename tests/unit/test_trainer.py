@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.conftest import preemption_signals_heard
+from tests.conftest import last_checkpoint, preemption_signals_heard
 from trainkit import CheckpointConfig, Trainer, TrainerConfig, load_checkpoint, seed_everything
 from trainkit.data import InMemoryLoader
 from trainkit.datasets import TensorData
@@ -264,3 +264,13 @@ def test_dataloader_with_workers_and_random_transforms_resumes_bit_exactly(
     assert summary["global_step"] == 24
     for p, q in zip(resumed.parameters(), straight.parameters()):
         assert torch.equal(p, q)
+
+
+def test_the_same_signal_twice_at_once_is_one_request(tmp_path: Path) -> None:
+    """A group kill under torchrun: the worker's own SIGTERM, then torchrun's forwarded copy."""
+    model = _model()
+    with preemption_signals_heard():
+        summary = _trainer(tmp_path, max_epochs=2).fit(
+            model, _sgd(model), _loader(), forward=_signal_at(3, signal.SIGTERM, signal.SIGTERM))
+    assert summary["status"] == "preempted" and summary["global_step"] == 3
+    assert last_checkpoint(tmp_path)["global_step"] == 3
