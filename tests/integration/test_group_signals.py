@@ -8,7 +8,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,13 +15,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (
-    REPO,
     assert_same_weights,
-    hear_preemption_signals,
     last_checkpoint,
-    offline_env,
     run_train,
+    start_in_own_group,
     tiny_run,
+    wait_for_a_step,
 )
 
 pytestmark = pytest.mark.slow
@@ -40,24 +38,6 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path) -> 
     result = run_train(*tiny_run(run_dir, mnist_root, *WORKERS))
     assert result.returncode == 0, result.stderr[-2000:]
     return run_dir
-
-
-def start_in_own_group(command: list[str], out: Path) -> subprocess.Popen:
-    """Start ``command`` as the leader of a new session and process group (``setsid``), hearing
-    the preemption signals as when started from a terminal; its output goes to ``out``."""
-    with open(out, "ab") as stream:  # the child has its own copy
-        return subprocess.Popen(command, cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"),
-                                stdout=stream, stderr=subprocess.STDOUT,
-                                preexec_fn=hear_preemption_signals, start_new_session=True)
-
-
-def wait_for_a_step(proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
-    """Block until ``log`` shows a training step."""
-    deadline = time.monotonic() + timeout
-    while not (log.is_file() and " step " in log.read_text().split("training ")[-1]):
-        assert proc.poll() is None, f"training ended (status {proc.returncode}) too early"
-        assert time.monotonic() < deadline, "no training step logged in time"
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])

@@ -274,3 +274,17 @@ def test_the_same_signal_twice_at_once_is_one_request(tmp_path: Path) -> None:
             model, _sgd(model), _loader(), forward=_signal_at(3, signal.SIGTERM, signal.SIGTERM))
     assert summary["status"] == "preempted" and summary["global_step"] == 3
     assert last_checkpoint(tmp_path)["global_step"] == 3
+
+
+def test_fit_seeds_its_random_draws_from_the_config_seed() -> None:
+    """TrainerConfig(seed=...) decides the dropout masks, whatever the process drew before."""
+    def fit(seed: int, draws_before: int) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(16, 3))
+        torch.rand(draws_before)  # other code ran in between
+        Trainer(TrainerConfig(device="cpu", seed=seed, max_epochs=2)).fit(
+            model, _sgd(model), _batches(4))
+        return model[2].weight.detach()
+
+    assert torch.equal(fit(3, 1), fit(3, 1000))
+    assert not torch.equal(fit(3, 1), fit(4, 1))
