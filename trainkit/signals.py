@@ -96,8 +96,9 @@ class Preemption:
             "(send it again to abort without saving)", name)
 
 
-class StoppedBeforeTraining(BaseException):
-    """A preemption signal came before the training loop began: there is nothing to save.
+class StoppedOutsideTraining(BaseException):
+    """A preemption signal came outside the training steps (before the first, as the run starts
+    up, or after the last): there is no step to finish and save.
 
     A ``BaseException``, like ``KeyboardInterrupt``, so that no ``except Exception`` on the way
     (Hydra's, a dataset's) swallows it. Entry points print :attr:`message` and exit 75.
@@ -109,14 +110,15 @@ class StoppedBeforeTraining(BaseException):
 
     @property
     def message(self) -> str:
-        return (f"stopped by {signal.Signals(self.signum).name} before training started, with "
-                "nothing to save; re-run the same command to start (or resume) the run")
+        return (f"stopped by {signal.Signals(self.signum).name} outside the training steps "
+                "(before the first or after the last); re-run the same command to start or "
+                "resume the run")
 
 
-def stop_before_training() -> None:
-    """For entry points, as early as they can: until a :class:`Preemption` takes over (in
-    ``Trainer.fit``), a preemption signal raises :class:`StoppedBeforeTraining` in the main
-    thread, instead of killing the process by its default action (SIGHUP: status 129).
+def stop_outside_training() -> None:
+    """For entry points, as early as they can: whenever no :class:`Preemption` is active (it is
+    during ``Trainer.fit``'s steps), a preemption signal raises :class:`StoppedOutsideTraining`
+    in the main thread, instead of killing the process by its default action (SIGHUP: 129).
 
     Signals ignored (``nohup``) stay ignored. Once raised, the previous handlers come back, so a
     second signal acts at once; the same signal again is ignored (torchrun forwards its copy).
@@ -126,7 +128,7 @@ def stop_before_training() -> None:
     def stop(signum: int, frame: FrameType | None) -> None:
         for other, handler in previous.items():
             signal.signal(other, signal.SIG_IGN if other == signum else handler)
-        raise StoppedBeforeTraining(signum)
+        raise StoppedOutsideTraining(signum)
 
     for signum, handler in previous.items():
         if handler is not signal.SIG_IGN:

@@ -32,7 +32,7 @@ from trainkit.errors import TrainkitError
 from trainkit.logging import setup_logging
 from trainkit.rng import seed_everything
 from trainkit.runtime import Runtime
-from trainkit.signals import EXIT_PREEMPTED, StoppedBeforeTraining, stop_before_training
+from trainkit.signals import EXIT_PREEMPTED, StoppedOutsideTraining, stop_outside_training
 from trainkit.trainer import Trainer
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
@@ -98,7 +98,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Run the Hydra app; user errors print as one line and exit with status 2."""
-    stop_before_training()  # a signal before the first step: one line and exit 75, not death
+    stop_outside_training()  # a signal before the first step: one line and exit 75, not death
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us unprinted
     with errors_as_one_line():
         sys.argv += _join_ranks()
@@ -149,7 +149,7 @@ def errors_as_one_line() -> Iterator[None]:
         # Another rank died (its own one-line error is above) and took the collective with it.
         _fail(f"lost contact with another rank, which probably failed; see its error "
               f"({str(err).strip().splitlines()[0][:200]})", status=1)
-    except StoppedBeforeTraining as stop:  # nothing to save yet; a requeue loop re-runs it
+    except StoppedOutsideTraining as stop:  # nothing to save yet; a requeue loop re-runs it
         _fail(stop.message, status=EXIT_PREEMPTED)
     except KeyboardInterrupt:  # a second Ctrl-C (or signal) while stopping: abort, no save
         if _SHOW_TRACEBACK:

@@ -79,7 +79,7 @@ def test_a_signal_during_start_up_ends_with_one_line_and_status_75(
     assert proc.wait(timeout=120) == 75
     output = (tmp_path / "out.txt").read_text()
     assert output.strip().splitlines()[-1] == (
-        "trainkit: stopped by SIGHUP before training started, with nothing to save; re-run the "
-        "same command to start (or resume) the run"), output[-3000:]
+        "trainkit: stopped by SIGHUP outside the training steps (before the first or after the "
+        "last); re-run the same command to start or resume the run"), output[-3000:]
     assert "Traceback" not in output
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
