@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, dataset in factory_datasets(root, args.quick).items():
             factory[name] = r = factory_vs_plain(
                 dataset, batch_size=128, workers=1 if args.quick else 2,
-                batches=3 if args.quick else 60, rounds=1 if args.quick else args.repeats + 2)
+                batches=3 if args.quick else 60, rounds=1 if args.quick else 3 * args.repeats)
             print(f"make_loader/DataLoader {name:<18} {r['make_loader_samples_per_s']:>8.0f} / "
                   f"{r['dataloader_samples_per_s']:>8.0f} samples/s ({r['num_workers']} "
                   f"workers, batch 128)  ratio {r['ratio']:.3f}", flush=True)
