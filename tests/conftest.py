@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,3 +116,21 @@ def real_mnist_root() -> Path:
     if not root or not (Path(root) / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").is_file():
         pytest.skip("real MNIST not found under TRAINKIT_DATA_DIR")
     return Path(root)
+
+
+def start_in_own_group(command: list[str], out: Path) -> subprocess.Popen:
+    """Start ``command`` as the leader of a new session and process group (``setsid``), hearing
+    the preemption signals as when started from a terminal; its output goes to ``out``."""
+    with open(out, "ab") as stream:  # the child has its own copy
+        return subprocess.Popen(command, cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"),
+                                stdout=stream, stderr=subprocess.STDOUT,
+                                preexec_fn=hear_preemption_signals, start_new_session=True)
+
+
+def wait_for_a_step(proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    """Block until ``log`` shows a training step."""
+    deadline = time.monotonic() + timeout
+    while not (log.is_file() and " step " in log.read_text().split("training ")[-1]):
+        assert proc.poll() is None, f"training ended (status {proc.returncode}) too early"
+        assert time.monotonic() < deadline, "no training step logged in time"
+        time.sleep(0.02)

@@ -30,7 +30,7 @@ class TrainerConfig:
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
     device: str = "auto"
-    seed: int = 0
+    seed: int = 0  # fit seeds training's draws from it; the entry point also the model's init
     compile: bool = False
     channels_last: bool = False
     cudnn_benchmark: bool = True  # CUDA: autotune convolution algorithms per input shape

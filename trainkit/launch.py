@@ -134,7 +134,11 @@ def run_torchrun(args: Sequence[str]) -> int:
     try:
         run(parse_args(list(args)))
     except ChildFailedError as err:
-        if {failure.exitcode for failure in err.failures.values()} == {EXIT_PREEMPTED}:
+        # A rank exits 75 only after every rank passed the stop checkpoint's barrier: the save is
+        # complete. torchrun then sends SIGTERM to the ranks still exiting, which at interpreter
+        # shutdown (Python handlers gone) die of it: -15 beside a 75 is the same clean stop.
+        codes = {failure.exitcode for failure in err.failures.values()}
+        if EXIT_PREEMPTED in codes and codes <= {EXIT_PREEMPTED, -signal.SIGTERM}:
             print("trainkit: stopped on a signal after saving a checkpoint; re-run the same "
                   "command to resume", file=sys.stderr)
             return EXIT_PREEMPTED

@@ -19,13 +19,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def seed_rank(rank: int) -> None:
-    """Give this rank its own random stream, derived from the seed in use and the rank.
+def seed_rank(rank: int, seed: int | None = None) -> None:
+    """Give this rank its own random stream, derived from ``seed`` (default: the seed in use)
+    and the rank.
 
     Every rank of a DDP job seeds alike so that models start equal; left so, every rank would
-    then draw the same dropout masks (and other random numbers) for its different samples.
+    then draw the same dropout masks (and other random numbers) for its different samples. The
+    stream differs from ``seed_everything(seed)``'s, which built the model's initial weights.
     """
-    seed_everything(mix_seed(torch.initial_seed(), rank))
+    seed_everything(mix_seed(torch.initial_seed() if seed is None else seed, rank))
 
 
 def get_rng_state() -> dict[str, Any]:

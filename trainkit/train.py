@@ -35,7 +35,7 @@ from trainkit.errors import TrainkitError, chain_lines, one_line, print_error
 from trainkit.logging import log_to_file, setup_logging
 from trainkit.rng import seed_everything
 from trainkit.runtime import Runtime
-from trainkit.signals import EXIT_PREEMPTED
+from trainkit.signals import EXIT_PREEMPTED, StoppedOutsideTraining, stop_outside_training
 from trainkit.trainer import Trainer
 
 CONFIG_DIR = str(config_dir())
@@ -105,6 +105,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Run the Hydra app; user errors print as one line and exit with status 2."""
+    stop_outside_training()  # a signal before the first step: one line and exit 75, not death
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us unprinted
     with errors_as_one_line():
         sys.argv += _join_ranks()
@@ -167,6 +168,8 @@ def errors_as_one_line() -> Iterator[None]:
         # Another rank died (its own error is above) and took the collective with it.
         _fail("lost contact with another rank, which probably failed; see its error above",
               details=chain_lines(err), status=1)
+    except StoppedOutsideTraining as stop:  # nothing to save yet; a requeue loop re-runs it
+        _fail(stop.message, status=EXIT_PREEMPTED)
     except KeyboardInterrupt:  # a second Ctrl-C (or signal) while stopping: abort, no save
         if _SHOW_TRACEBACK:
             raise

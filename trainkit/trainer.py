@@ -157,10 +157,15 @@ class Trainer:
         epoch. ``forward(model, batch)`` returns ``(outputs, targets)`` for ``criterion`` and the
         torchmetrics ``metrics``, which are reported as ``val/<name>``.
 
+        ``config.seed`` seeds Python, NumPy and torch as training starts (mixed with the rank),
+        so dropout and other random draws repeat from run to run; the model's initial weights
+        come from whatever seeded it before (``seed_everything(seed)`` before building it).
+
         SIGTERM, SIGINT, SIGHUP and SIGUSR1 stop the run after the current step with one
         checkpoint and ``status: "preempted"`` (pass your own :class:`Preemption` to control
         this). A second signal aborts at once. ``stop_at_step`` stops the same way after that
-        step, as if a signal had come (``python -m trainkit.verify_resume`` uses it).
+        step, as if a signal had come (``python -m trainkit.verify_resume`` uses it). After a
+        preempted fit, exit with :data:`~trainkit.EXIT_PREEMPTED` (75), as the entry point does.
 
         Raises:
             NonFiniteLossError: ``trainer.nonfinite_patience`` NaN/inf losses in a row; the
@@ -193,8 +198,8 @@ class Trainer:
         cfg = self.config
         setup_logging(self.run_dir, self.runtime.is_main)  # this run's train.log, or none
         model = self._prepare_model(model)  # under DDP: rank 0's weights on every rank
-        if self.runtime.distributed:
-            rng.seed_rank(self.runtime.rank)  # ranks must not draw the same dropout masks
+        # Training's random draws (dropout, ...) follow from config.seed, each rank its own.
+        rng.seed_rank(self.runtime.rank, cfg.seed)
         ema = EMA(model, cfg.ema_decay) if cfg.ema_decay else None
         parts = Parts(model, optimizer, scheduler, ema, train_data)
         started = time.perf_counter()
@@ -388,8 +393,9 @@ class Trainer:
                 if stop or state.global_step == stop_at_step:
                     self._stop_if_diverged(self._read_nonfinite())  # counted before the save
                     self._save(parts, periodic=True)
-                    log.warning("stopped at step %d; re-run the same command to resume",
-                                state.global_step)
+                    say = log.warning if self.runtime.is_main else log.info  # once per job
+                    say("stopped at step %d; re-run the same command to resume",
+                        state.global_step)
                     return "preempted", results
                 if self._checkpoint_due(time_due):
                     self._save(parts, periodic=True)

@@ -27,13 +27,18 @@ class FlatNet(nn.Module):
         fault: ``sigterm`` / ``sigkill`` (the process signals itself) or ``error`` (a
             TrainkitError) at training forward number ``fault_at`` of rank ``fault_rank``, or
             ``sleep`` there for ``sleep_s`` seconds (a stuck step).
+        startup_signal: a signal name (``SIGHUP``) this process sends to its whole process
+            group while the model is built: a signal during start-up, before the first step.
     """
 
     def __init__(self, num_classes: int = 10, fault: str | None = None, fault_rank: int = 1,
-                 fault_at: int = 0, sleep_s: float = 0.0) -> None:
+                 fault_at: int = 0, sleep_s: float = 0.0, startup_signal: str | None = None
+                 ) -> None:
         super().__init__()
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"fault must be one of {FAULTS}")
+        if startup_signal is not None:
+            os.killpg(os.getpgrp(), getattr(signal, startup_signal))
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 32), nn.ReLU(),
                                  nn.Linear(32, num_classes))
         self.fault, self.fault_rank, self.fault_at = fault, fault_rank, fault_at

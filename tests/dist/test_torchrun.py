@@ -7,6 +7,8 @@ at a fixed step of a fixed rank, so no test races a run that may already be over
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,15 @@ import pytest
 import torch
 from torchmetrics.classification import MulticlassAccuracy
 
-from tests.conftest import REPO, assert_same_weights, last_checkpoint, offline_env, run_train
+from tests.conftest import (
+    REPO,
+    assert_same_weights,
+    last_checkpoint,
+    offline_env,
+    run_train,
+    start_in_own_group,
+    wait_for_a_step,
+)
 from tests.dist.nets import FlatNet
 from tests.fakes import write_fake_mnist
 from trainkit import InMemoryLoader, Trainer, TrainerConfig, load_mnist
@@ -31,10 +41,12 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_fake_mnist(tmp_path_factory.mktemp("distdata"), n_train=512, n_test=255)
 
 
-def overrides(outputs: Path, data_root: Path, *extra: str, batch: int = 16) -> list[str]:
-    """A few-step MNIST-format run of FlatNet into ``outputs/<time with microseconds>``."""
+def overrides(outputs: Path, data_root: Path, *extra: str, batch: int = 16,
+              run_dir: Path | None = None) -> list[str]:
+    """A few-step MNIST-format run of FlatNet into ``outputs/<time with microseconds>`` (or
+    into ``run_dir``)."""
     return [
-        "+exp=mnist", f"hydra.run.dir={outputs}/${{now:%H-%M-%S-%f}}",
+        "+exp=mnist", f"hydra.run.dir={run_dir or f'{outputs}/${{now:%H-%M-%S-%f}}'}",
         f"data.root={data_root}", "data.verify=false", "data.download=false",
         f"data.batch_size={batch}", "data.eval_batch_size=64", "trainer.log_every_n_steps=1",
         f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=2",
@@ -42,11 +54,15 @@ def overrides(outputs: Path, data_root: Path, *extra: str, batch: int = 16) -> l
     ]
 
 
+def torchrun_command(*args: str, nproc: int = 2, max_restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.1", "-m", "trainkit.train", *args]
+
+
 def torchrun(*args: str, nproc: int = 2, max_restarts: int = 0,
              timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-               "--monitor-interval=0.1", "-m", "trainkit.train", *args]
+    command = torchrun_command(*args, nproc=nproc, max_restarts=max_restarts)
     # A short collective timeout: a hang would fail the test in a minute, not in 30.
     return subprocess.run(command, cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"),
                           capture_output=True, text=True, timeout=timeout)
@@ -156,3 +172,39 @@ def test_a_failure_on_one_rank_ends_the_job_with_its_one_line_error(
     # The other rank lost its peer mid-collective: one line too, no traceback.
     assert "[rank0]: Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "[rank1]: Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_sigterm_to_the_whole_group_with_workers_stops_every_rank_at_one_step(
+        data_root: Path, tmp_path: Path) -> None:
+    """``kill -TERM -- -PGID`` of a torchrun job: torchrun, both ranks and their loader workers
+    get it, and torchrun forwards its own copy to the ranks. One stop, one checkpoint, and the
+    same command resumes to the weights of an uninterrupted run."""
+    # one epoch of 16 steps: the signal lands mid-run
+    workers = ("data.loader=dataloader", "data.num_workers=2", "data.random_crop_padding=2",
+               "checkpoint.every_n_steps=0", "trainer.max_steps=16")
+    straight = torchrun(*overrides(tmp_path / "straight", data_root, *workers))
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    run = tmp_path / "run"
+    command = torchrun_command(*overrides(tmp_path, data_root, *workers, run_dir=run))
+    proc = start_in_own_group(command, tmp_path / "out.txt")
+    wait_for_a_step(proc, run / "train.log")
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=240)
+    output = (tmp_path / "out.txt").read_text()
+    # torchrun itself ends with its SignalException (docs/distributed.md says what users see)
+    assert proc.returncode != 0 and "got signal: 15" in output, output[-3000:]
+    assert "killed by signal" not in output and "aborting" not in output, output[-3000:]
+    assert output.count("received SIGTERM") == 1, output[-3000:]  # rank 0 alone says it
+    summary = json.loads((run / "summary.json").read_text())
+    stopped_at = summary["global_step"]
+    assert summary["status"] == "preempted" and 0 < stopped_at < 16
+    assert output.count(f"stopped at step {stopped_at};") == 1, output[-3000:]
+    assert [p.name for p in (run / "checkpoints").glob("step_*.pt")] == [
+        f"step_{stopped_at:09d}.pt"]
+    assert len(last_checkpoint(run)["rng_per_rank"]) == 2
+
+    resumed = torchrun(*overrides(tmp_path, data_root, *workers, run_dir=run))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"at step {stopped_at} (epoch 0, batch {stopped_at})" in (
+        run / "train.log").read_text()
+    assert_same_weights(weights(run), weights(only_run_dir(tmp_path / "straight", straight)))

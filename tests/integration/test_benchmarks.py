@@ -99,7 +99,13 @@ def test_loaders_quick() -> None:
         r = result[name]
         assert r["in_memory_samples_per_s"] > 0 and r["per_sample_samples_per_s"] > 0
         assert r["ratio"] == r["in_memory_samples_per_s"] / r["per_sample_samples_per_s"]
+    factory = result["make_loader_vs_dataloader"]
+    assert set(factory) == {"tensors", "torchvision_mnist", "entry_point_mnist"}
+    for r in factory.values():
+        assert _positive(r["make_loader_samples_per_s"]) and _positive(r["ratio"])
+        assert _positive(r["dataloader_samples_per_s"]) and r["num_workers"] == 1
     _check_rows(result["rows"])
+    assert len(result["rows"]) == 5
 
 
 def test_activation_memory_quick() -> None:

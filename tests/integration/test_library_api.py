@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import REPO
+from tests.conftest import REPO, start_in_own_group, wait_for_a_step
 from trainkit import CheckpointConfig, Trainer, TrainerConfig, seed_everything
 
 
@@ -29,6 +30,24 @@ def test_example_script_trains_and_resumes(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from" in second.stdout
     assert json.loads((tmp_path / "summary.json").read_text())["global_step"] == 96
+
+
+@pytest.mark.slow
+def test_example_stopped_in_its_first_epoch_exits_75_and_resumes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "examples/library_api.py", "--run-dir", str(run_dir), "--epochs", "1"]
+    proc = start_in_own_group(cmd, tmp_path / "out.txt")
+    wait_for_a_step(proc, run_dir / "train.log")  # step 16 of the first epoch's 32
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75  # EXIT_PREEMPTED, no KeyError: no evaluation ran yet
+    output = (tmp_path / "out.txt").read_text()
+    assert "Traceback" not in output, output[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["metrics"] == {}
+    assert f"stopped at step {summary['global_step']}; re-run" in output
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "val/mae" in again.stdout and "after 32 steps" in again.stdout
 
 
 class DictModel(nn.Module):

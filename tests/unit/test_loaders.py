@@ -1,6 +1,12 @@
-"""The DataLoader factory: options, seeding, sharding, resuming, errors."""
+"""The DataLoader factory: options, seeding, sharding, resuming, signals, errors."""
 
 from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import time
 
 import pytest
 import torch
@@ -8,6 +14,7 @@ from torch.utils.data import Dataset
 
 from trainkit.data import ResumableLoader, default_num_workers, make_loader
 from trainkit.errors import ConfigError
+from trainkit.signals import PREEMPTION_SIGNALS, shield_worker
 
 
 class NoisyRange(Dataset):
@@ -145,3 +152,58 @@ def test_pin_memory_without_cuda_is_refused() -> None:
     assert not make_loader(NoisyRange(8), 4, shuffle=False, num_workers=0).loader.pin_memory
     with pytest.raises(ConfigError, match="pin_memory"):
         make_loader(NoisyRange(8), 4, shuffle=False, num_workers=0, pin_memory=True)
+
+
+def test_resume_with_workers_repeats_the_random_draws_exactly() -> None:
+    # Workers seed once per batch from (seed, epoch, rank, batch): a pass that starts at batch 3
+    # gets the very draws the full pass got there, whichever worker loads which batch.
+    loader = make_loader(NoisyRange(50), 8, shuffle=True, seed=2, num_workers=2)
+    full = _epoch(loader, 4)
+    assert _epoch(loader, 4, start=3) == full[3:]
+    other_rank = make_loader(NoisyRange(50), 8, shuffle=True, seed=2, rank=1, world_size=2,
+                             num_workers=2)
+    assert _epoch(other_rank, 4)[0][1] != full[0][1][:4]  # ranks draw differently
+
+
+class WorkerPid(NoisyRange):
+    """Sample i is (i, the pid of the process that loaded it, a tag set by worker_init_fn)."""
+
+    tag = 0
+
+    def __getitem__(self, i: int) -> tuple[int, int, int]:
+        return i, os.getpid(), WorkerPid.tag
+
+
+def _tag_worker(worker_id: int) -> None:
+    WorkerPid.tag = 100 + worker_id
+
+
+def test_workers_outlive_group_signals_and_still_run_the_users_worker_init() -> None:
+    loader = make_loader(WorkerPid(64), 4, shuffle=False, num_workers=2,
+                         worker_init_fn=_tag_worker)
+    it = iter(loader)
+    _, pids, tags = next(it)
+    assert set(tags.tolist()) == {100}  # the user's worker_init_fn ran after trainkit's
+    for signum in PREEMPTION_SIGNALS:  # sent by another process, as `kill -- -PGID` does
+        subprocess.run(["kill", f"-{signal.Signals(signum).name[3:]}", str(pids[0].item())],
+                       check=True)
+    time.sleep(0.3)
+    assert len(list(it)) == 15  # no "DataLoader worker (pid N) is killed by signal"
+
+
+def _shielded_then_sleep() -> None:
+    shield_worker()
+    time.sleep(60)
+
+
+def test_a_shielded_worker_still_obeys_its_parents_sigterm() -> None:
+    # The DataLoader terminates a stuck worker with SIGTERM from the parent: that still works.
+    proc = multiprocessing.get_context("fork").Process(target=_shielded_then_sleep, daemon=True)
+    proc.start()
+    time.sleep(0.5)
+    subprocess.run(["kill", "-TERM", str(proc.pid)], check=True)  # another sender: ignored
+    proc.join(0.5)
+    assert proc.is_alive()
+    proc.terminate()  # the parent's
+    proc.join(10)
+    assert proc.exitcode == 0

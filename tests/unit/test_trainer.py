@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.conftest import preemption_signals_heard
+from tests.conftest import last_checkpoint, preemption_signals_heard
 from trainkit import CheckpointConfig, Trainer, TrainerConfig, load_checkpoint, seed_everything
 from trainkit.data import InMemoryLoader
 from trainkit.datasets import TensorData
@@ -264,3 +264,27 @@ def test_dataloader_with_workers_and_random_transforms_resumes_bit_exactly(
     assert summary["global_step"] == 24
     for p, q in zip(resumed.parameters(), straight.parameters()):
         assert torch.equal(p, q)
+
+
+def test_the_same_signal_twice_at_once_is_one_request(tmp_path: Path) -> None:
+    """A group kill under torchrun: the worker's own SIGTERM, then torchrun's forwarded copy."""
+    model = _model()
+    with preemption_signals_heard():
+        summary = _trainer(tmp_path, max_epochs=2).fit(
+            model, _sgd(model), _loader(), forward=_signal_at(3, signal.SIGTERM, signal.SIGTERM))
+    assert summary["status"] == "preempted" and summary["global_step"] == 3
+    assert last_checkpoint(tmp_path)["global_step"] == 3
+
+
+def test_fit_seeds_its_random_draws_from_the_config_seed() -> None:
+    """TrainerConfig(seed=...) decides the dropout masks, whatever the process drew before."""
+    def fit(seed: int, draws_before: int) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(16, 3))
+        torch.rand(draws_before)  # other code ran in between
+        Trainer(TrainerConfig(device="cpu", seed=seed, max_epochs=2)).fit(
+            model, _sgd(model), _batches(4))
+        return model[2].weight.detach()
+
+    assert torch.equal(fit(3, 1), fit(3, 1000))
+    assert not torch.equal(fit(3, 1), fit(4, 1))

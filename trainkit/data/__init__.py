@@ -15,8 +15,8 @@ Two paths, one interface (``len``, iteration, ``set_epoch(epoch, start_batch)``,
 from trainkit.data.augment import crop_flip, mix_seed
 from trainkit.data.build import build_loaders
 from trainkit.data.loaders import (
+    ResumableBatchSampler,
     ResumableLoader,
-    ResumableSampler,
     default_num_workers,
     make_loader,
 )
@@ -27,8 +27,8 @@ from trainkit.data.prefetch import DevicePrefetcher
 __all__ = [
     "DevicePrefetcher",
     "InMemoryLoader",
+    "ResumableBatchSampler",
     "ResumableLoader",
-    "ResumableSampler",
     "build_loaders",
     "crop_flip",
     "default_num_workers",

@@ -2,8 +2,9 @@
 
 The standard path, done right: pinned memory when the batches go to CUDA, a worker count from the
 CPUs each process on the node gets, an order that can restart at any batch of any epoch without
-loading the batches before it, and per-sample random transforms in workers seeded from
-``(seed, epoch, sample)``, so a resumed run sees exactly the samples an uninterrupted one would.
+loading the batches before it, and random transforms in workers seeded once per batch from
+``(seed, epoch, rank, batch)``, so a resumed run sees exactly the samples an uninterrupted one
+would, at the speed of a plain DataLoader (``python -m benchmarks.loaders`` measures both).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable, Iterator, Sized
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from trainkit.data.augment import mix_seed
 from trainkit.data.order import check_shard, epoch_order, shard_size
 from trainkit.data.shm import fit_shared_memory
 from trainkit.errors import ConfigError, TrainkitError
+from trainkit.signals import shielded_worker_init
 
 
 def default_num_workers(procs_per_node: int | None = None) -> int:
@@ -36,18 +38,26 @@ def default_num_workers(procs_per_node: int | None = None) -> int:
     return max(0, min(8, cpus // max(1, procs_per_node) - 1))
 
 
-class ResumableSampler(Sampler[tuple[int, int]]):
-    """``(index, sample_seed)`` for this rank's shard in an order fixed by ``(seed, epoch)``.
+class SeededBatch(NamedTuple):
+    """One batch as the sampler hands it to a worker: its indices, and the seed of its draws."""
 
-    Like ``DistributedSampler`` but resumable: ``set_epoch(epoch, start)`` makes the next pass
-    start at sample ``start`` of the shard. ``len()`` is the samples left in that pass. Each
-    sample's seed is a function of ``(seed, epoch, index)`` alone (see :class:`SeededSamples`).
+    seed: int
+    indices: list[int]
+
+
+class ResumableBatchSampler(Sampler[SeededBatch]):
+    """Batches of this rank's shard in an order fixed by ``(seed, epoch)``, each with a seed.
+
+    Like ``DistributedSampler`` + ``BatchSampler`` but resumable: ``set_epoch(epoch, start)``
+    makes the next pass start at batch ``start`` of the shard, without touching the batches
+    before it. ``len()`` is the batches left in that pass. Batch ``b`` carries the seed
+    ``mix_seed(seed, epoch, rank, b)``, a function of its place alone (see :class:`SeededSamples`).
     """
 
-    def __init__(self, n: int, *, shuffle: bool, seed: int = 0, rank: int = 0,
-                 world_size: int = 1) -> None:
-        self.n, self.shuffle, self.seed = n, shuffle, seed
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, n: int, batch_size: int, *, shuffle: bool, drop_last: bool = False,
+                 seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+        self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
+        self.seed, self.rank, self.world_size = seed, rank, world_size
         self.epoch = 0
         self.start = 0
 
@@ -57,26 +67,39 @@ class ResumableSampler(Sampler[tuple[int, int]]):
         return shard_size(self.n, shuffle=self.shuffle, rank=self.rank,
                           world_size=self.world_size)
 
+    @property
+    def num_batches(self) -> int:
+        """Batches of this rank's whole shard per epoch."""
+        full, rest = divmod(self.num_samples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Serve ``epoch`` from sample ``start`` of the shard on (for the next pass only)."""
+        """Serve ``epoch`` from batch ``start`` on (for the next pass only)."""
         self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return max(0, self.num_samples - self.start)
+        return max(0, self.num_batches - self.start)
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[SeededBatch]:
         order = epoch_order(self.n, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
-                            rank=self.rank, world_size=self.world_size)
+                            rank=self.rank, world_size=self.world_size).tolist()
         start, self.start = self.start, 0
-        return ((i, mix_seed(self.seed, self.epoch, i)) for i in order[start:].tolist())
+        size = self.batch_size
+        for b in range(start, self.num_batches):
+            yield SeededBatch(mix_seed(self.seed, self.epoch, self.rank, b),
+                              order[b * size:(b + 1) * size])
 
 
 class SeededSamples(Dataset):
-    """Wraps a map-style dataset; in a worker, seeds Python, NumPy and torch for each sample.
+    """Wraps a map-style dataset; in a worker, seeds Python, NumPy and torch once per batch.
 
-    A worker's random stream otherwise depends on which samples it loaded before, which changes
-    when a run resumes mid-epoch. In the main process (``num_workers=0``) the draws come from the
-    process's own generators, which checkpoints save and restore, so no seeding is needed.
+    A worker's random stream otherwise depends on which batches it loaded before, which changes
+    when a run resumes mid-epoch. Seeding from the batch's own seed makes every draw a function
+    of the batch's place in the run. Once per batch, not per sample: seeding costs microseconds,
+    which per sample would be most of a cheap sample's cost. Only torch's CPU generator is
+    seeded (``torch.manual_seed`` also queues CUDA seeding, ~100x slower; workers do not use
+    CUDA). In the main process (``num_workers=0``) the draws come from the process's own
+    generators, which checkpoints save and restore, so no seeding is needed.
     """
 
     def __init__(self, dataset: Dataset) -> None:
@@ -85,13 +108,17 @@ class SeededSamples(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, item: tuple[int, int]) -> Any:
-        index, seed = item
-        if get_worker_info() is not None:
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
+    def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
+
+    def __getitems__(self, batch: SeededBatch) -> list[Any]:
+        # The DataLoader's fetcher hands a whole batch here (torch >= 2.0 calls __getitems__).
+        if get_worker_info() is not None:
+            random.seed(batch.seed)
+            np.random.seed(batch.seed % 2**32)
+            torch.default_generator.manual_seed(batch.seed)
+        many = getattr(self.dataset, "__getitems__", None)
+        return many(batch.indices) if many else [self.dataset[i] for i in batch.indices]
 
 
 class ResumableLoader:
@@ -101,12 +128,12 @@ class ResumableLoader:
     always the whole epoch's batch count, also right after a mid-epoch ``set_epoch``.
     """
 
-    def __init__(self, loader: DataLoader, sampler: ResumableSampler, generator: torch.Generator,
-                 *, seed: int, rank: int) -> None:
+    def __init__(self, loader: DataLoader, sampler: ResumableBatchSampler,
+                 generator: torch.Generator, *, seed: int, rank: int) -> None:
         self.loader = loader
         self.sampler = sampler
-        self.batch_size: int = loader.batch_size  # type: ignore[assignment]
-        self.drop_last = loader.drop_last
+        self.batch_size = sampler.batch_size
+        self.drop_last = sampler.drop_last
         self._generator = generator
         self._seed, self._rank = seed, rank
         self.epoch = 0
@@ -118,14 +145,13 @@ class ResumableLoader:
         return self.loader.dataset.dataset  # inside SeededSamples
 
     def __len__(self) -> int:
-        full, rest = divmod(self.sampler.num_samples, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
+        return self.sampler.num_batches
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Serve ``epoch`` from batch ``start_batch`` on; the batches before are never loaded."""
         self.epoch, self.position = epoch, start_batch
-        self.sampler.set_epoch(epoch, start_batch * self.batch_size)
-        # Workers' base seeds come from this generator; per-sample seeds (SeededSamples) make
+        self.sampler.set_epoch(epoch, start_batch)
+        # Workers' base seeds come from this generator; per-batch seeds (SeededSamples) make
         # transforms exact, this keeps anything else a worker draws tied to (seed, rank, epoch).
         self._generator.manual_seed(mix_seed(self._seed, self._rank, epoch))
 
@@ -138,7 +164,7 @@ class ResumableLoader:
         self.set_epoch(int(state["epoch"]), int(state["batch"]))
 
     def __iter__(self) -> Iterator[Any]:
-        self.position = self.sampler.start // self.batch_size
+        self.position = self.sampler.start
         for batch in self.loader:
             self.position += 1
             yield batch
@@ -159,6 +185,7 @@ def make_loader(
     prefetch_factor: int | None = None,
     drop_last: bool = False,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    worker_init_fn: Callable[[int], None] | None = None,
     procs_per_node: int | None = None,
 ) -> ResumableLoader:
     """A DataLoader over a map-style ``dataset`` with the settings a careful user would pick.
@@ -176,6 +203,9 @@ def make_loader(
         prefetch_factor: batches each worker loads ahead; None leaves torch's default (2).
         drop_last: drop a last batch smaller than ``batch_size``.
         collate_fn: how samples become a batch; None is torch's default.
+        worker_init_fn: your own ``worker_init_fn(worker_id)``; it runs in each worker after
+            trainkit's, which makes the worker survive preemption signals sent to the whole
+            process group (the main process stops the run and then the workers).
         procs_per_node: processes sharing this node's CPUs (default: ``LOCAL_WORLD_SIZE``).
 
     Raises:
@@ -213,14 +243,15 @@ def make_loader(
     if pin_memory and not torch.cuda.is_available():
         raise ConfigError("pin_memory=true needs CUDA, which is not available here; "
                           "leave it unset (null) to pin exactly when training on CUDA")
-    sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed, rank=rank,
-                               world_size=world_size)
+    sampler = ResumableBatchSampler(len(dataset), batch_size, shuffle=shuffle,
+                                    drop_last=drop_last, seed=seed, rank=rank,
+                                    world_size=world_size)
     generator = torch.Generator()
     loader = DataLoader(
-        SeededSamples(dataset), batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-        pin_memory=pin_memory, drop_last=drop_last, collate_fn=collate_fn,
-        persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
-        generator=generator,
+        SeededSamples(dataset), batch_sampler=sampler, num_workers=num_workers,
+        pin_memory=pin_memory, collate_fn=collate_fn, persistent_workers=persistent_workers,
+        prefetch_factor=prefetch_factor, generator=generator,
+        worker_init_fn=shielded_worker_init(worker_init_fn) if num_workers else None,
     )
     return ResumableLoader(loader, sampler, generator, seed=seed, rank=rank)
 
