@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainkit.errors import ConfigError
+from trainkit.errors import LINE_LIMIT, ConfigError
 
 log = logging.getLogger("trainkit")
 
@@ -64,12 +64,16 @@ def apply_activation_checkpointing(model: nn.Module, selectors: Sequence[str]) -
 
 
 def _no_match(model: nn.Module, unknown: list[str]) -> str:
-    """One line (<= 200 characters) naming what the model offers to select instead."""
+    """One line naming what the model offers to select instead, short enough that the printed
+    ``trainkit: ...`` line keeps it whole (a longer one would be cut in its middle)."""
     classes = list(dict.fromkeys(type(m).__name__ for n, m in model.named_modules() if n))
     paths = [name for name, _ in model.named_children()]
     head = f"trainer.activation_checkpointing: {unknown} match nothing in {type(model).__name__}"
     tail = f"; its paths: {', '.join(paths)}; classes: {', '.join(classes)}"
-    return head + (tail if len(head + tail) <= 200 else tail[: max(0, 196 - len(head))] + " ...")
+    budget = LINE_LIMIT - len("trainkit: ")
+    if len(head + tail) > budget:
+        tail = tail[: max(0, budget - 4 - len(head))] + " ..."
+    return head + tail
 
 
 def _describe(model: nn.Module, wrapped: list[str]) -> str:

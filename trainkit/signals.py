@@ -2,9 +2,10 @@
 
 A signal does not interrupt the step in flight: the loop finishes it, saves one checkpoint and
 stops with status ``preempted``. A second signal aborts at once (a second Ctrl-C raises
-``KeyboardInterrupt``), for when the save itself is not wanted -- except the same signal again
-within :data:`REPEAT_WINDOW_S`: that is one request delivered twice, as when the whole process
-group is signalled and torchrun (or srun) forwards its own copy to the workers.
+``KeyboardInterrupt``), for when the save itself is not wanted -- except, under a launcher that
+forwards signals (torchrun, srun), the same signal again within :data:`REPEAT_WINDOW_S`: that is
+one request delivered twice, the group's copy and the launcher's. Elsewhere (a terminal, a
+Jupyter kernel's stop button) no copy is forwarded, so a second press always aborts.
 """
 
 from __future__ import annotations
@@ -30,9 +31,17 @@ PREEMPTION_SIGNALS = tuple(
 # The exit status of a run that stopped on a signal after saving its checkpoint: EX_TEMPFAIL
 # from sysexits.h, "try again later" -- re-running the same command resumes it.
 EXIT_PREEMPTED = 75
-# The same signal again within this many seconds is the same request, not a second one: a
-# signal to a job's process group reaches each worker directly and, forwarded, from torchrun.
+# Under torchrun or srun, the same signal again within this many seconds is the same request,
+# not a second one: a signal to a job's process group reaches each worker directly and, forwarded,
+# from the launcher.
 REPEAT_WINDOW_S = 2.0
+# Set in the processes that torchrun (TorchElastic) and srun start: they forward signals.
+_FORWARDING_LAUNCHERS = ("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID")
+
+
+def _repeat_window_s() -> float:
+    forwarded = any(name in os.environ for name in _FORWARDING_LAUNCHERS)
+    return REPEAT_WINDOW_S if forwarded else 0.0
 
 
 class Preemption:
@@ -54,6 +63,7 @@ class Preemption:
         self.signals = signals
         self.received: int | None = None
         self._received_at = 0.0
+        self._repeat_window_s = 0.0
         self._previous: dict[int, Any] = {}
 
     @property
@@ -67,6 +77,7 @@ class Preemption:
     def __enter__(self) -> Preemption:
         if threading.current_thread() is not threading.main_thread():
             return self  # signal handlers can only be set from the main thread
+        self._repeat_window_s = _repeat_window_s()
         for signum in self.signals:
             previous = signal.getsignal(signum)
             if previous is signal.SIG_IGN:
@@ -84,8 +95,9 @@ class Preemption:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.requested:
-            if signum == self.received and time.monotonic() - self._received_at < REPEAT_WINDOW_S:
-                return  # one request that came twice (the group's and torchrun's forwarded one)
+            if (signum == self.received
+                    and time.monotonic() - self._received_at < self._repeat_window_s):
+                return  # one request that came twice (the group's and the launcher's copy)
             log.warning("second signal (%s): aborting without saving", name)
             raise KeyboardInterrupt
         self.received, self._received_at = signum, time.monotonic()

@@ -29,11 +29,13 @@ class FlatNet(nn.Module):
             ``sleep`` there for ``sleep_s`` seconds (a stuck step).
         startup_signal: a signal name (``SIGHUP``) this process sends to its whole process
             group while the model is built: a signal during start-up, before the first step.
+        forward_delay_s: seconds every training forward sleeps: a run slow enough that a
+            signal sent once a step is logged lands before the last step, on a loaded machine too.
     """
 
     def __init__(self, num_classes: int = 10, fault: str | None = None, fault_rank: int = 1,
-                 fault_at: int = 0, sleep_s: float = 0.0, startup_signal: str | None = None
-                 ) -> None:
+                 fault_at: int = 0, sleep_s: float = 0.0, startup_signal: str | None = None,
+                 forward_delay_s: float = 0.0) -> None:
         super().__init__()
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"fault must be one of {FAULTS}")
@@ -42,12 +44,13 @@ class FlatNet(nn.Module):
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 32), nn.ReLU(),
                                  nn.Linear(32, num_classes))
         self.fault, self.fault_rank, self.fault_at = fault, fault_rank, fault_at
-        self.sleep_s = sleep_s
+        self.sleep_s, self.forward_delay_s = sleep_s, forward_delay_s
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.calls += 1
+            time.sleep(self.forward_delay_s)
             self._maybe_fail()
         return self.net(x)
 

@@ -26,10 +26,12 @@ from tests.conftest import (
 pytestmark = pytest.mark.slow
 
 # The standard path with 2 workers and a random per-sample crop: what the workers draw must
-# resume exactly. 2 epochs of 16 batches in windows of 2: 16 steps of a small model.
+# resume exactly. 2 epochs of 16 batches in windows of 2: 16 steps of a small model, each at least
+# 0.1 s, so that the signal sent after the second step always comes before the last.
 WORKERS = ("data.loader=dataloader", "data.num_workers=2", "data.random_crop_padding=2",
            "trainer.max_epochs=2", "trainer.accumulate_grad_batches=2",
-           "model._target_=tests.dist.nets.FlatNet", "~model.widths")
+           "model._target_=tests.dist.nets.FlatNet", "~model.widths",
+           "+model.forward_delay_s=0.05")
 
 
 @pytest.fixture(scope="module")

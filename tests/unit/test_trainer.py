@@ -266,14 +266,29 @@ def test_dataloader_with_workers_and_random_transforms_resumes_bit_exactly(
         assert torch.equal(p, q)
 
 
-def test_the_same_signal_twice_at_once_is_one_request(tmp_path: Path) -> None:
+def test_the_same_signal_twice_at_once_is_one_request_under_torchrun(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A group kill under torchrun: the worker's own SIGTERM, then torchrun's forwarded copy."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     model = _model()
     with preemption_signals_heard():
         summary = _trainer(tmp_path, max_epochs=2).fit(
             model, _sgd(model), _loader(), forward=_signal_at(3, signal.SIGTERM, signal.SIGTERM))
     assert summary["status"] == "preempted" and summary["global_step"] == 3
     assert last_checkpoint(tmp_path)["global_step"] == 3
+
+
+def test_the_same_signal_twice_without_a_launcher_aborts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jupyter's stop button or Ctrl-C pressed twice: no launcher forwards copies, so the second
+    press aborts at once, without saving."""
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    model = _model()
+    with preemption_signals_heard(), pytest.raises(KeyboardInterrupt):
+        _trainer(tmp_path, max_epochs=2).fit(
+            model, _sgd(model), _loader(), forward=_signal_at(3, signal.SIGINT, signal.SIGINT))
+    assert not list((tmp_path / "checkpoints").glob("*.pt"))
 
 
 def test_fit_seeds_its_random_draws_from_the_config_seed() -> None:
