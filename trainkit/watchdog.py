@@ -164,6 +164,7 @@ class Watchdog:
         self._reported = False  # rank 0: the hang line is out and no recovery line yet
         self._seen: tuple[int | None, float] = (None, 0.0)  # (step, its idle time) at last look
         self._board: Board | None = None
+        self._store_failed = False  # warned once that the job's store did not answer
         self._armed = False  # faulthandler's timer is ours and running
 
     def _run(self) -> None:
@@ -172,6 +173,8 @@ class Watchdog:
                 self._look(time.monotonic())
         except Exception as err:  # never take training down; say that watching stopped
             log.warning("hang watchdog stopped: %s", one_line(err))
+        finally:  # a timer left armed by a thread that is gone would report a false hang
+            self._arm_fallback(None)
 
     def _look(self, now: float) -> None:
         busy = self._busy  # read before _beat: busy() sets _beat before it clears _busy
@@ -202,9 +205,9 @@ class Watchdog:
                 log.warning("hang: no progress for %s on %s; stacks in %s", seconds_text(idle),
                             rank_text(self.rank, record), stacks)
         if self._board is not None:
-            self._board.publish(self.rank, record)
-        if self.rank == 0:
-            self._overview(self._records(record))
+            self._exchange(self._board.publish, self.rank, record)
+        if self.rank == 0:  # its own record alone while the store does not answer
+            self._overview(self._records(record) or {self.rank: record})
         if self._hang is not None and self.action == "abort":
             self._abort(record)
 
@@ -214,8 +217,23 @@ class Watchdog:
         return {"step": step, "idle_s": round(idle, 1), "busy": busy, "hung": bool(hang),
                 "where": hang.get("where"), "seq": distributed.collectives_issued()}
 
-    def _records(self, own: Record) -> Records:
-        return self._board.read() if self._board is not None else {self.rank: own}
+    def _records(self, own: Record) -> Records | None:
+        """Every rank's record; None when the store did not answer this time."""
+        if self._board is None:
+            return {self.rank: own}
+        return self._exchange(self._board.read)
+
+    def _exchange(self, call: Callable[..., Any], *args: Any) -> Any:
+        """A call to the job's store. One that fails (its host restarted, a reset) skips this
+        look's exchange instead of ending the watching: this rank's own hang is still seen."""
+        try:
+            return call(*args)
+        except Exception as err:
+            if not self._store_failed:
+                log.warning("hang watchdog: the job's store did not answer (%s); until it does, "
+                            "each rank reports only its own hangs", one_line(err))
+                self._store_failed = True
+            return None
 
     def _overview(self, records: Records) -> None:
         """Rank 0: one line when some rank hangs, one when all move again."""
@@ -263,26 +281,40 @@ class Watchdog:
     def _arm_fallback(self, remaining: float | None) -> None:
         """A C timer that dumps to stderr should this thread itself never run again (a C call
         that holds the GIL): re-armed at every look, so it fires only if the looks stop.
-        ``None`` (or a hang this thread saw itself) disarms it."""
-        if remaining is not None and self._hang is None and sys.__stderr__ is not None:
-            faulthandler.dump_traceback_later(max(remaining, 0.0) + 3 * self._poll_s + 5,
-                                              file=sys.__stderr__)
+
+        Once this thread saw a hang: with ``action="abort"`` the timer ends the process (status
+        1) after the abort's grace, should the abort's own file writes or waits block (the run
+        dir on the very disk that hangs); with ``report`` it is disarmed, as by ``None``.
+        """
+        if remaining is not None and sys.__stderr__ is not None and (
+                self._hang is None or self.action == "abort"):
+            if self._hang is None:
+                faulthandler.dump_traceback_later(max(remaining, 0.0) + 3 * self._poll_s + 5,
+                                                  file=sys.__stderr__)
+            else:
+                faulthandler.dump_traceback_later(2 * self._abort_grace_s + 30, exit=True,
+                                                  file=sys.__stderr__)
             self._armed = True
         elif self._armed:  # only our own timer: another one (pytest's) is left alone
             faulthandler.cancel_dump_traceback_later()
             self._armed = False
 
+    @property
+    def _abort_grace_s(self) -> float:
+        """How long an abort waits for the other ranks' stacks (rank 0) or for rank 0 (twice)."""
+        return 3 * self._poll_s + 10
+
     def _abort(self, own: Record) -> None:
         """Write the summary (rank 0), then exit so that torchrun can restart the group."""
-        board, grace = self._board, 3 * self._poll_s + 10
+        board, grace = self._board, self._abort_grace_s
         if self.rank == 0:
-            records = self._records(own)
+            records = self._records(own) or {self.rank: own}
             deadline = time.monotonic() + grace
             # the others stall at about the same moment: give them time to dump their stacks
             while board is not None and time.monotonic() < deadline and not all(
                     rec and rec["hung"] for rec in records.values()):
                 time.sleep(self._poll_s)
-                records = self._records(own)
+                records = self._records(own) or records
             behind = behind_ranks(records)
             steps = [records[r]["step"] for r in behind if records[r] is not None]
             hang = {"ranks": behind, "step": min(steps, default=None),
@@ -296,7 +328,7 @@ class Watchdog:
             log.error("hang_action=abort: exiting with status %d; torchrun --max-restarts (or "
                       "re-running the command) resumes from the last checkpoint", EXIT_HUNG)
             if board is not None:
-                board.store.set("aborted", "1")
+                self._exchange(board.store.set, "aborted", "1")
         elif board is not None:
             with contextlib.suppress(Exception):  # rank 0 says it is done, or the grace ends
                 board.store.wait(["aborted"], datetime.timedelta(seconds=2 * grace))

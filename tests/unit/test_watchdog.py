@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+import logging
 import re
 import threading
 import time
@@ -11,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed import TCPStore
 from torch.utils.data import DataLoader, Dataset
 
 from trainkit import CheckpointConfig, ConfigError, Trainer, TrainerConfig
-from trainkit.heartbeats import behind_ranks, hang_line
+from trainkit.heartbeats import Board, behind_ranks, hang_line
 from trainkit.watchdog import Watchdog
 
 BLOCK_AT = 8  # the first sample of the third batch of 4: steps 1 and 2 complete first
@@ -111,6 +114,27 @@ def test_the_rank_behind_is_the_one_the_others_wait_for_in_a_collective() -> Non
     assert behind_ranks(records) == [3]
     assert "behind: rank 3 (no heartbeat)" in hang_line(records, "x")
     assert json.dumps(records)  # records travel through the store as JSON
+
+
+def test_a_store_that_stops_answering_does_not_end_the_watching(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The job's store goes away (its host restarted): the watchdog warns once and still sees
+    this rank's hang and its end (it used to stop watching at the first failed call)."""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, is_master=False,
+                      timeout=datetime.timedelta(seconds=1))
+    watchdog = Watchdog(timeout_s=0.8, run_dir=tmp_path, world_size=2)
+    with caplog.at_level(logging.INFO, logger="trainkit"), watchdog:
+        watchdog._board = Board(client, 2)  # as under torchrun: the job's store, two ranks
+        del server
+        watchdog.beat(1)
+        time.sleep(2.0)
+        watchdog.beat(2)
+        time.sleep(0.5)
+    assert "no step after step 1" in (tmp_path / "hangs" / "rank0.txt").read_text()
+    store_lines = [r for r in caplog.records if "store did not answer" in r.getMessage()]
+    assert len(store_lines) == 1
+    assert any("hang over" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize(("kwargs", "fragment"), [
