@@ -254,7 +254,12 @@ def ddp_cpu_on_gpu_machine(ctx: Context) -> dict[str, Any]:
 
 
 def nccl(ctx: Context) -> dict[str, Any]:
-    """torchrun on min(2, GPUs) processes with trainkit's backend, then NCCL collectives."""
+    """torchrun on min(2, GPUs) processes, then NCCL and gloo collectives in one process.
+
+    With one GPU, torchrun's single process has world size 1: trainkit joins no process group,
+    so its DDP path (the NCCL all-reduce of gradients, the step vote, the NaN flag's all-reduce)
+    does not run; the result says so rather than passing it as checked.
+    """
     n = min(2, torch.cuda.device_count())
     outcome = ctx.train("nccl", "trainer.max_steps=20", launcher=(
         "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"))
@@ -262,7 +267,9 @@ def nccl(ctx: Context) -> dict[str, Any]:
                           text=True, timeout=CASE_TIMEOUT_S)
     if proc.returncode != 0:
         raise CaseFailed(f"NCCL collectives: {(proc.stderr.strip().splitlines() or ['-'])[-1]}")
-    return {"processes": n, "collectives": proc.stdout.strip(), **completed(outcome)}
+    ddp = "ran on 2 GPUs" if n == 2 else "not run: needs 2 GPUs (NCCL refuses two ranks on one)"
+    return {"processes": n, "collectives": proc.stdout.strip(), "trainkit_ddp_over_nccl": ddp,
+            **completed(outcome)}
 
 
 _COLLECTIVES = """
@@ -277,6 +284,24 @@ assert on_gpu.sum().item() == 4 and on_cpu.sum().item() == 4
 print("nccl", torch.cuda.nccl.version(), "and gloo collectives ok")
 dist.destroy_process_group()
 """
+
+
+def nonfinite_on_device(ctx: Context) -> dict[str, Any]:
+    """A run that diverges (lr 1e30) with logging every 25 steps: the NaN/inf check of the steps
+    between runs on the device, the streak is counted at the next read, the run stops as
+    ``diverged`` (exit 2), and no checkpoint holds non-finite weights."""
+    outcome = ctx.train("nonfinite", "optim.lr=1e30", "trainer.max_steps=60",
+                        "trainer.nonfinite_patience=3", "trainer.log_every_n_steps=25",
+                        "checkpoint.every_n_steps=10", expect=2)
+    summary = outcome["summary"]
+    if summary.get("status") != "diverged" or summary.get("nonfinite_steps", 0) < 3:
+        raise CaseFailed(f"status {summary.get('status')!r} after "
+                         f"{summary.get('nonfinite_steps')} NaN/inf steps, not 'diverged'")
+    for path in (outcome["run"] / "checkpoints").glob("*.pt"):
+        if not all(torch.isfinite(t).all() for t in weights(path).values()
+                   if t.is_floating_point()):
+            raise CaseFailed(f"{path.name} holds non-finite weights")
+    return {k: summary[k] for k in ("status", "global_step", "nonfinite_steps", "skipped_steps")}
 
 
 def _amp(ctx: Context, precision: str) -> dict[str, Any]:
@@ -360,6 +385,7 @@ CASES: dict[str, tuple[Case, bool]] = {
     "dataloader_prefetcher": (dataloader_prefetcher, True),
     "ddp_cpu_on_gpu_machine": (ddp_cpu_on_gpu_machine, True),
     "nccl": (nccl, False),
+    "nonfinite_on_device": (nonfinite_on_device, True),
     "fp16_gradscaler": (fp16_gradscaler, False),
     "bf16": (bf16, False),
     "out_of_memory": (out_of_memory, False),

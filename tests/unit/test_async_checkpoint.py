@@ -103,6 +103,21 @@ def test_snapshot_brings_cuda_tensors_to_the_cpu() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("side_stream", [False, True], ids=["current stream", "side stream"])
+def test_snapshot_waits_for_work_queued_before_it(side_stream: bool) -> None:
+    """The snapshot holds what the queued kernels wrote, read on the host at once: a second of
+    GPU sleep, then a fill, both queued (on a side stream too) before the snapshot is asked."""
+    weight = torch.zeros(1 << 22, device="cuda")
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(1_000_000_000)  # ~0.5-1 s of GPU cycles
+        weight.fill_(7.0)
+        copied = snapshot({"w": weight})["w"]
+    assert torch.equal(copied, torch.full((1 << 22,), 7.0))
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_snapshot_waits_for_the_gpu_that_holds_the_tensors_not_the_current_one() -> None:
     torch.cuda.set_device(0)  # current: cuda:0; the state lives on cuda:1

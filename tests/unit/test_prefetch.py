@@ -57,3 +57,16 @@ def test_cpu_without_statistics_only_rescales_uint8() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_side_stream_gives_the_same_batches() -> None:
     _check("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batches_are_ready_when_handed_out_and_not_reused_while_read() -> None:
+    """Each batch is dropped before the next is taken, and the consumer's stream is slowed before
+    it reads: without ``wait_stream`` a batch would be read before its copy ends, without
+    ``record_stream`` its memory could be handed to the next copy while still being read."""
+    batches = [(torch.full((64, 3, 32, 32), float(i)), torch.full((64,), i)) for i in range(6)]
+    for i, (x, y) in enumerate(DevicePrefetcher(batches, "cuda")):
+        torch.cuda._sleep(50_000_000)  # the consumer lags: the next copy runs meanwhile
+        assert torch.equal(x, torch.full_like(x, float(i))) and torch.equal(y.cpu(), batches[i][1])
+        del x, y
