@@ -75,9 +75,10 @@ def choose_device(spec: str, local_rank: int, *, cuda_count: int, mps: bool,
                 details=[f"why no CUDA: {_why_no_cuda()}"])
         if device.index is None and local_rank >= cuda_count:
             raise TrainkitError(
+                # (torchrun gives its workers one CUDA_VISIBLE_DEVICES: no per-rank GPU that way)
                 f"LOCAL_RANK {local_rank} has no GPU: {cuda_count} visible; start at most "
-                f"{cuda_count} processes per node, set trainer.device=cpu, or, with one GPU per "
-                "process through CUDA_VISIBLE_DEVICES, trainer.device=cuda:0"
+                f"{cuda_count} processes per node (torchrun --nproc-per-node), or set "
+                "trainer.device=cpu"
             )
         if device.index is not None and local_world_size > 1:
             raise TrainkitError(
