@@ -38,7 +38,10 @@ def get_rng_state() -> dict[str, Any]:
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
                   "has_gauss": has_gauss, "gauss": gauss},
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        # Only once CUDA is in use: reading it initialises CUDA, which a CPU run on a GPU
+        # machine must not do (a context on every GPU). Before that, the CUDA generators hold
+        # nothing but the seed that torch.manual_seed queued for them, which a resume queues too.
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
     }
 
 
