@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from trainkit.device import move_to_device
+from trainkit.tree import tensors
 
 
 class DevicePrefetcher:
@@ -94,7 +95,7 @@ class DevicePrefetcher:
         while upcoming is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(stream)  # the copy and normalisation are done before use
-            for tensor in _tensors(upcoming):
+            for tensor in tensors(upcoming):
                 # Allocated on the side stream, used on this one: without this the caching
                 # allocator could hand the memory to the next copy while compute still reads it.
                 tensor.record_stream(current)
@@ -124,13 +125,3 @@ class DevicePrefetcher:
             x = x.contiguous(memory_format=torch.channels_last)
         return type(batch)([x, *batch[1:]]) if isinstance(batch, list) else (x, *batch[1:])
 
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, (list, tuple)):
-        for item in batch:
-            yield from _tensors(item)
-    elif isinstance(batch, dict):
-        for item in batch.values():
-            yield from _tensors(item)
