@@ -12,7 +12,7 @@ Two paths, one interface (``len``, iteration, ``set_epoch(epoch, start_batch)``,
 ``python -m trainkit.data download|verify`` fetches and checks the files for offline clusters.
 """
 
-from trainkit.data.augment import crop_flip, mix_seed
+from trainkit.data.augment import crop_flip
 from trainkit.data.build import build_loaders
 from trainkit.data.loaders import (
     ResumableBatchSampler,
@@ -23,6 +23,7 @@ from trainkit.data.loaders import (
 from trainkit.data.memory import InMemoryLoader
 from trainkit.data.order import epoch_order
 from trainkit.data.prefetch import DevicePrefetcher
+from trainkit.rng import mix_seed
 
 __all__ = [
     "DevicePrefetcher",

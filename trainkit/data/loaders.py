@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from trainkit.data.augment import mix_seed
 from trainkit.data.order import check_shard, epoch_order, shard_size
 from trainkit.data.shm import fit_shared_memory
 from trainkit.errors import ConfigError, TrainkitError
+from trainkit.rng import mix_seed
 from trainkit.signals import shielded_worker_init
 
 

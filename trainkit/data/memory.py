@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from trainkit.data.augment import PAD_MODES, crop_flip, mix_seed
+from trainkit.data.augment import PAD_MODES, crop_flip
 from trainkit.data.order import check_shard, epoch_order, shard_size
 from trainkit.datasets import TensorData
 from trainkit.errors import ConfigError
+from trainkit.rng import mix_seed
 
 
 class InMemoryLoader:
