@@ -29,7 +29,7 @@ from trainkit.async_checkpoint import AsyncCheckpointWriter
 from trainkit.checkpoint import CheckpointManager, check_config, load_checkpoint, manifest
 from trainkit.config import CheckpointConfig, TrainerConfig
 from trainkit.cuda_settings import apply_cuda_settings
-from trainkit.data.loaders import set_epoch
+from trainkit.data.resumable import set_epoch
 from trainkit.device import move_to_device
 from trainkit.distributed import StepVote, barrier, unwrap
 from trainkit.ema import EMA
