@@ -26,8 +26,9 @@ from hydra import compose, initialize_config_dir
 
 from trainkit.checkpoint import load_checkpoint
 from trainkit.cuda_settings import deterministic_algorithms
+from trainkit.entry_errors import errors_as_one_line
 from trainkit.errors import TrainkitError
-from trainkit.train import CONFIG_DIR, errors_as_one_line, train
+from trainkit.train import CONFIG_DIR, train
 from trainkit.tree import tree_leaves
 
 # Entries that name the run rather than describe its state.
