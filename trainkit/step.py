@@ -40,6 +40,12 @@ def batch_size(batch: Batch) -> int:
     return first.shape[0]
 
 
+def steps_per_epoch(batches: int, accumulate: int) -> int:
+    """Optimizer steps over ``batches`` batches in windows of ``accumulate``: ceil(batches / k),
+    a short last window being a step too (see :func:`windows`)."""
+    return -(-batches // accumulate)
+
+
 def windows(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
     """Group batches into accumulation windows of ``k``; the last one may be shorter."""
     window: list[Batch] = []
