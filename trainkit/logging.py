@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,28 @@ def setup_logging(run_dir: str | Path | None, is_main: bool = True) -> logging.L
         handler._trainkit_file = log_file  # type: ignore[attr-defined]
         logger.addHandler(handler)
     return logger
+
+
+def log_start(model: str, runtime: Any, total_steps: int, per_epoch: int, config: Any,
+              batch_size: int | None, cuda_text: str = "") -> None:
+    """The first line of a run: what trains where, for how long, with which global batch."""
+    k, world = config.accumulate_grad_batches, runtime.world_size
+    batch = (f"global batch {batch_size * k * world} = batch {batch_size} x accumulate {k} x "
+             f"world size {world}" if isinstance(batch_size, int) else
+             f"accumulating {k} batches per step")
+    logging.getLogger(LOGGER_NAME).info(
+        "training %s on %s for %d steps (%d per epoch), precision %s, %s", model,
+        runtime.device, total_steps, per_epoch, config.precision,
+        batch + (f", {cuda_text}" if cuda_text else ""))
+
+
+def log_window(scalars: Mapping[str, float], epoch: int, step: int, total_steps: int) -> None:
+    """One logging step's line: loss, LR, throughput, data wait, memory."""
+    memory = scalars.get("memory/cuda_peak_allocated_gib", scalars["memory/cpu_rss_gib"])
+    logging.getLogger(LOGGER_NAME).info(
+        "epoch %d step %d/%d loss %.4f lr %.3g %.0f samples/s data wait %.0f%% mem %.2f GiB",
+        epoch, step, total_steps, scalars["train/loss"], scalars["train/lr"],
+        scalars["throughput/samples_per_s"], scalars["time/data_wait_pct"], memory)
 
 
 def log_to_file(lines: Sequence[str]) -> None:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ from trainkit.data.resumable import set_epoch
 from trainkit.distributed import StepVote, unwrap
 from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
-from trainkit.logging import Progress, setup_logging
+from trainkit.logging import Progress, log_start, log_window, setup_logging
 from trainkit.metrics import StepMeter
 from trainkit.nonfinite import NonFiniteGuard, NonFiniteLossError
 from trainkit.precision import Precision
@@ -60,21 +60,15 @@ __all__ = ["NonFiniteLossError", "TrainState", "Trainer"]
 log = logging.getLogger("trainkit")
 
 
-class Parts(NamedTuple):
-    """The objects one ``fit`` trains."""
+@dataclass
+class _Run:
+    """One ``fit``'s objects, as the loop's methods share them."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
     ema: EMA | None
     data: Any
-
-
-@dataclass
-class _Run:
-    """One ``fit``'s objects, as the loop's methods share them."""
-
-    parts: Parts
     criterion: Criterion
     forward: Forward
     total_steps: int
@@ -212,7 +206,6 @@ class Trainer:
         # Training's random draws (dropout, ...) follow from config.seed, each rank its own.
         rng.seed_rank(self.runtime.rank, self.config.seed)
         ema = EMA(model, self.config.ema_decay) if self.config.ema_decay else None
-        parts = Parts(model, optimizer, scheduler, ema, train_data)
         started = time.perf_counter()
         total_steps = self.planned_steps(len(train_data))
         self.checkpointer.register(self.state, model=model, optimizer=optimizer,
@@ -220,10 +213,13 @@ class Trainer:
                                    data=train_data)
         self.checkpointer.start(total_steps)
         distributed.check_same_start(self.state.global_step)
-        self._log_start(model, train_data, total_steps)
+        log_start(type(unwrap(model)).__name__, self.runtime, total_steps,
+                  steps_per_epoch(len(train_data), self.config.accumulate_grad_batches),
+                  self.config, getattr(train_data, "batch_size", None), self._cuda_text)
         main = self.runtime.is_main
-        run = _Run(parts, criterion, forward, total_steps, stop_at_step,
-                   default_sinks(self.run_dir, main, self._sinks), StepMeter(self.runtime.device),
+        run = _Run(model, optimizer, scheduler, ema, train_data, criterion, forward, total_steps,
+                   stop_at_step, default_sinks(self.run_dir, main, self._sinks),
+                   StepMeter(self.runtime.device),
                    Progress(total_steps, self.state.global_step, enabled=None if main else False))
         if val_data is not None:
             metrics = {name: m.to(self.runtime.device) for name, m in (metrics or {}).items()}
@@ -259,7 +255,7 @@ class Trainer:
     def _train(self, run: _Run, preemption: Preemption) -> tuple[str, dict[str, float]]:
         """Epochs of steps until done or preempted; returns the status and last val results."""
         cfg, state = self.config, self.state
-        model = torch.compile(run.parts.model) if cfg.compile else run.parts.model
+        model = torch.compile(run.model) if cfg.compile else run.model
         run.meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
         vote = StepVote(stop=lambda: preemption.requested, save_due=self.checkpointer.time_due)
@@ -267,7 +263,7 @@ class Trainer:
         self._logged_at = time.monotonic()
         results: dict[str, float] = {}
         while state.global_step < run.total_steps and state.epoch < cfg.max_epochs:
-            set_epoch(run.parts.data, state.epoch, state.batch_in_epoch)
+            set_epoch(run.data, state.epoch, state.batch_in_epoch)
             if self._epoch(run, model, vote):
                 return "preempted", results
             done = state.global_step >= run.total_steps
@@ -284,11 +280,11 @@ class Trainer:
     def _epoch(self, run: _Run, model: nn.Module, vote: StepVote) -> bool:
         """One pass over the data (what is left of it); True when the run stopped in it."""
         state, checkpointer = self.state, self.checkpointer
-        batches = len(run.parts.data)
-        run.parts.model.train()
+        batches = len(run.data)
+        run.model.train()
         agree = vote.nonfinite if vote.active else None
         fetched = time.perf_counter()
-        for window in windows(run.parts.data, self.config.accumulate_grad_batches):
+        for window in windows(run.data, self.config.accumulate_grad_batches):
             # Blocked on the data since the last step ended (time/data_wait_pct).
             run.meter.data_wait += time.perf_counter() - fetched
             self._step(run, model, window, batches, agree)
@@ -315,13 +311,13 @@ class Trainer:
         on_host = guard.on_host(step % cfg.log_every_n_steps == 0 or step >= run.total_steps
                                 or self.checkpointer.due(step) or step == run.stop_at_step)
         result = train_window(
-            model, window, optimizer=run.parts.optimizer, precision=self.precision,
+            model, window, optimizer=run.optimizer, precision=self.precision,
             criterion=run.criterion, forward=run.forward, device=self.runtime.device,
             clip_val=cfg.gradient_clip_val, clip_algorithm=cfg.gradient_clip_algorithm,
             check_finite=on_host, guard_finite=guard.patience > 0 and not on_host, agree=agree)
         # the steps the device checked are counted first: this one may extend a streak
         tally = guard.add(result, read_first=on_host)
-        self._count(result, run.parts, len(window), batches_per_epoch)
+        self._count(result, run, len(window), batches_per_epoch)
         self._watchdog.beat(state.global_step)
         if tally is not None:
             guard.stop_if_diverged(tally)
@@ -337,14 +333,14 @@ class Trainer:
             self._log_train(run)
             self._logged_at = time.monotonic()
 
-    def _count(self, result: StepResult, parts: Parts, batches: int, per_epoch: int) -> None:
+    def _count(self, result: StepResult, run: _Run, batches: int, per_epoch: int) -> None:
         """Advance the counters, scheduler and EMA after one step (or skipped step)."""
         self.state.advance(batches, result.samples, per_epoch)
         if result.stepped:
-            if parts.scheduler is not None:
-                parts.scheduler.step()
-            if parts.ema is not None:
-                parts.ema.update()
+            if run.scheduler is not None:
+                run.scheduler.step()
+            if run.ema is not None:
+                run.ema.update()
         else:
             self.state.skipped_steps += 1
         self._guard.count(result.finite, result.value)
@@ -353,9 +349,9 @@ class Trainer:
     def _validate(self, run: _Run, data: Iterable[Any],
                   metrics: Mapping[str, Any]) -> dict[str, float]:
         """Evaluate (with the EMA weights when on), log, and let the Checkpointer keep the best."""
-        ema, step = run.parts.ema, self.state.global_step
+        ema, step = run.ema, self.state.global_step
         with ema.applied() if ema is not None else contextlib.nullcontext():
-            results = self.evaluate(run.parts.model, data, criterion=run.criterion,
+            results = self.evaluate(run.model, data, criterion=run.criterion,
                                     metrics=metrics, forward=run.forward)
         run.sinks.log(results, step)
         log.info("epoch %d step %d %s", self.state.epoch, step,
@@ -374,32 +370,16 @@ class Trainer:
         distributed.init_process_group(self.runtime)  # no-op in one process or when already up
         return distributed.wrap_ddp(model, self.runtime)
 
-    def _log_start(self, model: nn.Module, data: Any, total_steps: int) -> None:
-        cfg, runtime = self.config, self.runtime
-        size, k = getattr(data, "batch_size", None), cfg.accumulate_grad_batches
-        batch = (f"global batch {size * k * runtime.world_size} = batch {size} x accumulate "
-                 f"{k} x world size {runtime.world_size}" if isinstance(size, int) else
-                 f"accumulating {k} batches per step")
-        log.info("training %s on %s for %d steps (%d per epoch), precision %s, %s",
-                 type(unwrap(model)).__name__, runtime.device, total_steps,
-                 steps_per_epoch(len(data), k), cfg.precision,
-                 batch + (f", {self._cuda_text}" if self._cuda_text else ""))
-
     def _log_train(self, run: _Run) -> None:
         """The window's figures to the sinks, the console and train.log."""
-        state = self.state
         scalars = run.meter.read()
-        scalars["train/lr"] = run.parts.optimizer.param_groups[0]["lr"]
-        scalars["amp/skipped_steps"] = state.skipped_steps
+        scalars["train/lr"] = run.optimizer.param_groups[0]["lr"]
+        scalars["amp/skipped_steps"] = self.state.skipped_steps
         if self.precision.scaler is not None:
             scalars["amp/loss_scale"] = self.precision.scaler.get_scale()
-        run.sinks.log(scalars, state.global_step)
+        run.sinks.log(scalars, self.state.global_step)
         run.progress.show(scalars["train/loss"], scalars["throughput/samples_per_s"])
-        memory = scalars.get("memory/cuda_peak_allocated_gib", scalars["memory/cpu_rss_gib"])
-        log.info("epoch %d step %d/%d loss %.4f lr %.3g %.0f samples/s data wait %.0f%% "
-                 "mem %.2f GiB", state.epoch, state.global_step, run.total_steps,
-                 scalars["train/loss"], scalars["train/lr"],
-                 scalars["throughput/samples_per_s"], scalars["time/data_wait_pct"], memory)
+        log_window(scalars, self.state.epoch, self.state.global_step, run.total_steps)
 
     def _begin(self, started: float) -> Begun:
         return Begun(started, self.state.samples_seen, self.state.global_step)
