@@ -28,8 +28,9 @@ from trainkit.signals import EXIT_PREEMPTED, StoppedOutsideTraining
 _SHOW_TRACEBACK = os.environ.get("HYDRA_FULL_ERROR") == "1"
 # What the communication backends say when a peer process is gone or a collective timed out.
 _BACKEND_ERROR = re.compile(r"gloo|nccl|c10d|ProcessGroup|(closed|reset) by peer", re.IGNORECASE)
-# The library's words for settings the entry point sets through Hydra.
-_HYDRA_WORDS = ((re.compile(r"\brun_dir\b"), "hydra.run.dir"),)
+# The library's words for settings the entry point sets through Hydra (a word of its own: a path
+# that holds "run_dir" is left alone).
+_HYDRA_WORDS = ((re.compile(r"(?<=\s)run_dir(?![\w/.-])"), "hydra.run.dir"),)
 
 
 @contextlib.contextmanager

@@ -172,6 +172,7 @@ def test_bad_input_deletes_no_checkpoint(tmp_path: Path, mnist_root: Path) -> No
     assert result.returncode != 0
     details, last = error_report(result.stderr)
     assert "precision" in last
+    assert "another hydra.run.dir" in last  # the library's run_dir, in the entry point's words
     assert "trainer.precision: 32 -> 16-mixed" in "\n".join(details)
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
     log = (run_dir / "train.log").read_text()
