@@ -1,10 +1,11 @@
 """The Checkpointer: what a checkpoint holds, when one is written, and what a run starts from.
 
 The loop registers the stateful parts once (:meth:`Checkpointer.register`); each is asked for
-its ``state_dict()`` at every save. Afterwards the loop only says what happened -- a step was
-done (:meth:`~Checkpointer.due`), an evaluation gave results (:meth:`~Checkpointer.evaluated`),
-the run stops or ends (:meth:`~Checkpointer.save`) -- and the Checkpointer decides whether to
-write, through :class:`~trainkit.checkpoint.CheckpointManager` (atomic files, rotation) or, with
+its ``state_dict()`` at every save. Afterwards the loop only says what happened -- a step
+was done (:meth:`~Checkpointer.step_done`), an evaluation gave results
+(:meth:`~Checkpointer.evaluated`), the run stops or ends (:meth:`~Checkpointer.save`) -- and
+the Checkpointer decides whether to write, through
+:class:`~trainkit.checkpoint.CheckpointManager` (atomic files, rotation) or, with
 ``checkpoint.async_save``, its background writer.
 
 Where a run starts (:meth:`~Checkpointer.start`):
@@ -22,7 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,8 @@ class Checkpointer:
         ... # doctest: +SKIP
         >>> ckpt.register(state, model=model, optimizer=optimizer, precision=precision)
         >>> ckpt.start(planned_steps=1000)
-        >>> if ckpt.due(step): ckpt.save(step)
+        >>> ckpt.step_done(step)           # saves when every_n_steps says so
+        >>> ckpt.save(step, last_step=True)  # the run completed
     """
 
     def __init__(self, config: CheckpointConfig, run_dir: str | Path | None, runtime: Runtime,
@@ -213,6 +215,13 @@ class Checkpointer:
                  ", and its EMA" if ema is not None and state.get("ema") is not None else "")
 
     # -- when to save -------------------------------------------------------------------------
+
+    def step_done(self, step: int, *, time_due: bool = False,
+                  may_save: Callable[[], bool] = lambda: True) -> None:
+        """The loop finished step ``step``: save it when a periodic checkpoint is due and
+        ``may_save()`` agrees (the loop's NaN/inf guard: no streak running)."""
+        if self.due(step, time_due) and may_save():
+            self.save(step)
 
     def due(self, step: int, time_due: bool = False) -> bool:
         """Whether step ``step`` gets a periodic checkpoint (``time_due``: agreed by all ranks)."""

@@ -296,8 +296,8 @@ class Trainer:
                 say("stopped at step %d; re-run the same command to resume", state.global_step)
                 return True
             # a save never follows NaN/inf steps the host has not counted
-            if checkpointer.due(state.global_step, time_due) and self._guard.steady():
-                checkpointer.save(state.global_step)
+            checkpointer.step_done(state.global_step, time_due=time_due,
+                                   may_save=self._guard.steady)
             if state.global_step >= run.total_steps:
                 break
             fetched = time.perf_counter()
