@@ -226,11 +226,11 @@ class Trainer:
             run.evaluate = functools.partial(self._validate, run, val_data, metrics)
         # this process's share of the run, from where it resumed (also for a run out of memory)
         self._begun = (self._begin(started), run.meter)
-        return self._run(run, preemption or Preemption())
+        return self._run(run, preemption or Preemption(), *self._begun)
 
-    def _run(self, run: _Run, preemption: Preemption) -> dict[str, Any]:
+    def _run(self, run: _Run, preemption: Preemption, begun: Begun,
+             meter: StepMeter) -> dict[str, Any]:
         """Train, save the last checkpoint, write the summary -- also when the run fails."""
-        begun, meter = self._begun  # type: ignore[misc]
         self._watchdog.on_abort = lambda hang: self._finish(  # hang_action=abort
             "hung", {}, begun, meter, hang=hang)
         try:
