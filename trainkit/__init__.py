@@ -11,6 +11,7 @@ from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerCo
 from trainkit.data import (
     DevicePrefetcher,
     InMemoryLoader,
+    ResumableData,
     ResumableLoader,
     build_loaders,
     crop_flip,
@@ -45,6 +46,7 @@ __all__ = [
     "NonFiniteLossError",
     "Precision",
     "Preemption",
+    "ResumableData",
     "ResumableLoader",
     "Runtime",
     "StepResult",

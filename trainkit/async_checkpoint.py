@@ -22,6 +22,7 @@ import torch
 
 from trainkit.checkpoint import CheckpointManager
 from trainkit.errors import one_line
+from trainkit.tree import tree_leaves, tree_map
 
 log = logging.getLogger("trainkit")
 
@@ -35,26 +36,18 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
     without waiting for each one, then each GPU that held some is waited for once.
     """
     from_cuda: set[torch.device] = set()
+    olds = {path: t for path, t in tree_leaves(reuse) if isinstance(t, torch.Tensor)}
 
-    def copy(obj: Any, old: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            obj = obj.detach()
-            fits = (isinstance(old, torch.Tensor) and old.shape == obj.shape
-                    and old.dtype == obj.dtype and old.stride() == obj.stride())
-            out = old if fits else torch.empty_like(obj, device="cpu", pin_memory=obj.is_cuda)
-            if obj.is_cuda:
-                from_cuda.add(obj.device)
-            return out.copy_(obj, non_blocking=obj.is_cuda)
-        if isinstance(obj, dict):
-            olds = old if isinstance(old, dict) else {}
-            return type(obj)((k, copy(v, olds.get(k))) for k, v in obj.items())
-        if isinstance(obj, (list, tuple)):
-            olds = old if type(old) is type(obj) and len(old) == len(obj) else [None] * len(obj)
-            items = [copy(v, o) for v, o in zip(obj, olds)]
-            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-        return obj
+    def copy(tensor: torch.Tensor, path: str) -> torch.Tensor:
+        tensor, old = tensor.detach(), olds.get(path)
+        fits = (old is not None and old.shape == tensor.shape and old.dtype == tensor.dtype
+                and old.stride() == tensor.stride())
+        out = old if fits else torch.empty_like(tensor, device="cpu", pin_memory=tensor.is_cuda)
+        if tensor.is_cuda:
+            from_cuda.add(tensor.device)
+        return out.copy_(tensor, non_blocking=tensor.is_cuda)
 
-    copied = copy(state, reuse)
+    copied = tree_map(copy, state, with_path=True, share=False)
     wait_for_copies(from_cuda)
     return copied
 

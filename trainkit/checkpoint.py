@@ -59,16 +59,16 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, *, key: str = "checkpoint.resume") -> dict[str, Any]:
     """Load a checkpoint on the CPU with ``weights_only=True``: a pickle that would run code is
-    refused, not executed.
+    refused, not executed. ``key``: the setting that named the file, for the messages.
 
     Raises:
         TrainkitError: the file is missing, truncated, corrupt or not a trainkit checkpoint.
     """
     path = Path(path)
     if not path.is_file():
-        raise TrainkitError(f"checkpoint {path} does not exist: check checkpoint.resume")
+        raise TrainkitError(f"checkpoint {path} does not exist: check {key}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
@@ -108,7 +108,7 @@ class CheckpointManager:
         except OSError as err:
             raise TrainkitError(
                 f"cannot write checkpoints ({err.strerror or one_line(err, 60)}): choose a "
-                "writable hydra.run.dir or fix the folder's permissions",
+                "writable run_dir or fix the folder's permissions",
                 details=[f"checkpoint folder: {self.directory}"]) from None
 
     def step_files(self) -> list[Path]:
@@ -239,11 +239,25 @@ def check_config(state: Mapping[str, Any], run_config: Mapping[str, Any]) -> Non
         keys = [change.split(":")[0] for change in fatal]
         named = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
         raise TrainkitError(
-            f"the checkpoint was made with another {named}: use another hydra.run.dir, "
+            f"the checkpoint was made with another {named}: use another run_dir, "
             "checkpoint.resume=null, or the settings it was made with",
             details=[f"checkpoint: {state.get('_path', '?')}", *fatal])
     if changes:
         log.warning("resuming with a changed config: %s", "; ".join(changes)[:500])
+
+
+def weight_differences(here: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
+    """How a checkpoint's model weights differ from a model's, one line per name (none: they fit).
+
+    Example:
+        >>> weight_differences({"w": torch.zeros(2)}, {"w": torch.zeros(3), "b": torch.zeros(1)})
+        ['not in this model: b', 'w: [3] in the checkpoint, [2] here']
+    """
+    missing = [f"missing in the checkpoint: {name}" for name in here if name not in saved]
+    extra = [f"not in this model: {name}" for name in saved if name not in here]
+    shapes = [f"{name}: {list(saved[name].shape)} in the checkpoint, {list(t.shape)} here"
+              for name, t in here.items() if name in saved and saved[name].shape != t.shape]
+    return [*missing, *extra, *shapes]
 
 
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

@@ -121,12 +121,18 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    """When to save and what to resume from (``auto``: newest valid in the run dir; null: never)."""
+    """When to save and what to resume from (``auto``: newest valid in the run dir; null: never).
+
+    ``init_from``: a checkpoint file whose model weights (and EMA weights, when this run keeps an
+    EMA) a new run starts from -- fine-tuning -- with a fresh optimizer, LR schedule and counters.
+    Only when there is nothing to resume: a preempted fine-tuning run resumes itself.
+    """
 
     every_n_steps: int = 0  # 0: only at the end of the run (and when preempted)
     every_n_minutes: float = 0.0  # also save when this much time passed since the last save
     keep_last: int = 3
     resume: str | None = "auto"
+    init_from: str | None = None  # a checkpoint whose weights a new run starts from
     save_last: bool = True
     monitor: str | None = None  # e.g. "val/acc": keep checkpoints/best.pt by this metric
     mode: str = "max"  # whether a larger or smaller `monitor` is better

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-from typing import Any, TypeVar
+import functools
+from typing import TypeVar
 
 import torch
 
 from trainkit.errors import TrainkitError
+from trainkit.tree import tree_map
 
 T = TypeVar("T")
+GIB = 2**30  # bytes in a GiB: every memory figure trainkit reports is in GiB
 
 
 def available_devices() -> list[str]:
@@ -111,33 +112,15 @@ def move_to_device(batch: T, device: torch.device | str) -> T:
         >>> move_to_device({"x": torch.ones(2), "id": "a"}, "cpu")["id"]
         'a'
     """
-    return _move(batch, device if isinstance(device, torch.device) else torch.device(device))
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    return tree_map(functools.partial(_move, device=device), batch)
 
 
-def _move(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        if obj.device == device:
-            return obj
-        non_blocking = device.type == "cuda" and obj.device.type == "cpu" and obj.is_pinned()
-        return obj.to(device, non_blocking=non_blocking)
-    cls = type(obj)
-    # Sequences before Mapping: isinstance against an ABC is slow, and this runs every step.
-    if isinstance(obj, (list, tuple)):
-        items = [_move(v, device) for v in obj]
-        if all(a is b for a, b in zip(items, obj)):
-            return obj  # nothing moved (already there): no new container
-        return cls(*items) if hasattr(obj, "_fields") else cls(items)  # namedtuple or not
-    if isinstance(obj, Mapping):
-        moved = {k: _move(v, device) for k, v in obj.items()}
-        try:
-            return cls(moved)  # keeps OrderedDict and other dict subclasses
-        except TypeError:  # e.g. defaultdict, whose constructor wants a factory first
-            return moved
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _move(getattr(obj, f.name), device) for f in dataclasses.fields(obj)
-                   if f.init}
-        return dataclasses.replace(obj, **changes)
-    return obj
+def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.device == device:
+        return tensor
+    non_blocking = device.type == "cuda" and tensor.device.type == "cpu" and tensor.is_pinned()
+    return tensor.to(device, non_blocking=non_blocking)
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
@@ -149,11 +132,10 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     """
     if device.type != "cuda":
         return {}
-    gib = 2**30
     return {
-        "cuda_allocated_gib": torch.cuda.memory_allocated(device) / gib,
-        "cuda_reserved_gib": torch.cuda.memory_reserved(device) / gib,
-        "cuda_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+        "cuda_allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+        "cuda_reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+        "cuda_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
     }
 
 

@@ -344,5 +344,5 @@ def check_same_start(step: int) -> None:
     if len(set(steps)) > 1:
         raise TrainkitError(
             "ranks would start from different steps: every node must see the same run dir and "
-            "checkpoints; put hydra.run.dir on a shared filesystem",
+            "checkpoints; put run_dir on a shared filesystem",
             details=[f"steps to start from, by rank: {steps}"])

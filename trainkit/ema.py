@@ -51,6 +51,11 @@ class EMA:
         for i in self._other:
             self.shadow[i].copy_(self._live[i])
 
+    def restart(self) -> None:
+        """Start the average over from the model's current weights (e.g. just loaded ones)."""
+        torch._foreach_copy_(self.shadow, self._live)
+        self.updates = 0
+
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
         """Within this block the model holds the averaged weights; its own come back after."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainkit.device import available_devices, resolve_device
+from trainkit.device import GIB, available_devices, resolve_device
 from trainkit.errors import TrainkitError, print_error
 from trainkit.precision import bf16_native
 
@@ -58,7 +58,7 @@ def collect() -> dict[str, Any]:
             p = torch.cuda.get_device_properties(i)
             info["cuda_devices"].append({
                 "index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
-                "memory_gib": round(p.total_memory / 2**30, 1),
+                "memory_gib": round(p.total_memory / GIB, 1),
                 "bf16": bf16_native((p.major, p.minor), hip=bool(torch.version.hip)),
             })
     return info

@@ -1,16 +1,13 @@
-"""Console and ``train.log`` lines, and the TensorBoard writer (a null writer off rank 0)."""
+"""Console and ``train.log`` lines, and the progress bar (metrics go to :mod:`trainkit.sinks`)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-from trainkit.config import flatten
 
 LOGGER_NAME = "trainkit"
 _FORMAT = "%(asctime)s %(message)s"
@@ -48,6 +45,28 @@ def setup_logging(run_dir: str | Path | None, is_main: bool = True) -> logging.L
     return logger
 
 
+def log_start(model: str, runtime: Any, total_steps: int, per_epoch: int, config: Any,
+              batch_size: int | None, cuda_text: str = "") -> None:
+    """The first line of a run: what trains where, for how long, with which global batch."""
+    k, world = config.accumulate_grad_batches, runtime.world_size
+    batch = (f"global batch {batch_size * k * world} = batch {batch_size} x accumulate {k} x "
+             f"world size {world}" if isinstance(batch_size, int) else
+             f"accumulating {k} batches per step")
+    logging.getLogger(LOGGER_NAME).info(
+        "training %s on %s for %d steps (%d per epoch), precision %s, %s", model,
+        runtime.device, total_steps, per_epoch, config.precision,
+        batch + (f", {cuda_text}" if cuda_text else ""))
+
+
+def log_window(scalars: Mapping[str, float], epoch: int, step: int, total_steps: int) -> None:
+    """One logging step's line: loss, LR, throughput, data wait, memory."""
+    memory = scalars.get("memory/cuda_peak_allocated_gib", scalars["memory/cpu_rss_gib"])
+    logging.getLogger(LOGGER_NAME).info(
+        "epoch %d step %d/%d loss %.4f lr %.3g %.0f samples/s data wait %.0f%% mem %.2f GiB",
+        epoch, step, total_steps, scalars["train/loss"], scalars["train/lr"],
+        scalars["throughput/samples_per_s"], scalars["time/data_wait_pct"], memory)
+
+
 def log_to_file(lines: Sequence[str]) -> None:
     """Write ``lines`` to this process's ``train.log`` only (not the console), if it has one.
 
@@ -60,31 +79,6 @@ def log_to_file(lines: Sequence[str]) -> None:
             for line in lines:
                 handler.handle(logger.makeRecord(LOGGER_NAME, logging.ERROR, __file__, 0, line,
                                                  None, None))
-
-
-class NullWriter:
-    """Stands in for SummaryWriter where nothing should be written (other ranks, no run dir)."""
-
-    def add_scalar(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def add_hparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def make_writer(run_dir: str | Path | None, is_main: bool = True) -> Any:
-    """TensorBoard's ``SummaryWriter`` into ``<run_dir>/tb`` on rank 0, else a null writer."""
-    if run_dir is None or not is_main:
-        return NullWriter()
-    from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
-
-    return SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
 
 
 def in_notebook_kernel() -> bool:
@@ -161,24 +155,3 @@ class Progress:
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.0f}",
                                   refresh=False)
-
-
-def write_hparams(run_dir: Path | None, config: Mapping[str, Any],
-                   results: Mapping[str, float]) -> None:
-    """The run's settings with its final metrics, for TensorBoard's HPARAMS tab (tb/hparams)."""
-    if run_dir is None:
-        return
-    from torch.utils.tensorboard import SummaryWriter
-
-    flat = {key: value if isinstance(value, (int, float, str, bool)) else str(value)
-            for key, value in flatten(config).items()}
-    with SummaryWriter(log_dir=str(run_dir / "tb" / "hparams")) as writer:
-        writer.add_hparams(flat, {f"hparam/{k}": v for k, v in results.items()}, run_name=".")
-
-
-def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> None:
-    """``<run_dir>/summary.json``, replaced atomically: readers never see half a file."""
-    path = Path(run_dir) / "summary.json"
-    tmp = path.with_name(".summary.json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    tmp.replace(path)

@@ -9,9 +9,7 @@ import time
 import psutil
 import torch
 
-from trainkit.device import memory_stats
-
-GIB = 2**30
+from trainkit.device import GIB, memory_stats
 
 
 class DeviceMean:

@@ -9,9 +9,15 @@ a bad window's gradients on the device and this counter tally the bad windows th
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
+
+from trainkit.errors import TrainkitError
+
+log = logging.getLogger("trainkit")
 
 
 class NonFiniteTally(NamedTuple):
@@ -58,3 +64,91 @@ class NonFiniteCounter:
         tally = NonFiniteTally(*self._counts.tolist())  # host sync
         self._counts = None
         return tally
+
+
+class NonFiniteLossError(TrainkitError):
+    """The loss was NaN or inf for ``trainer.nonfinite_patience`` steps in a row."""
+
+
+class NonFiniteGuard:
+    """Counts NaN/inf losses into the run's state and stops it after ``patience`` in a row.
+
+    Steps checked on the host report their loss in their result; steps checked on the device
+    add their unread flag to a :class:`NonFiniteCounter`, read where the loop waits anyway.
+
+    Args:
+        patience: bad steps in a row that stop the run; 0 turns the check off.
+        state: the loop's counters (``skipped_steps``, ``nonfinite_steps``, ``nonfinite_streak``).
+        saved: what the last checkpoint is, in words, for the error that stops the run.
+    """
+
+    def __init__(self, patience: int, state: Any, saved: Callable[[], str]) -> None:
+        self.patience, self.state, self._saved = patience, state, saved
+        self.counter = NonFiniteCounter()
+
+    def on_host(self, wait_anyway: bool) -> bool:
+        """Whether the next step reads its check on the host (and skips a bad step).
+
+        Where the loop waits for the device anyway (``wait_anyway``: a logging step, a
+        checkpoint, the last step) and at every step while a streak runs, so that the patience
+        counts exactly. Other steps are checked on the device.
+        """
+        return self.patience > 0 and (wait_anyway or bool(self.state.nonfinite_streak))
+
+    def add(self, result: Any, read_first: bool) -> NonFiniteTally | None:
+        """Take a step's result; with ``read_first``, first read what the device counted (the
+        steps before it, which this one may extend a streak of) and return that."""
+        tally = self.read() if read_first else None
+        if result.finite_flag is not None:
+            self.counter.add(result.finite_flag)
+        return tally
+
+    def count(self, finite: bool, value: float | None) -> None:
+        """A host-checked step's verdict into the streak; raises when the patience ran out."""
+        state = self.state
+        if finite:
+            state.nonfinite_streak = 0
+            return
+        state.nonfinite_steps += 1
+        state.nonfinite_streak += 1
+        log.warning("step %d: loss is %s; step skipped (%d in a row)", state.global_step,
+                    value, state.nonfinite_streak)
+        if state.nonfinite_streak >= self.patience:
+            raise self.diverged(state.nonfinite_streak)
+
+    def read(self) -> NonFiniteTally:
+        """Count the NaN/inf windows the device saw since the last read, into the state.
+
+        A host read (sync) when steps were checked on the device since the last one. Ranks read
+        at the same steps and hold the same (all-reduced) tally, so they stop together.
+        """
+        tally = self.counter.read()
+        if not tally.count:
+            return tally
+        state = self.state
+        state.nonfinite_steps += tally.count
+        state.skipped_steps += tally.count
+        state.nonfinite_streak = tally.streak  # device-checked runs start after a finite step
+        log.warning("%d step(s) up to step %d had a NaN/inf loss; their gradients were dropped",
+                    tally.count, state.global_step)
+        return tally
+
+    def stop_if_diverged(self, tally: NonFiniteTally | None = None) -> None:
+        """Raise when ``tally`` (default: a fresh read) holds a streak as long as the patience."""
+        tally = self.read() if tally is None else tally
+        if tally.count and tally.longest >= self.patience:
+            raise self.diverged(tally.longest)
+
+    def steady(self) -> bool:
+        """Whether a checkpoint may be written now: the device's count read (raising when the
+        run diverged), and no streak running -- in one the weights did not move, and the last
+        good checkpoint should stay the newest."""
+        self.stop_if_diverged()
+        return not self.state.nonfinite_streak
+
+    def diverged(self, streak: int) -> NonFiniteLossError:
+        return NonFiniteLossError(
+            f"stopped at step {self.state.global_step}: the loss was NaN/inf for "
+            f"{streak} steps in a row: lower optim.lr, set "
+            "trainer.gradient_clip_val, use bf16-mixed instead of 16-mixed, or check the data",
+            details=[self._saved()])

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from trainkit.device import memory_stats
+from trainkit.device import GIB, memory_stats
 from trainkit.errors import one_line
 
 log = logging.getLogger("trainkit")
@@ -39,7 +39,7 @@ def report(error: BaseException, device: torch.device, *, step: int, batch: Any,
     figures = f"precision {precision}, batch {batch} x accumulate {accumulate}"
     if device.type == "cuda":
         stats = memory_stats(device)
-        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        total = torch.cuda.get_device_properties(device).total_memory / GIB
         figures += (f"; peak allocated {stats['cuda_peak_allocated_gib']:.2f} GiB, reserved "
                     f"{stats['cuda_reserved_gib']:.2f} of {total:.1f} GiB")
         log.info("allocator summary for %s:\n%s", device, torch.cuda.memory_summary(device))

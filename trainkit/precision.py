@@ -62,14 +62,22 @@ class Precision:
             optimizer.step()
             return True
         self.unscale_(optimizer)
-        # GradScaler.step() syncs on this same flag (it has no public getter); reading it
-        # first costs no second wait.
-        found_inf = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        overflow = any(v.item() for v in found_inf.values())
-        self.scaler.step(optimizer)
+        # Whether the scaler let the optimizer step, through public APIs only: a step post-hook
+        # runs exactly when optimizer.step() ran (the scaler skips it on overflow; the flag it
+        # had read costs no second wait). A fused optimizer (Adam(fused=True)) always runs and
+        # skips inside its kernel on the `found_inf` GradScaler hands it for that.
+        ran: list[torch.Tensor | None] = []
+        handle = optimizer.register_step_post_hook(
+            lambda opt, args, kwargs: ran.append(getattr(opt, "found_inf", None)))
+        try:
+            self.scaler.step(optimizer)
+        finally:
+            handle.remove()
         self.scaler.update()
         self._unscaled.clear()
-        return not overflow
+        if not ran:
+            return False
+        return ran[0] is None or not ran[0].item()  # fused: a sync on its flag
 
     def state_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler else None}

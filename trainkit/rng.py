@@ -9,7 +9,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainkit.data.augment import mix_seed
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*keys: int) -> int:
+    """One 63-bit seed from several integers (splitmix64): nearby keys, unrelated seeds."""
+    h = 0x9E3779B97F4A7C15
+    for key in keys:
+        h = (h ^ (key & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 29
+    return h >> 1  # torch.Generator.manual_seed takes up to 2**63 - 1 without wrapping
 
 
 def seed_everything(seed: int) -> None:

@@ -6,6 +6,8 @@ Each factory takes ``(optimizer, total_steps, ...)`` so configs need not know th
 from __future__ import annotations
 
 import math
+import warnings
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
@@ -39,3 +41,15 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, *,
 def constant(optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:
     """Keep each group's ``lr`` unchanged."""
     return LambdaLR(optimizer, lambda step: 1.0)
+
+
+def advance(scheduler: Any, steps: int) -> None:
+    """Step a fresh ``scheduler`` ``steps`` times: it then gives the LR of that step of its plan.
+
+    For schedules whose LR is a function of their step count (all of the above, and torch's
+    closed-form ones); the optimizer's param groups get that LR, as after a real step.
+    """
+    with warnings.catch_warnings():  # torch warns of scheduler steps before optimizer steps
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+        for _ in range(steps):
+            scheduler.step()

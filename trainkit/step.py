@@ -13,6 +13,7 @@ from torch import nn
 from trainkit.device import move_to_device
 from trainkit.distributed import sync_gradients
 from trainkit.precision import Precision
+from trainkit.tree import tensors
 
 Batch = Any
 Forward = Callable[[nn.Module, Batch], tuple[Any, Any]]
@@ -30,15 +31,19 @@ def batch_size(batch: Batch) -> int:
     """Samples in a batch: the leading size of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            try:
-                return batch_size(item)
-            except TypeError:
-                continue
-    raise TypeError(f"cannot tell the number of samples in a batch of type {type(batch).__name__}")
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0].shape[0]  # the common (inputs, targets) batch, without a walk
+    first = next(tensors(batch), None)
+    if first is None:
+        raise TypeError(
+            f"cannot tell the number of samples in a batch of type {type(batch).__name__}")
+    return first.shape[0]
+
+
+def steps_per_epoch(batches: int, accumulate: int) -> int:
+    """Optimizer steps over ``batches`` batches in windows of ``accumulate``: ceil(batches / k),
+    a short last window being a step too (see :func:`windows`)."""
+    return -(-batches // accumulate)
 
 
 def windows(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:

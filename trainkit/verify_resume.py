@@ -18,7 +18,6 @@ import random
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,10 @@ from hydra import compose, initialize_config_dir
 
 from trainkit.checkpoint import load_checkpoint
 from trainkit.cuda_settings import deterministic_algorithms
+from trainkit.entry_errors import errors_as_one_line
 from trainkit.errors import TrainkitError
-from trainkit.train import CONFIG_DIR, errors_as_one_line, train
+from trainkit.train import CONFIG_DIR, train
+from trainkit.tree import tree_leaves
 
 # Entries that name the run rather than describe its state.
 _IGNORED = ("manifest", "_path", "config")
@@ -106,7 +107,8 @@ def _report(straight: Path, resumed: Path, stop_at: int, steps: int) -> int:
 def _differences(a: Any, b: Any) -> list[str]:
     """``path: description`` for every leaf where two checkpoint trees differ."""
     found = []
-    flat_a, flat_b = dict(_leaves(a)), dict(_leaves(b))
+    flat_a, flat_b = (dict(tree_leaves({k: v for k, v in tree.items() if k not in _IGNORED}))
+                      for tree in (a, b))
     for path in sorted(flat_a.keys() | flat_b.keys()):
         x, y = flat_a.get(path), flat_b.get(path)
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
@@ -120,19 +122,6 @@ def _differences(a: Any, b: Any) -> list[str]:
         elif x != y:
             found.append(f"{path}: {x!r} vs {y!r}")
     return found
-
-
-def _leaves(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            if not path and key in _IGNORED:
-                continue
-            yield from _leaves(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(tree, (list, tuple)):
-        for i, value in enumerate(tree):
-            yield from _leaves(value, f"{path}[{i}]")
-    else:
-        yield path, tree
 
 
 if __name__ == "__main__":

@@ -172,6 +172,7 @@ def test_bad_input_deletes_no_checkpoint(tmp_path: Path, mnist_root: Path) -> No
     assert result.returncode != 0
     details, last = error_report(result.stderr)
     assert "precision" in last
+    assert "another hydra.run.dir" in last  # the library's run_dir, in the entry point's words
     assert "trainer.precision: 32 -> 16-mixed" in "\n".join(details)
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
     log = (run_dir / "train.log").read_text()
@@ -185,3 +186,18 @@ def test_mnist_reaches_99_percent_on_real_data(tmp_path: Path, real_mnist_root: 
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["metrics"]["val/acc"] >= 0.99, summary
+
+
+def test_metrics_jsonl_holds_one_object_per_logging_step(finished_run: Path) -> None:
+    """The contract's metrics.jsonl: one JSON object per logging step, with its step; the same
+    figures as TensorBoard's (read back with tensorboard's own reader)."""
+    lines = (finished_run / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    train = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train] == list(range(2, 33, 2))  # log_every_n_steps=2
+    assert all("train/lr" in r and "throughput/samples_per_s" in r for r in train)
+    assert [r["step"] for r in records if "val/acc" in r] == [16, 32]  # once per epoch
+    events = EventAccumulator(str(finished_run / "tb"))
+    events.Reload()
+    tb_loss = [e.value for e in events.Scalars("train/loss")]
+    assert tb_loss == pytest.approx([r["train/loss"] for r in train], rel=1e-6)

@@ -60,3 +60,12 @@ def test_console_command_runs_the_module_with_its_arguments(
         cli.main(["data", "verify", "nope"])
     assert stop.value.code == 2
     assert "unknown dataset nope" in capsys.readouterr().err
+
+
+def test_the_entry_point_names_hydras_override_where_the_library_says_run_dir() -> None:
+    from trainkit.entry_errors import hydra_words
+
+    assert hydra_words("use another run_dir, or checkpoint.resume=null") == (
+        "use another hydra.run.dir, or checkpoint.resume=null")
+    path = "checkpoint /tmp/run_dir/last.pt cannot be read"  # a path is left as it is
+    assert hydra_words(path) == path

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,3 +208,22 @@ def test_a_shielded_worker_still_obeys_its_parents_sigterm() -> None:
     proc.terminate()  # the parent's
     proc.join(10)
     assert proc.exitcode == 0
+
+
+def test_every_trainkit_loader_implements_the_resume_protocol(mnist_root: Path) -> None:
+    """One protocol (ResumableData) for the Trainer to rely on, not duck typing."""
+    from trainkit.data import DevicePrefetcher, InMemoryLoader, ResumableData
+    from trainkit.datasets import load_mnist
+
+    data = load_mnist(mnist_root, train=True, verify=False, download=False)
+    dataset = torch.utils.data.TensorDataset(data.images, data.labels)
+    loaders = [InMemoryLoader(data, 16, shuffle=True), make_loader(dataset, 16, shuffle=True,
+                                                                   num_workers=0)]
+    loaders.append(DevicePrefetcher(loaders[1], "cpu"))
+    for loader in loaders:
+        assert isinstance(loader, ResumableData), type(loader).__name__
+        loader.set_epoch(2, start_batch=3)
+        assert loader.state_dict()["epoch"] == 2 and loader.state_dict()["batch"] == 3
+        next(iter(loader))
+        assert loader.state_dict()["batch"] == 4
+    assert not isinstance([(torch.zeros(1), torch.zeros(1))], ResumableData)  # a plain list

@@ -1,7 +1,7 @@
 """Feeding the device: in-memory loaders, a DataLoader factory, a device prefetcher.
 
-Two paths, one interface (``len``, iteration, ``set_epoch(epoch, start_batch)``,
-``state_dict``):
+Two paths, one interface -- :class:`ResumableData`: ``len``, iteration,
+``set_epoch(epoch, start_batch)``, ``state_dict``, ``load_state_dict``:
 
 * :class:`InMemoryLoader` -- the whole split as one uint8 tensor (on the GPU when training
   there), batches by index gather, augmentation on the batch on the device. The fast path.
@@ -12,7 +12,7 @@ Two paths, one interface (``len``, iteration, ``set_epoch(epoch, start_batch)``,
 ``python -m trainkit.data download|verify`` fetches and checks the files for offline clusters.
 """
 
-from trainkit.data.augment import crop_flip, mix_seed
+from trainkit.data.augment import crop_flip
 from trainkit.data.build import build_loaders
 from trainkit.data.loaders import (
     ResumableBatchSampler,
@@ -23,11 +23,14 @@ from trainkit.data.loaders import (
 from trainkit.data.memory import InMemoryLoader
 from trainkit.data.order import epoch_order
 from trainkit.data.prefetch import DevicePrefetcher
+from trainkit.data.resumable import ResumableData
+from trainkit.rng import mix_seed
 
 __all__ = [
     "DevicePrefetcher",
     "InMemoryLoader",
     "ResumableBatchSampler",
+    "ResumableData",
     "ResumableLoader",
     "build_loaders",
     "crop_flip",

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from trainkit.data.augment import mix_seed
 from trainkit.data.order import check_shard, epoch_order, shard_size
+from trainkit.data.resumable import DataPosition, saved_position
 from trainkit.data.shm import fit_shared_memory
-from trainkit.errors import ConfigError, TrainkitError
+from trainkit.errors import ConfigError
+from trainkit.rng import mix_seed
 from trainkit.signals import shielded_worker_init
 
 
@@ -136,8 +137,7 @@ class ResumableLoader:
         self.drop_last = sampler.drop_last
         self._generator = generator
         self._seed, self._rank = seed, rank
-        self.epoch = 0
-        self.position = 0
+        self.position = DataPosition()
         self.set_epoch(0)
 
     @property
@@ -149,7 +149,7 @@ class ResumableLoader:
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Serve ``epoch`` from batch ``start_batch`` on; the batches before are never loaded."""
-        self.epoch, self.position = epoch, start_batch
+        self.position.set(epoch, start_batch)
         self.sampler.set_epoch(epoch, start_batch)
         # Workers' base seeds come from this generator; per-batch seeds (SeededSamples) make
         # transforms exact, this keeps anything else a worker draws tied to (seed, rank, epoch).
@@ -157,16 +157,16 @@ class ResumableLoader:
 
     def state_dict(self) -> dict[str, int]:
         """The epoch and the batches of it already handed out."""
-        return {"epoch": self.epoch, "batch": self.position}
+        return self.position.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s position with the next iteration."""
-        self.set_epoch(int(state["epoch"]), int(state["batch"]))
+        self.set_epoch(*saved_position(state))
 
     def __iter__(self) -> Iterator[Any]:
-        self.position = self.sampler.start
+        self.position.begin_pass()  # the sampler skips the batches before it
         for batch in self.loader:
-            self.position += 1
+            self.position.batch += 1
             yield batch
 
 
@@ -255,24 +255,3 @@ def make_loader(
     )
     return ResumableLoader(loader, sampler, generator, seed=seed, rank=rank)
 
-
-def set_epoch(data: Any, epoch: int, start_batch: int) -> None:
-    """Point any loader at an epoch and, when resuming, a batch inside it.
-
-    trainkit's loaders take ``set_epoch(epoch, start_batch)`` and skip the batches before it
-    without loading them; a ``set_epoch(epoch)`` of another kind (``DistributedSampler``'s, on the
-    loader or its sampler) gets the epoch; a loader that cannot start mid-epoch is an error then.
-    """
-    if hasattr(data, "set_epoch"):
-        try:
-            data.set_epoch(epoch, start_batch)
-            return
-        except TypeError:  # a set_epoch(epoch) without resume support, e.g. DistributedSampler's
-            data.set_epoch(epoch)
-    elif hasattr(getattr(data, "sampler", None), "set_epoch"):
-        data.sampler.set_epoch(epoch)
-    if start_batch:
-        raise TrainkitError(
-            f"cannot resume inside an epoch with a {type(data).__name__}: it cannot start at "
-            f"batch {start_batch}; use trainkit's loaders or checkpoint at epoch ends"
-        )

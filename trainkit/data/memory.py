@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
-from trainkit.data.augment import PAD_MODES, crop_flip, mix_seed
+from trainkit.data.augment import PAD_MODES, crop_flip
 from trainkit.data.order import check_shard, epoch_order, shard_size
+from trainkit.data.resumable import DataPosition, saved_position
 from trainkit.datasets import TensorData
 from trainkit.errors import ConfigError
+from trainkit.rng import mix_seed
 
 
 class InMemoryLoader:
@@ -85,9 +87,7 @@ class InMemoryLoader:
         self.padding = padding
         self.flip = flip
         self.pad_mode = pad_mode
-        self.epoch = 0
-        self.position = 0  # batches of `epoch` already handed out
-        self._start = 0
+        self.position = DataPosition()
 
     @property
     def num_samples(self) -> int:
@@ -105,19 +105,18 @@ class InMemoryLoader:
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Serve epoch ``epoch`` from batch ``start_batch`` on (constant time: no replay)."""
-        self.epoch = epoch
-        self._start = self.position = start_batch
+        self.position.set(epoch, start_batch)
 
     def state_dict(self) -> dict[str, int]:
         """Where the loader is: the epoch and the batches of it already handed out."""
-        return {"epoch": self.epoch, "batch": self.position, "seed": self.seed}
+        return {**self.position.state_dict(), "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s position with the next iteration."""
         if state.get("seed", self.seed) != self.seed:
             raise ConfigError(f"loader state has seed {state['seed']}, this loader {self.seed}: "
                               "the order would differ; resume with the same seed")
-        self.set_epoch(int(state["epoch"]), int(state["batch"]))
+        self.set_epoch(*saved_position(state))
 
     def order(self, epoch: int) -> torch.Tensor:
         """The sample indices this rank visits in ``epoch``, in order."""
@@ -125,19 +124,17 @@ class InMemoryLoader:
                            rank=self.rank, world_size=self.world_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = self.order(self.epoch).to(self.device)
-        start, self._start = self._start, 0  # a resume offset applies to one pass only
-        self.position = start
-        for b in range(start, len(self)):
+        order = self.order(self.position.epoch).to(self.device)
+        for b in range(self.position.begin_pass(), len(self)):
             batch = self._batch(order[b * self.batch_size : (b + 1) * self.batch_size], b)
-            self.position = b + 1
+            self.position.batch = b + 1
             yield batch
 
     def _batch(self, index: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         images = self.images.index_select(0, index)  # ~15x faster than images[index] on CPU
         if self.augments:
             generator = torch.Generator().manual_seed(
-                mix_seed(self.seed, self.epoch, b, self.rank))
+                mix_seed(self.seed, self.position.epoch, b, self.rank))
             images = crop_flip(images, generator, padding=self.padding, flip=self.flip,
                                pad_mode=self.pad_mode)
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format

@@ -7,12 +7,14 @@ when it takes the batch. Elsewhere it is a pass-through that still normalises.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from trainkit.data.resumable import DataPosition, saved_position, set_epoch
 from trainkit.device import move_to_device
+from trainkit.tree import tensors
 
 
 class DevicePrefetcher:
@@ -51,9 +53,7 @@ class DevicePrefetcher:
             self._mean = torch.tensor(mean, device=self.device).view(1, -1, 1, 1)
             self._std = torch.tensor(std, device=self.device).view(1, -1, 1, 1)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.epoch = 0
-        self.position = 0  # batches of `epoch` handed out
-        self._start = 0
+        self.position = DataPosition()
 
     @property
     def batch_size(self) -> int | None:
@@ -64,26 +64,21 @@ class DevicePrefetcher:
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Forward the resume protocol to the wrapped loader."""
-        self.epoch, self.position = epoch, start_batch
-        self._start = start_batch
-        inner = getattr(self.loader, "set_epoch", None)
-        if inner is not None:
-            inner(epoch, start_batch)
-        elif start_batch:
-            raise TypeError(f"{type(self.loader).__name__} cannot start inside an epoch")
+        self.position.set(epoch, start_batch)
+        set_epoch(self.loader, epoch, start_batch)
 
     def state_dict(self) -> dict[str, int]:
         """The epoch and the batches of it handed out (the one in flight is not counted)."""
-        return {"epoch": self.epoch, "batch": self.position}
+        return self.position.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.set_epoch(int(state["epoch"]), int(state["batch"]))
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.set_epoch(*saved_position(state))
 
     def __iter__(self) -> Iterator[Any]:
-        self.position, self._start = self._start, 0  # a resume offset applies to one pass
+        self.position.begin_pass()
         if self._stream is None:
             for batch in self.loader:
-                self.position += 1
+                self.position.batch += 1
                 yield self._prepare(move_to_device(batch, self.device))
             return
         yield from self._iter_cuda(self._stream)
@@ -94,12 +89,12 @@ class DevicePrefetcher:
         while upcoming is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(stream)  # the copy and normalisation are done before use
-            for tensor in _tensors(upcoming):
+            for tensor in tensors(upcoming):
                 # Allocated on the side stream, used on this one: without this the caching
                 # allocator could hand the memory to the next copy while compute still reads it.
                 tensor.record_stream(current)
             batch, upcoming = upcoming, self._preload(batches, stream)
-            self.position += 1
+            self.position.batch += 1
             yield batch
 
     def _preload(self, batches: Iterator[Any], stream: torch.cuda.Stream) -> Any:
@@ -124,13 +119,3 @@ class DevicePrefetcher:
             x = x.contiguous(memory_format=torch.channels_last)
         return type(batch)([x, *batch[1:]]) if isinstance(batch, list) else (x, *batch[1:])
 
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, (list, tuple)):
-        for item in batch:
-            yield from _tensors(item)
-    elif isinstance(batch, dict):
-        for item in batch.values():
-            yield from _tensors(item)

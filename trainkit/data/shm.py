@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainkit.device import GIB
 from trainkit.errors import ConfigError
 
 log = logging.getLogger("trainkit")
@@ -29,7 +30,7 @@ DEFAULT_PREFETCH = 2  # torch's DataLoader default for prefetch_factor
 # Above this much free shared memory (a host's: half its RAM) no sample is read to size the
 # batches: only unusual batches would not fit, and reading one in the main process is not free
 # (a lazily opened HDF5 file, for one, is better first opened in the workers).
-CHECK_BELOW_BYTES = 4 * 2**30
+CHECK_BELOW_BYTES = 4 * GIB
 
 
 def shm_free_bytes(path: str = SHM_PATH) -> int | None:
@@ -133,4 +134,4 @@ def _mib(n: int) -> str:
 
 def _size_flag(need: int) -> str:
     """Twice the need, in whole GiB (the main process holds batches too, and pinned copies)."""
-    return f"{max(1, math.ceil(2 * need / 2**30))}g"
+    return f"{max(1, math.ceil(2 * need / GIB))}g"

@@ -1,0 +1,298 @@
+"""The Checkpointer: what a checkpoint holds, when one is written, and what a run starts from.
+
+The loop registers the stateful parts once (:meth:`Checkpointer.register`); each is asked for
+its ``state_dict()`` at every save. Afterwards the loop only says what happened -- a step
+was done (:meth:`~Checkpointer.step_done`), an evaluation gave results
+(:meth:`~Checkpointer.evaluated`), the run stops or ends (:meth:`~Checkpointer.save`) -- and
+the Checkpointer decides whether to write, through
+:class:`~trainkit.checkpoint.CheckpointManager` (atomic files, rotation) or, with
+``checkpoint.async_save``, its background writer.
+
+Where a run starts (:meth:`~Checkpointer.start`):
+
+* ``checkpoint.resume`` (``auto``: the newest valid checkpoint of this run dir; or a path)
+  restores everything. When the run now takes more steps than the checkpoint's run was planned
+  for (a larger ``trainer.max_steps``/``max_epochs``: an extended run), the LR schedule is
+  re-planned over the new length and continues from the step it had reached, with a warning.
+* Otherwise ``checkpoint.init_from`` (a checkpoint file) loads its model weights (and its EMA
+  weights when this run keeps an EMA) into a fresh run: new optimizer, schedule and counters.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from trainkit import distributed, rng, schedules
+from trainkit.async_checkpoint import AsyncCheckpointWriter
+from trainkit.checkpoint import (
+    CheckpointManager,
+    check_config,
+    load_checkpoint,
+    manifest,
+    weight_differences,
+)
+from trainkit.config import CheckpointConfig
+from trainkit.data.resumable import ResumableData
+from trainkit.ema import EMA
+from trainkit.errors import TrainkitError
+from trainkit.runtime import Runtime
+from trainkit.train_state import TrainState
+from trainkit.watchdog import Watchdog, watched
+
+log = logging.getLogger("trainkit")
+_POSITION = ("epoch", "batch")  # a loader's state beyond these is its settings (seed, ...)
+
+
+class Checkpointer:
+    """Owns the stateful parts of a run and every decision about its checkpoints.
+
+    Args:
+        config: when to save, what to keep, what to start from.
+        run_dir: checkpoints go to ``<run_dir>/checkpoints``; None writes none.
+        runtime: ranks (rank 0 writes; every rank takes part in a save).
+        run_config: the run's resolved config, stored in checkpoints and compared on resume.
+        watchdog: the hang watchdog, told when a save is in progress.
+
+    Example:
+        >>> ckpt = Checkpointer(CheckpointConfig(every_n_steps=100), "runs/a", runtime)
+        ... # doctest: +SKIP
+        >>> ckpt.register(state, model=model, optimizer=optimizer, precision=precision)
+        >>> ckpt.start(planned_steps=1000)
+        >>> ckpt.step_done(step)           # saves when every_n_steps says so
+        >>> ckpt.save(step, last_step=True)  # the run completed
+    """
+
+    def __init__(self, config: CheckpointConfig, run_dir: str | Path | None, runtime: Runtime,
+                 run_config: Mapping[str, Any] | None = None,
+                 watchdog: Watchdog | None = None) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.run_config = dict(run_config or {})
+        self.manager = (CheckpointManager(Path(run_dir) / "checkpoints", config.keep_last)
+                        if run_dir is not None else None)
+        if self.manager is not None and runtime.is_main:
+            self.manager.check_writable()
+        self._writer = (AsyncCheckpointWriter(self.manager)
+                        if self.manager is not None and config.async_save else None)
+        self._watchdog = watchdog or Watchdog(0)
+        self.saved_step, self._saved_time = -1, time.monotonic()
+        self.state = TrainState()
+        self.parts: dict[str, Any] = {}
+
+    def register(self, state: TrainState, *, model: nn.Module, optimizer: Any,
+                 precision: Any, scheduler: Any = None, ema: EMA | None = None,
+                 data: Any = None) -> None:
+        """The objects a checkpoint holds; None for a part this run has not."""
+        self.state = state
+        self.parts = {"model": distributed.unwrap(model), "optimizer": optimizer,
+                      "scheduler": scheduler, "precision": precision, "ema": ema,
+                      "data": data if isinstance(data, ResumableData) else None}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint holds, each part asked for its own state."""
+        return {
+            **{name: part.state_dict() if part is not None else None
+               for name, part in self.parts.items()},
+            "trainer": self.state.state_dict(),
+            "global_step": self.state.global_step,
+            "epoch": self.state.epoch,
+            "rng": rng.get_rng_state(),
+            "config": self.run_config,
+            "manifest": self._manifest,
+        }
+
+    # -- where the run starts -----------------------------------------------------------------
+
+    def start(self, planned_steps: int) -> None:
+        """Resume, or initialize from ``checkpoint.init_from``, or leave the parts as they are.
+
+        ``planned_steps``: the optimizer steps this run takes (its LR schedule's length).
+        """
+        state = self._checkpoint_to_resume()
+        if state is not None:
+            self.load_state_dict(state, planned_steps)
+        elif self.config.init_from:
+            self._init_from(str(self.config.init_from))
+        self.state.planned_steps = planned_steps
+
+    def load_state_dict(self, state: Mapping[str, Any], planned_steps: int | None = None) -> None:
+        """Restore a checkpoint made by :meth:`state_dict` into the registered parts."""
+        check_config(state, self.run_config)
+        self._load_weights(state, "checkpoint.resume")
+        self.parts["optimizer"].load_state_dict(state["optimizer"])
+        self._load_schedule(state, planned_steps)
+        self.parts["precision"].load_state_dict(state["precision"])
+        self._load_ema(state.get("ema"))
+        self._check_data(state.get("data"))
+        self.state.load_state_dict(state["trainer"])
+        rng.set_rng_state(rng.rng_of_rank(state, self.runtime.rank))
+        self.saved_step, self._saved_time = self.state.global_step, time.monotonic()
+        log.info("resumed from %s at step %d (epoch %d, batch %d)",
+                 state.get("_path", self.config.resume), self.state.global_step,
+                 self.state.epoch, self.state.batch_in_epoch)
+
+    def _checkpoint_to_resume(self) -> dict[str, Any] | None:
+        resume = self.config.resume
+        if resume is None or str(resume).lower() in ("null", "none", ""):
+            return None
+        if str(resume) == "auto":
+            return self.manager.load_latest() if self.manager is not None else None
+        return load_checkpoint(resume)
+
+    def _load_weights(self, state: Mapping[str, Any], key: str) -> None:
+        model = self.parts["model"]
+        differences = weight_differences(model.state_dict(), state["model"])
+        if differences:  # torch would list the same, as a traceback
+            fix = ("use the model config it was saved with, another run_dir, or "
+                   "checkpoint.resume=null" if key == "checkpoint.resume" else
+                   "use a checkpoint of this model, or this model's config")
+            raise TrainkitError(
+                f"{key}: the checkpoint does not fit this model ({differences[0]}"
+                f"{f' and {len(differences) - 1} more' if len(differences) > 1 else ''}): {fix}",
+                details=[f"checkpoint: {state.get('_path', '?')}", *differences])
+        model.load_state_dict(state["model"])
+
+    def _load_schedule(self, state: Mapping[str, Any], planned_steps: int | None) -> None:
+        """The saved schedule as it was; re-planned when the run got longer than it was."""
+        scheduler, saved = self.parts["scheduler"], state.get("scheduler")
+        if scheduler is None or saved is None:
+            return
+        was = state["trainer"].get("planned_steps") or saved.get("total_steps") or 0
+        if not (was and planned_steps and planned_steps > was):
+            scheduler.load_state_dict(saved)
+            return
+        # An extended run: the fresh scheduler is planned over the new length; bring it to the
+        # step the saved one had reached (its LR becomes what a run planned that long has there).
+        optimizer = self.parts["optimizer"]
+        before = optimizer.param_groups[0]["lr"]
+        schedules.advance(scheduler, int(saved.get("last_epoch", state["global_step"])))
+        log.warning("this run takes %d steps, its checkpoint's run was planned for %d: the LR "
+                    "schedule is re-planned over %d steps from step %d (lr %.3g -> %.3g)",
+                    planned_steps, was, planned_steps, state["global_step"], before,
+                    optimizer.param_groups[0]["lr"])
+
+    def _load_ema(self, saved: Mapping[str, Any] | None) -> None:
+        ema = self.parts["ema"]
+        if ema is None:
+            return
+        if saved is not None:
+            ema.load_state_dict(saved)
+        else:
+            ema.restart()
+            log.warning("checkpoint has no EMA weights: the average starts from here")
+
+    def _check_data(self, saved: Mapping[str, Any] | None) -> None:
+        """The position comes from the loop's state; the loader's settings must be the saved."""
+        data = self.parts["data"]
+        if saved is None or data is None:
+            return
+        live = data.state_dict()
+        changed = [f"{key} {value} -> {live.get(key)}" for key, value in saved.items()
+                   if key not in _POSITION and live.get(key) != value]
+        if changed:
+            raise TrainkitError(f"the data loader differs from the checkpoint's "
+                                f"({', '.join(changed)}): the order would differ; resume with "
+                                "the same settings (trainer.seed)")
+
+    def _init_from(self, path: str) -> None:
+        state = load_checkpoint(path, key="checkpoint.init_from")
+        state["_path"] = path
+        self._load_weights(state, "checkpoint.init_from")
+        ema = self.parts["ema"]
+        if ema is not None and state.get("ema") is not None:
+            ema.load_state_dict(state["ema"])
+        elif ema is not None:
+            ema.restart()  # the average of the loaded weights, not of the random ones
+        log.info("initialized the weights from %s (step %d of its run%s); optimizer, LR "
+                 "schedule and counters start fresh", path, state["global_step"],
+                 ", and its EMA" if ema is not None and state.get("ema") is not None else "")
+
+    # -- when to save -------------------------------------------------------------------------
+
+    def step_done(self, step: int, *, time_due: bool = False,
+                  may_save: Callable[[], bool] = lambda: True) -> None:
+        """The loop finished step ``step``: save it when a periodic checkpoint is due and
+        ``may_save()`` agrees (the loop's NaN/inf guard: no streak running)."""
+        if self.due(step, time_due) and may_save():
+            self.save(step)
+
+    def due(self, step: int, time_due: bool = False) -> bool:
+        """Whether step ``step`` gets a periodic checkpoint (``time_due``: agreed by all ranks)."""
+        every = self.config.every_n_steps
+        return time_due or bool(every and step % every == 0)
+
+    def time_due(self) -> bool:
+        """Whether ``checkpoint.every_n_minutes`` passed since the last save, by rank 0's clock."""
+        minutes = self.config.every_n_minutes
+        return (bool(minutes) and self.runtime.is_main
+                and time.monotonic() - self._saved_time >= 60 * minutes)
+
+    def evaluated(self, results: Mapping[str, float], step: int) -> None:
+        """Keep ``best.pt`` when ``checkpoint.monitor`` improved."""
+        if self._improved(results):
+            self.save(step, best=True)
+
+    def _improved(self, results: Mapping[str, float]) -> bool:
+        monitor = self.config.monitor
+        if not monitor:
+            return False
+        if monitor not in results:
+            raise TrainkitError(f"checkpoint.monitor={monitor!r} is not a metric of this run; "
+                                f"choose one of {', '.join(results)}")
+        value, best = results[monitor], self.state.best_metric
+        maximize = self.config.mode == "max"
+        if best is None or (value > best if maximize else value < best):
+            self.state.best_metric = value
+            return True
+        return False
+
+    @watched("checkpoint")
+    def save(self, step: int, *, last_step: bool = False, best: bool = False) -> None:
+        """Write a checkpoint of step ``step`` (every rank calls this; rank 0 writes).
+
+        ``last_step``: the run completed (written when ``checkpoint.save_last``, as
+        ``step_<N>.pt`` too when saving every n steps); ``best``: ``best.pt`` too. A second save
+        of the same step is skipped (a periodic save on the last step, say), unless ``best``.
+        """
+        if (self.saved_step == step and not best) or (last_step and not self.config.save_last):
+            return
+        periodic = not best and (bool(self.config.every_n_steps) or not last_step)
+        # Every rank's RNG state (dropout, augmentation draws differ per rank), for exact resumes.
+        rng_per_rank = distributed.gather_to_main(rng.get_rng_state())  # collective: all ranks
+        if self.manager is not None and self.runtime.is_main:
+            state = self.state_dict()
+            if self.runtime.distributed:
+                state["rng_per_rank"] = rng_per_rank
+            # async: returns once the state is copied
+            (self._writer or self.manager).save(state, step, periodic=periodic, best=best)
+        self.saved_step, self._saved_time = step, time.monotonic()
+        distributed.barrier()  # no rank runs ahead of a checkpoint still being written (or copied)
+
+    def wait(self) -> None:
+        """Block until the last checkpoint is on disk (raise its write's error)."""
+        if self._writer is not None:
+            self._writer.wait()
+
+    def close(self) -> None:
+        """Let a write still in flight end whole, however the run ends."""
+        if self._writer is not None:
+            self._writer.close()
+
+    def last_saved(self) -> str:
+        """Which checkpoint a run that stops on an error leaves, as words for its message."""
+        if self.manager is None or self.saved_step < 0:
+            return "no checkpoint was written"
+        return (f"the last checkpoint, {self.manager.last}, is from step {self.saved_step} "
+                "and intact")
+
+    @functools.cached_property
+    def _manifest(self) -> dict[str, Any]:
+        """What produced this run, for its checkpoints: made at the first save (it runs git)."""
+        return manifest(self.run_config)

@@ -1,0 +1,49 @@
+"""Evaluation: the mean loss and each metric over a dataset, summed across ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainkit import distributed
+from trainkit.device import move_to_device
+from trainkit.precision import Precision
+from trainkit.step import Criterion, Forward, batch_size
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
+             device: torch.device, criterion: Criterion, metrics: Mapping[str, Any],
+             forward: Forward) -> dict[str, float]:
+    """Mean loss and each metric over ``data`` as ``{"val/loss": ..., "val/<name>": ...}``."""
+    # Not through DDP: it broadcasts buffers before every forward, a collective that ranks
+    # with different numbers of val batches would not match. Rank 0's buffers (batch-norm
+    # statistics drift per rank) make the result that of the checkpointed weights.
+    model = distributed.unwrap(model)
+    distributed.broadcast_buffers(model)
+    was_training = model.training
+    model.eval()
+    for metric in metrics.values():
+        metric.reset()
+    loss_sum, count = torch.zeros((), device=device), 0
+    for batch in data:
+        batch = move_to_device(batch, device)
+        n = batch_size(batch)
+        with precision.autocast():
+            outputs, targets = forward(model, batch)
+            loss_sum += criterion(outputs, targets).float() * n
+        for metric in metrics.values():
+            metric.update(outputs, targets)
+        count += n
+    if distributed.is_distributed():  # each rank saw its own shard: sum over all of them
+        total, count = distributed.sum_across_ranks(loss_sum, count)
+        results = {"val/loss": total / max(count, 1)}
+    else:
+        results = {"val/loss": loss_sum.item() / max(count, 1)}
+    # torchmetrics syncs its states across ranks in compute() when a process group is up
+    results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
+    model.train(was_training)
+    return results

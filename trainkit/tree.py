@@ -1,0 +1,89 @@
+"""One walker over nested collections: every place that moves, copies or reads tensors in
+batches and states (dicts, lists, tuples, namedtuples, dataclasses) goes through it.
+
+Like Lightning's ``apply_to_collection``, without its options: a function for the tensors, and
+everything else returned as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+Path = str  # "a.b[0]": dict keys joined by dots, sequence indices in brackets
+
+
+def tree_map(fn: Callable[..., Any], tree: Any, *, with_path: bool = False,
+             share: bool = True) -> Any:
+    """``tree`` with every tensor ``t`` replaced by ``fn(t)`` (``fn(t, path)`` with ``with_path``).
+
+    With ``share``, lists and tuples whose items all come back unchanged (the same objects) are
+    returned themselves, not rebuilt: moving a batch that is already on its device costs no
+    allocation. ``share=False`` copies every container (a snapshot that must not change). Dict
+    subclasses keep their type where their constructor takes a dict (OrderedDict; not
+    defaultdict, which becomes a dict); namedtuples and dataclass instances keep theirs.
+
+    Example:
+        >>> tree_map(lambda t: t * 2, {"x": torch.ones(2), "id": "a"})["x"]
+        tensor([2., 2.])
+    """
+    return _map(fn, tree, "" if with_path else None, share)
+
+
+def _map(fn: Callable[..., Any], obj: Any, path: Path | None, share: bool) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj) if path is None else fn(obj, path)
+    cls = type(obj)
+    # Sequences before Mapping: isinstance against an ABC is slow, and this runs every step.
+    if isinstance(obj, (list, tuple)):
+        items = [_map(fn, v, None if path is None else f"{path}[{i}]", share)
+                 for i, v in enumerate(obj)]
+        if share and all(a is b for a, b in zip(items, obj)):
+            return obj
+        return cls(*items) if hasattr(obj, "_fields") else cls(items)  # namedtuple or not
+    if isinstance(obj, Mapping):
+        mapped = {k: _map(fn, v, None if path is None else _join(path, k), share)
+                  for k, v in obj.items()}
+        try:
+            return cls(mapped)  # keeps OrderedDict and other dict subclasses
+        except TypeError:  # e.g. defaultdict, whose constructor wants a factory first
+            return mapped
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _map(fn, getattr(obj, f.name),
+                                None if path is None else _join(path, f.name), share)
+                   for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def tree_leaves(tree: Any, path: Path = "") -> Iterator[tuple[Path, Any]]:
+    """``(path, leaf)`` for every leaf of ``tree`` -- tensors and anything else not a container
+    -- in the order :func:`tree_map` visits them.
+
+    Example:
+        >>> list(tree_leaves({"a": [1, torch.zeros(())]}))
+        [('a[0]', 1), ('a[1]', tensor(0.))]
+    """
+    if isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            yield from tree_leaves(value, f"{path}[{i}]")
+    elif isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from tree_leaves(value, _join(path, key))
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        for f in dataclasses.fields(tree):
+            yield from tree_leaves(getattr(tree, f.name), _join(path, f.name))
+    else:
+        yield path, tree
+
+
+def tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``tree``, in :func:`tree_map`'s order."""
+    return (leaf for _, leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor))
+
+
+def _join(path: Path, key: Any) -> Path:
+    return f"{path}.{key}" if path else str(key)
