@@ -4,7 +4,8 @@ Reading a loss on the host (``loss.item()``) makes the CPU wait for the GPU to f
 so it cannot queue the next one meanwhile; on short steps that wait is a large share of the time.
 The trainer therefore reads the finite-check only at steps where it waits anyway (logging and
 checkpoint steps, the last step) and, in between, lets :func:`~trainkit.step.train_window` drop
-a bad window's gradients on the device and this counter tally the bad windows there.
+a bad window's gradients on the device and this counter tally the bad windows there. On the CPU
+there is nothing to wait for: every step reads its check, and a bad step is skipped exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ import torch
 from trainkit.errors import TrainkitError
 
 log = logging.getLogger("trainkit")
+
+# Device types whose tensors the host reads without waiting for queued work (the CPU runs each op
+# before the next is issued): there every step checks on the host, which skips a bad step
+# exactly and costs less than the device-side ops. (The tests empty it to run the GPU's path.)
+HOST_READS_FREE = frozenset({"cpu"})
 
 
 class NonFiniteTally(NamedTuple):
@@ -80,20 +86,25 @@ class NonFiniteGuard:
         patience: bad steps in a row that stop the run; 0 turns the check off.
         state: the loop's counters (``skipped_steps``, ``nonfinite_steps``, ``nonfinite_streak``).
         saved: what the last checkpoint is, in words, for the error that stops the run.
+        device: where the loss is; on a :data:`HOST_READS_FREE` device every step reads.
     """
 
-    def __init__(self, patience: int, state: Any, saved: Callable[[], str]) -> None:
+    def __init__(self, patience: int, state: Any, saved: Callable[[], str],
+                 device: torch.device | str = "cpu") -> None:
         self.patience, self.state, self._saved = patience, state, saved
+        self._always = torch.device(device).type in HOST_READS_FREE
         self.counter = NonFiniteCounter()
 
     def on_host(self, wait_anyway: bool) -> bool:
         """Whether the next step reads its check on the host (and skips a bad step).
 
         Where the loop waits for the device anyway (``wait_anyway``: a logging step, a
-        checkpoint, the last step) and at every step while a streak runs, so that the patience
-        counts exactly. Other steps are checked on the device.
+        checkpoint, the last step), at every step while a streak runs, so that the patience
+        counts exactly, and at every step where reading costs nothing (the CPU). Other steps
+        are checked on the device.
         """
-        return self.patience > 0 and (wait_anyway or bool(self.state.nonfinite_streak))
+        return self.patience > 0 and (wait_anyway or self._always
+                                      or bool(self.state.nonfinite_streak))
 
     def add(self, result: Any, read_first: bool) -> NonFiniteTally | None:
         """Take a step's result; with ``read_first``, first read what the device counted (the

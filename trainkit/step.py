@@ -98,8 +98,9 @@ def train_window(
 
     ``guard_finite`` is the same check without the host read: on a NaN or inf loss the window's
     gradients are set to zero on the device and the optimizer step runs on them (plain SGD: no
-    change; momentum, Adam's moments and weight decay still move the weights, never by a bad
-    gradient). ``finite_flag`` says which it was, unread; ``agree`` then takes and returns a tensor.
+    change; momentum, Adam's moments and weight decay still move the weights about as far as a
+    normal step, never by a bad gradient). ``finite_flag`` says which it was, unread; ``agree``
+    then takes and returns a tensor.
     """
     sizes = [batch_size(b) for b in window]
     total = sum(sizes)

@@ -259,7 +259,8 @@ class Trainer:
         run.meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
         vote = StepVote(stop=lambda: preemption.requested, save_due=self.checkpointer.time_due)
-        self._guard = NonFiniteGuard(cfg.nonfinite_patience, state, self.checkpointer.last_saved)
+        self._guard = NonFiniteGuard(cfg.nonfinite_patience, state, self.checkpointer.last_saved,
+                                     self.runtime.device)
         self._logged_at = time.monotonic()
         results: dict[str, float] = {}
         while state.global_step < run.total_steps and state.epoch < cfg.max_epochs:

@@ -7,6 +7,7 @@ same harness ``benchmarks.syncs`` runs on a GPU next to ``torch.cuda.set_sync_de
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.syncs import fit_reads
+from benchmarks.syncs import fit_reads, gpu_path_on_the_cpu
 from trainkit import CheckpointConfig, Trainer, TrainerConfig, load_checkpoint
 from trainkit.trainer import NonFiniteLossError
+
+
+@pytest.fixture(autouse=True)
+def _device_path_on_the_cpu() -> Iterator[None]:
+    """The GPU's path, run on the CPU: trainkit reads every CPU step (it costs nothing there)."""
+    with gpu_path_on_the_cpu():
+        yield
 
 
 @pytest.mark.parametrize("precision", ["32", "bf16-mixed"])

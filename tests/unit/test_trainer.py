@@ -48,6 +48,26 @@ def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def test_on_the_cpu_a_nan_between_logging_steps_is_skipped_exactly() -> None:
+    """Host reads cost nothing on the CPU, so every step reads its check: the NaN step is not
+    taken at all (no momentum or weight-decay move either), as if the batch had not been there."""
+    data = _batches(20, nan_at=(3,))
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    trainer = Trainer(TrainerConfig(device="cpu", log_every_n_steps=10, log_every_n_seconds=0))
+    summary = trainer.fit(model, optimizer, data)
+    assert summary["nonfinite_steps"] == summary["skipped_steps"] == 1
+    reference = _model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    for i, (x, y) in enumerate(data):
+        if i != 3:
+            ref_opt.zero_grad()
+            F.cross_entropy(reference(x), y).backward()
+            ref_opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_evaluation_uses_the_ema_weights_which_are_checkpointed(tmp_path: Path) -> None:
     data = _batches(6)
     model = _model()
