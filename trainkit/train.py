@@ -34,6 +34,7 @@ from trainkit.data import build_loaders
 from trainkit.errors import TrainkitError, chain_lines, one_line, print_error
 from trainkit.logging import log_to_file, setup_logging
 from trainkit.rng import seed_everything
+from trainkit.run_dir import removed_if_unused
 from trainkit.runtime import Runtime
 from trainkit.signals import EXIT_PREEMPTED, StoppedOutsideTraining, stop_outside_training
 from trainkit.trainer import Trainer
@@ -97,7 +98,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         run_dir = HydraConfig.get().runtime.output_dir
         if Runtime.from_env("cpu").is_main:
             run_dir = distributed.shared_run_dir(run_dir)  # tell the other ranks; see _join_ranks
-        summary = train(cfg, run_dir)
+        with removed_if_unused(run_dir):  # a config error leaves no folder of Hydra's files only
+            summary = train(cfg, run_dir)
     distributed.shutdown()
     if summary["status"] == "preempted":
         sys.exit(EXIT_PREEMPTED)  # documented: checkpoint saved, re-run the command to resume

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import (
+    REPO,
     assert_same_weights,
     error_report,
     last_checkpoint,
@@ -136,6 +139,23 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path: Path, mnist_root: Path, ove
     assert bool(details) == (override in WITH_DETAILS), result.stderr
     assert fragment in last, last
     assert "Traceback" not in result.stdout + result.stderr
+    # no folder of Hydra's files alone: either none, or one whose train.log says what failed
+    run_dir = tmp_path / "run"
+    assert not run_dir.exists() or last in (run_dir / "train.log").read_text()
+
+
+def test_config_error_leaves_no_outputs_folder(tmp_path: Path, mnist_root: Path) -> None:
+    """Hydra makes outputs/<date>/<time>/ before the job checks the values: taken back."""
+    (tmp_path / "runs").mkdir()  # a folder of the user's, empty: it stays
+    env = offline_env(PYTHONPATH=str(REPO))  # this checkout's trainkit, from another folder
+    for where in ([], ["hydra.run.dir=runs/a"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "trainkit.train", "+exp=mnist", f"data.root={mnist_root}",
+             "data.batch_size=-4", *where],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert "data.batch_size must be >= 1" in error_report(result.stderr)[1]
+        assert sorted(p.name for p in tmp_path.rglob("*")) == ["runs"]
 
 
 def test_unknown_experiment_lists_the_known_ones(tmp_path: Path) -> None:
