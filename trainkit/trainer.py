@@ -63,6 +63,12 @@ class TrainState:
     nonfinite_streak: int = 0
     best_metric: float | None = None  # of checkpoint.monitor
 
+    @property
+    def epoch_number(self) -> int:
+        """The last step's epoch counted from 1, as log lines name it (``epoch`` counts the
+        completed ones: right after an epoch's last step both are that epoch's number)."""
+        return self.epoch + (self.batch_in_epoch > 0)
+
 
 class Parts(NamedTuple):
     """The objects one ``fit`` trains; each with state is checkpointed via its state_dict()."""
@@ -506,7 +512,7 @@ class Trainer:
                                     forward=forward)
         for name, value in results.items():
             writer.add_scalar(name, value, self.state.global_step)
-        log.info("epoch %d step %d %s", self.state.epoch, self.state.global_step,
+        log.info("epoch %d step %d %s", self.state.epoch_number, self.state.global_step,
                  " ".join(f"{k} {v:.4f}" for k, v in results.items()))
         if self._improved(results):
             self._save(parts, periodic=False, best=True)
@@ -554,8 +560,10 @@ class Trainer:
             state = load_checkpoint(resume)
         self.load_state_dict(state, parts)
         self._saved_at = (self.state.global_step, time.monotonic())
+        at = self.state  # named as step N's log line names it: its epoch, its batch in that epoch
+        batch = at.batch_in_epoch or (len(parts.data) if at.epoch else 0)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", state.get("_path", resume),
-                 self.state.global_step, self.state.epoch, self.state.batch_in_epoch)
+                 at.global_step, at.epoch_number, batch)
 
     @watched("checkpoint")
     def _save(self, parts: Parts, *, periodic: bool, best: bool = False) -> None:
@@ -589,7 +597,7 @@ class Trainer:
         out.progress.show(scalars["train/loss"], scalars["throughput/samples_per_s"])
         memory = scalars.get("memory/cuda_peak_allocated_gib", scalars["memory/cpu_rss_gib"])
         log.info("epoch %d step %d/%d loss %.4f lr %.3g %.0f samples/s data wait %.0f%% "
-                 "mem %.2f GiB", state.epoch, state.global_step, total_steps,
+                 "mem %.2f GiB", state.epoch_number, state.global_step, total_steps,
                  scalars["train/loss"], scalars["train/lr"],
                  scalars["throughput/samples_per_s"], scalars["time/data_wait_pct"], memory)
 
