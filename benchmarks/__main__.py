@@ -4,6 +4,10 @@ Each benchmark module has ``main(argv) -> dict`` and alternates its sides itself
 only calls them one after another, adds a description of the machine, writes everything to
 ``benchmarks/results.json`` and prints one line per headline ratio with its goal. A benchmark
 that fails is reported as failed, the others still run, and the runner then exits non-zero.
+
+``--quick`` checks that every benchmark runs, on sizes too small to say anything about speed:
+it writes ``benchmarks/results.quick.json`` (ignored by git), never the tracked results of the
+full runs, and leaves the goals unjudged ("-" in the table).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from trainkit.errors import one_line
 # Run in this order.
 NAMES = ("overhead", "mnist_e2e", "loaders", "checkpoint", "activation_memory", "gpu")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results.json"
+QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -48,8 +53,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="tiny runs: check they work")
     parser.add_argument("--only", default=",".join(NAMES),
                         help=f"comma-separated subset of {', '.join(NAMES)}")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"default: {DEFAULT_OUT.name}, or {QUICK_OUT.name} with --quick")
     args = parser.parse_args(argv)
+    args.out = args.out or (QUICK_OUT if args.quick else DEFAULT_OUT)
     wanted = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = set(wanted) - set(NAMES)
     if unknown:
@@ -67,11 +74,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             traceback.print_exc()
             result = _failed(name, one_line(err))
         results["benchmarks"][name] = result
+        if args.quick:  # tiny sizes measure nothing: a goal met or missed there means nothing
+            result["rows"] = [{**r, "met": None} if r["value"] is not None else r
+                              for r in result["rows"]]
         rows += result["rows"]
     results["table"] = rows
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print()
     print(table(rows))
+    if args.quick:
+        print("\nquick run: tiny sizes check that the benchmarks run; goals are not judged")
     print(f"\nresults written to {args.out}")
     failed = [name for name, result in results["benchmarks"].items() if "failed" in result]
     if failed:

@@ -17,12 +17,15 @@ import argparse
 import resource
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from benchmarks.common import alternate, emit, median, ratio, row
 from trainkit.activations import apply_activation_checkpointing
+
+_PROC_STATUS, _PROC_CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
 
 class Block(nn.Module):
@@ -35,10 +38,24 @@ class Block(nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
 
+def _reset_peak(device: torch.device) -> None:
+    """Start the peak at what is held now, so that the import's own peak cannot hide the step's."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif _PROC_STATUS.is_file():
+        _PROC_CLEAR_REFS.write_text("5")  # proc(5): "5" resets VmHWM to the current RSS
+
+
 def _peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    if _PROC_STATUS.is_file():
+        # VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's peak (Linux keeps it
+        # across fork and exec), so under the `python -m benchmarks` runner, which has held more
+        # memory than this step needs, the growth read 0.
+        line = next(x for x in _PROC_STATUS.read_text().splitlines() if x.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB, as on Linux
 
 
 def one_step(checkpointed: bool, width: int, depth: int, batch: int, device: str) -> int:
@@ -49,6 +66,7 @@ def one_step(checkpointed: bool, width: int, depth: int, batch: int, device: str
     if checkpointed:
         apply_activation_checkpointing(model, ["Block"])
     x = torch.randn(batch, width, device=dev)
+    _reset_peak(dev)
     before = _peak_bytes(dev)
     model(x).square().mean().backward()
     return _peak_bytes(dev) - before

@@ -43,7 +43,14 @@ def alternate(sides: Mapping[str, Callable[[], float]], rounds: int) -> Samples:
 
 
 def ratio(samples: Samples, num: str, den: str) -> float:
-    """Median over rounds of ``sum(num's measurements) / sum(den's measurements)``."""
+    """Median over rounds of ``sum(num's measurements) / sum(den's measurements)``.
+
+    Raises:
+        SystemExit: ``den`` measured 0 in a round (nothing to compare against); one line.
+    """
+    if any(sum(b) == 0 for b in samples[den]):
+        raise SystemExit(f"{num}/{den}: {den} measured 0, so there is no ratio; the measurement "
+                         "is broken or the sizes are too small to register")
     return statistics.median(sum(a) / sum(b) for a, b in zip(samples[num], samples[den]))
 
 

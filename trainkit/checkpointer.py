@@ -134,9 +134,11 @@ class Checkpointer:
         self.state.load_state_dict(state["trainer"])
         rng.set_rng_state(rng.rng_of_rank(state, self.runtime.rank))
         self.saved_step, self._saved_time = self.state.global_step, time.monotonic()
+        at, data = self.state, self.parts["data"]
+        # named as step N's log line names it: its epoch (from 1), its batch in that epoch
+        batch = at.batch_in_epoch or (len(data) if at.epoch and data is not None else 0)
         log.info("resumed from %s at step %d (epoch %d, batch %d)",
-                 state.get("_path", self.config.resume), self.state.global_step,
-                 self.state.epoch, self.state.batch_in_epoch)
+                 state.get("_path", self.config.resume), at.global_step, at.epoch_number, batch)
 
     def _checkpoint_to_resume(self) -> dict[str, Any] | None:
         resume = self.config.resume

@@ -29,6 +29,7 @@ from trainkit.entry_errors import errors_as_one_line
 from trainkit.entry_ranks import join_ranks
 from trainkit.logging import setup_logging
 from trainkit.rng import seed_everything
+from trainkit.run_dir import removed_if_unused
 from trainkit.runtime import Runtime
 from trainkit.signals import EXIT_PREEMPTED, stop_outside_training
 from trainkit.trainer import Trainer
@@ -88,7 +89,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         # Under torchrun rank 0 tells the others (waiting in join_ranks) its folder; theirs is
         # that one already, and an elastic restart's is the first attempt's: all get the same.
         run_dir = distributed.shared_run_dir(HydraConfig.get().runtime.output_dir)
-        summary = train(cfg, run_dir)
+        with removed_if_unused(run_dir):  # a config error leaves no folder of Hydra's files only
+            summary = train(cfg, run_dir)
     distributed.shutdown()
     if summary["status"] == "preempted":
         sys.exit(EXIT_PREEMPTED)  # documented: checkpoint saved, re-run the command to resume

@@ -25,6 +25,12 @@ class TrainState:
     best_metric: float | None = None  # of checkpoint.monitor
     planned_steps: int = 0  # the run's length when saved; the LR schedule was planned for it
 
+    @property
+    def epoch_number(self) -> int:
+        """The last step's epoch counted from 1, as log lines name it (``epoch`` counts the
+        completed ones: right after an epoch's last step both are that epoch's number)."""
+        return self.epoch + (self.batch_in_epoch > 0)
+
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 

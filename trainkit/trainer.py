@@ -355,7 +355,7 @@ class Trainer:
             results = self.evaluate(run.model, data, criterion=run.criterion,
                                     metrics=metrics, forward=run.forward)
         run.sinks.log(results, step)
-        log.info("epoch %d step %d %s", self.state.epoch, step,
+        log.info("epoch %d step %d %s", self.state.epoch_number, step,
                  " ".join(f"{k} {v:.4f}" for k, v in results.items()))
         self.checkpointer.evaluated(results, step)
         return results
@@ -380,7 +380,7 @@ class Trainer:
             scalars["amp/loss_scale"] = self.precision.scaler.get_scale()
         run.sinks.log(scalars, self.state.global_step)
         run.progress.show(scalars["train/loss"], scalars["throughput/samples_per_s"])
-        log_window(scalars, self.state.epoch, self.state.global_step, run.total_steps)
+        log_window(scalars, self.state.epoch_number, self.state.global_step, run.total_steps)
 
     def _begin(self, started: float) -> Begun:
         return Begun(started, self.state.samples_seen, self.state.global_step)

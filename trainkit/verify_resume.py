@@ -64,7 +64,7 @@ def _verify(args: argparse.Namespace) -> int:
               "checkpoint.every_n_minutes=0", "checkpoint.resume=auto"]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[*args.overrides, *forced])
-    work = Path(tempfile.mkdtemp(prefix="verify_resume_", dir=args.keep))
+    work = _work_dir(args.keep)
     try:
         straight, resumed = work / "straight", work / "resumed"
         print(f"verify_resume: {args.steps} steps straight, then stopped at step {stop_at} "
@@ -80,6 +80,15 @@ def _verify(args: argparse.Namespace) -> int:
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _work_dir(keep: Path | None) -> Path:
+    """A new folder for the two runs: under ``keep`` (which must exist), else a temporary one."""
+    try:
+        return Path(tempfile.mkdtemp(prefix="verify_resume_", dir=keep))
+    except OSError as err:  # missing, a file, not writable: say which folder, not a traceback
+        raise TrainkitError(f"--keep {keep}: cannot make a folder there ({err.strerror}); give an "
+                            "existing, writable folder (mkdir -p it first)") from err
 
 
 def _report(straight: Path, resumed: Path, stop_at: int, steps: int) -> int:

@@ -58,6 +58,6 @@ def test_abort_ends_the_hung_group_which_torchrun_restarts_from_the_last_checkpo
     assert "behind: rank 1 (last completed step 2" in line, line
     assert "in _maybe_fail" in (run / "hangs" / "rank1.txt").read_text()  # dumped before exiting
     assert f"hang_action=abort: exiting with status {EXIT_HUNG}" in log
-    assert "at step 2 (epoch 0, batch 2)" in log.split(line)[1], log  # resumed from step 2
+    assert "at step 2 (epoch 1, batch 2)" in log.split(line)[1], log  # resumed from step 2
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["global_step"] == STEPS

@@ -156,7 +156,7 @@ def test_killed_worker_restarts_the_group_which_resumes_to_the_same_weights(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = only_run_dir(outputs, proc)  # the restarted group found the first attempt's folder
     log = (run / "train.log").read_text()
-    assert "at step 2 (epoch 0, batch 2)" in log, log[-2000:]
+    assert "at step 2 (epoch 1, batch 2)" in log, log[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["global_step"] == STEPS
     assert_same_weights(weights(run), weights(two_ranks))
@@ -205,6 +205,6 @@ def test_sigterm_to_the_whole_group_with_workers_stops_every_rank_at_one_step(
 
     resumed = torchrun(*overrides(tmp_path, data_root, *workers, run_dir=run))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert f"at step {stopped_at} (epoch 0, batch {stopped_at})" in (
+    assert f"at step {stopped_at} (epoch 1, batch {stopped_at})" in (
         run / "train.log").read_text()
     assert_same_weights(weights(run), weights(only_run_dir(tmp_path / "straight", straight)))

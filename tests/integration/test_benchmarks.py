@@ -159,6 +159,32 @@ def test_runner_quick_writes_json_and_table(tmp_path: Path) -> None:
     assert "results written to" in proc.stdout
 
 
+def test_runner_quick_leaves_the_tracked_results_alone() -> None:
+    """`python -m benchmarks --quick` as the docs write it: exit 0, the full runs' results.json
+    untouched, the tiny figures in the ignored results.quick.json with no goal judged.
+
+    activation_memory runs after the others, as in the full list: its child processes then
+    start with the runner's larger peak RSS, which made it fail (division by zero)."""
+    tracked = REPO / "benchmarks" / "results.json"
+    quick = REPO / "benchmarks" / "results.quick.json"
+    before = tracked.read_bytes()
+    quick.unlink(missing_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only",
+         "loaders,checkpoint,activation_memory"],
+        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert tracked.read_bytes() == before
+    results = json.loads(quick.read_text())
+    assert results["quick"] is True
+    assert "failed" not in results["benchmarks"]["activation_memory"]
+    _check_rows(results["table"])
+    assert all(r["met"] is None for r in results["table"]), results["table"]
+    assert "goals are not judged" in proc.stdout
+    assert subprocess.run(["git", "check-ignore", "-q", str(quick)], cwd=REPO).returncode == 0
+
+
 def test_runner_reports_a_failed_benchmark_and_runs_the_others(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     # The full MNIST benchmark needs the real files: an empty data dir fails it at once (offline).

@@ -50,6 +50,9 @@ def test_data_command_verify_reports_bad_and_missing(tmp_path: Path, cifar_root:
 
     bad = data_cmd("verify", "--root", str(cifar_root))
     assert bad.returncode == 2 and "not the official" in bad.stderr
+    # the root has no MNIST folder: said, not passed over in silence
+    assert f"mnist: skipped, no {cifar_root / 'MNIST' / 'raw'}" in bad.stdout, bad.stdout
+    assert "cifar10: skipped" not in bad.stdout
     assert "RuntimeWarning" not in bad.stderr  # runpy: trainkit.data is a package
     missing = data_cmd("verify", "mnist", "--root", str(cifar_root))
     assert missing.returncode == 2 and "train-images-idx3-ubyte" in missing.stderr

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import (
+    REPO,
     assert_same_weights,
     error_report,
     last_checkpoint,
@@ -69,6 +74,22 @@ def test_train_log_holds_the_console_lines(finished_run: Path) -> None:
     assert "\r" not in text
 
 
+def assert_epochs_count_from_1(log: str, per_epoch: int) -> set[int]:
+    """Every step and evaluation line names step S's epoch as ceil(S / per_epoch); returns
+    the epochs named. (Once an epoch's last step and its evaluation said the next epoch.)"""
+    named = [(int(e), int(s)) for e, s in re.findall(r"\bepoch (\d+) step (\d+)\b", log)]
+    assert named, log
+    assert all(e == math.ceil(s / per_epoch) for e, s in named), named
+    return {e for e, _ in named}
+
+
+def test_log_lines_count_epochs_from_1(finished_run: Path) -> None:
+    log = (finished_run / "train.log").read_text()
+    assert assert_epochs_count_from_1(log, 16) == {1, 2}  # 512 samples / batch 32
+    assert "epoch 1 step 16 val/loss" in log and "epoch 2 step 32 val/loss" in log
+    assert json.loads((finished_run / "summary.json").read_text())["epoch"] == 2
+
+
 def test_hydra_saved_the_composed_config(finished_run: Path) -> None:
     assert (finished_run / ".hydra" / "config.yaml").is_file()
 
@@ -86,7 +107,7 @@ def test_rerun_in_same_dir_resumes_and_matches_an_uninterrupted_run(
     # the same command with a larger budget continues from step 11 (mid-epoch), not from 0
     second = run_train(*tiny_run(resumed, mnist_root, *common, "trainer.max_steps=20"))
     assert second.returncode == 0, second.stderr[-2000:]
-    assert "resumed from" in second.stdout and "at step 11" in second.stdout
+    assert "resumed from" in second.stdout and "at step 11 (epoch 1, batch 11)" in second.stdout
     b = last_checkpoint(resumed)["model"]
     assert_same_weights(last_checkpoint(straight)["model"], b)
     # once more: the run is finished, nothing trains, and the summary still reports metrics
@@ -94,6 +115,8 @@ def test_rerun_in_same_dir_resumes_and_matches_an_uninterrupted_run(
     assert third.returncode == 0, third.stderr[-2000:]
     summary = json.loads((resumed / "summary.json").read_text())
     assert summary["global_step"] == 20 and "val/acc" in summary["metrics"]
+    assert "at step 20 (epoch 2, batch 4)" in third.stdout
+    assert assert_epochs_count_from_1((resumed / "train.log").read_text(), 16) == {1, 2}
     assert_same_weights(last_checkpoint(resumed)["model"], b)
 
 
@@ -136,6 +159,23 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path: Path, mnist_root: Path, ove
     assert bool(details) == (override in WITH_DETAILS), result.stderr
     assert fragment in last, last
     assert "Traceback" not in result.stdout + result.stderr
+    # no folder of Hydra's files alone: either none, or one whose train.log says what failed
+    run_dir = tmp_path / "run"
+    assert not run_dir.exists() or last in (run_dir / "train.log").read_text()
+
+
+def test_config_error_leaves_no_outputs_folder(tmp_path: Path, mnist_root: Path) -> None:
+    """Hydra makes outputs/<date>/<time>/ before the job checks the values: taken back."""
+    (tmp_path / "runs").mkdir()  # a folder of the user's, empty: it stays
+    env = offline_env(PYTHONPATH=str(REPO))  # this checkout's trainkit, from another folder
+    for where in ([], ["hydra.run.dir=runs/a"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "trainkit.train", "+exp=mnist", f"data.root={mnist_root}",
+             "data.batch_size=-4", *where],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert "data.batch_size must be >= 1" in error_report(result.stderr)[1]
+        assert sorted(p.name for p in tmp_path.rglob("*")) == ["runs"]
 
 
 def test_unknown_experiment_lists_the_known_ones(tmp_path: Path) -> None:

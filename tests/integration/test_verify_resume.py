@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, offline_env
+from tests.conftest import REPO, error_report, offline_env
 from trainkit.checkpoint import save_atomic
 from trainkit.verify_resume import _report
 
@@ -39,6 +39,22 @@ def test_resuming_is_bit_exact(tmp_path: Path, mnist_root: Path, cifar_root: Pat
     (work,) = tmp_path.iterdir()
     state = torch.load(work / "resumed" / "checkpoints" / "last.pt", weights_only=True)
     assert state["global_step"] == 8
+
+
+@pytest.mark.parametrize("keep", ["missing/folder", "a_file"])
+def test_keep_that_is_no_folder_is_one_line(tmp_path: Path, mnist_root: Path, keep: str) -> None:
+    (tmp_path / "a_file").write_text("not a folder")
+    result = subprocess.run(
+        [sys.executable, "-m", "trainkit.verify_resume", "--keep", str(tmp_path / keep),
+         "--steps", "4", "+exp=mnist", f"data.root={mnist_root}", "data.verify=false",
+         "data.download=false"],
+        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    _, last = error_report(result.stderr)
+    assert last.startswith("trainkit: --keep ") and "mkdir -p" in last
+    assert f"--keep {tmp_path / keep}: " in result.stderr  # whole on a detail line when long
+    assert (tmp_path / "a_file").read_text() == "not a folder"  # nothing deleted or replaced
+    assert not (tmp_path / "missing").exists()
 
 
 def _state(step: int, weight: float, rng: int, host: str = "a") -> dict:

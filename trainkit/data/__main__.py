@@ -49,7 +49,8 @@ DATASETS: dict[str, tuple[Callable[[], tuple[Path, dict[str, str]]], Callable[[P
 def verify(root: Path, names: list[str]) -> list[str]:
     """Check each named dataset's files under ``root``; return one problem line per bad dataset.
 
-    With no names, every dataset with a folder under ``root`` is checked, and finding none is a
+    With no names, every dataset with a folder under ``root`` is checked (the others are listed
+    as skipped, so that a missing one is not taken for a checked one), and finding none is a
     problem.
     """
     if not names:
@@ -57,6 +58,9 @@ def verify(root: Path, names: list[str]) -> list[str]:
         if not names:
             return [f"no dataset found under {root} (looked for "
                     f"{', '.join(str(DATASETS[n][0]()[0]) for n in DATASETS)})"]
+        for name in (n for n in DATASETS if n not in names):
+            print(f"{name}: skipped, no {root / DATASETS[name][0]()[0]} (`verify {name}` "
+                  "requires it)")
     problems = []
     for name in names:
         folder, md5s = DATASETS[name][0]()
