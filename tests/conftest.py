@@ -54,6 +54,21 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[key], b[key]), key
 
 
+def sgd_without(model: torch.nn.Module, data: list, skipped: int, **sgd: float
+                ) -> torch.nn.Module:
+    """``model`` trained by the plain loop with ``SGD(**sgd)`` over ``data`` less batch
+    ``skipped``: what a run that skips that step exactly ends with."""
+    import torch.nn.functional as F
+
+    optimizer = torch.optim.SGD(model.parameters(), **sgd)
+    for i, (x, y) in enumerate(data):
+        if i != skipped:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    return model
+
+
 @pytest.fixture(scope="session")
 def mnist_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data root with small, learnable MNIST-format files (not the official ones)."""

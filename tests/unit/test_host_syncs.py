@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.syncs import fit_reads, gpu_path_on_the_cpu
+from tests.conftest import sgd_without
 from trainkit import CheckpointConfig, Trainer, TrainerConfig, load_checkpoint
 from trainkit.trainer import NonFiniteLossError
 
@@ -76,13 +76,7 @@ def test_a_nan_between_logging_steps_is_dropped_on_the_device_and_counted() -> N
     assert summary["nonfinite_steps"] == summary["skipped_steps"] == 1
     assert scheduler.last_epoch == 20  # the host did not know at the time: documented
     # Zero gradients under plain SGD are a skipped step: the same weights as never seeing it.
-    reference = _model()
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for i, (x, y) in enumerate(data):
-        if i != 3:
-            ref_opt.zero_grad()
-            F.cross_entropy(reference(x), y).backward()
-            ref_opt.step()
+    reference = sgd_without(_model(), data, 3, lr=0.1)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)
 

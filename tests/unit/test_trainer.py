@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.conftest import last_checkpoint, preemption_signals_heard
+from tests.conftest import last_checkpoint, preemption_signals_heard, sgd_without
 from trainkit import CheckpointConfig, Trainer, TrainerConfig, load_checkpoint, seed_everything
 from trainkit.data import InMemoryLoader
 from trainkit.datasets import TensorData
@@ -57,13 +57,7 @@ def test_on_the_cpu_a_nan_between_logging_steps_is_skipped_exactly() -> None:
     trainer = Trainer(TrainerConfig(device="cpu", log_every_n_steps=10, log_every_n_seconds=0))
     summary = trainer.fit(model, optimizer, data)
     assert summary["nonfinite_steps"] == summary["skipped_steps"] == 1
-    reference = _model()
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
-    for i, (x, y) in enumerate(data):
-        if i != 3:
-            ref_opt.zero_grad()
-            F.cross_entropy(reference(x), y).backward()
-            ref_opt.step()
+    reference = sgd_without(_model(), data, 3, lr=0.1, momentum=0.9, weight_decay=0.01)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
 
