@@ -1,6 +1,7 @@
 """Time to accuracy: `python -m trainkit.train +exp=mnist` vs the classic MNIST script.
 
     python -m benchmarks.mnist_e2e                      # real MNIST under TRAINKIT_DATA_DIR
+    python -m benchmarks.mnist_e2e --seeds 0,1,2,3,4    # every seed's accuracy, 3 rounds
     python -m benchmarks.mnist_e2e --quick              # generated files, a few steps
 
 Both sides are timed the same way, from process start to exit (interpreter, imports, data,
@@ -8,8 +9,10 @@ training, evaluation; trainkit also writes its checkpoint and summary), as a use
 `time`. Each round runs trainkit, classic, classic, trainkit; the speedup is the median over
 rounds of classic time / trainkit time. Both read the same files and keep torch's default thread
 settings. The baseline is ``benchmarks/classic_mnist.py`` (the PyTorch examples' recipe, one
-epoch). Goal: trainkit reaches >= 99.0% test accuracy in <= 12 s, >= 5x faster than the baseline,
-at a higher accuracy than it.
+epoch). trainkit's runs take ``trainer.seed`` from ``--seeds`` in turn (each run a whole process),
+and the rounds default to enough for every seed to run once, so the minimum accuracy is over all
+of them. Goal: trainkit reaches >= 99.0% test accuracy for every seed in a median of <= 7 s,
+>= 5x faster than the baseline, at a higher accuracy than it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 from benchmarks.common import alternate, emit, median, ratio, row, run_process
 
-GOAL_SECONDS, GOAL_SPEEDUP, GOAL_ACC = 12.0, 5.0, 0.990
+GOAL_SECONDS, GOAL_SPEEDUP, GOAL_ACC = 7.0, 5.0, 0.990
 
 
 def run_trainkit(data_root: str, run_dir: Path, extra: list[str]) -> dict[str, float]:
@@ -46,10 +49,16 @@ def run_classic(data_root: str, extra: list[str]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="rounds of trainkit, classic, classic, trainkit")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds of trainkit, classic, classic, trainkit; default: enough "
+                             "for each seed to run once")
+    parser.add_argument("--seeds", default="0",
+                        help="comma-separated trainer.seed values, taken in turn by trainkit's "
+                             "runs")
     parser.add_argument("--quick", action="store_true", help="generated data, a few steps")
     args = parser.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.rounds = args.rounds or -(-len(seeds) // 2)  # two trainkit runs a round
     with tempfile.TemporaryDirectory() as tmp:
         data_root = os.environ.get("TRAINKIT_DATA_DIR", "./data")
         trainkit_extra: list[str] = []
@@ -64,8 +73,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs: dict[str, list[dict[str, float]]] = {"trainkit": [], "classic": []}
 
         def trainkit() -> float:
-            run_dir = Path(tmp) / f"run{len(runs['trainkit'])}"
-            runs["trainkit"].append(run_trainkit(data_root, run_dir, trainkit_extra))
+            done = len(runs["trainkit"])
+            seed = seeds[done % len(seeds)]
+            runs["trainkit"].append({"seed": seed, **run_trainkit(
+                data_root, Path(tmp) / f"run{done}", [*trainkit_extra, f"trainer.seed={seed}"])})
             return runs["trainkit"][-1]["process_s"]
 
         def classic() -> float:
@@ -75,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         samples = alternate({"trainkit": trainkit, "classic": classic}, args.rounds)
     speedup = ratio(samples, "classic", "trainkit")
     seconds = median(samples, "trainkit")
-    # The <= 12 s goal is an absolute time, which load from other users only ever lengthens:
+    # The <= 7 s goal is an absolute time, which load from other users only ever lengthens:
     # the best run is the closest estimate of an idle machine (as timeit reports its minimum).
     best = min(x for round_ in samples["trainkit"] for x in round_)
     acc = {side: [r["val_acc"] for r in side_runs] for side, side_runs in runs.items()}
@@ -92,8 +103,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "val_acc": {side: statistics.median(values) for side, values in acc.items()},
         "min_val_acc": min(acc["trainkit"]),
         "quick": args.quick,
-        "goal": f"trainkit val/acc >= {GOAL_ACC} in <= {GOAL_SECONDS:g} s whole process, "
-                f">= {GOAL_SPEEDUP:g}x faster than classic, at higher accuracy",
+        "seeds": seeds,
+        "goal": f"trainkit val/acc >= {GOAL_ACC} for every seed in a median <= {GOAL_SECONDS:g} s "
+                f"whole process, >= {GOAL_SPEEDUP:g}x faster than classic, at higher accuracy",
         "rows": [
             row("mnist: classic/trainkit process time", speedup, f">= {GOAL_SPEEDUP:g}",
                 speedup >= GOAL_SPEEDUP),
@@ -101,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 seconds <= GOAL_SECONDS, unit="s"),
             row("mnist: trainkit whole process, best", best, f"<= {GOAL_SECONDS:g}",
                 best <= GOAL_SECONDS, unit="s"),
-            row("mnist: trainkit min test acc", min(acc["trainkit"]),
+            row(f"mnist: trainkit min test acc, seeds {args.seeds}", min(acc["trainkit"]),
                 f">= {GOAL_ACC}, > classic max {max(acc['classic']):.4f}",
                 min(acc["trainkit"]) >= GOAL_ACC and higher, unit="acc"),
         ],
