@@ -42,6 +42,7 @@ from benchmarks.common import emit, row, run_process
 from trainkit.device import memory_stats
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]
+TINY_WIDTHS = (8, 16, 32, 32)  # CifarNet's widths for --quick on the CPU: its code, quickly
 
 
 def _sync(device: torch.device) -> None:
@@ -74,7 +75,10 @@ def _timed(epoch: Callable[[], Iterable], n: int, device: torch.device,
 
 
 def shaped_run(root: Path, device: torch.device, quick: bool) -> dict[str, Any]:
-    """``+exp=cifar`` end to end on the generated files, in its own process, as users run it."""
+    """``+exp=cifar`` end to end on the generated files, in its own process, as users run it.
+
+    ``--quick --device cpu`` (the tests) runs two steps of a narrow net: the path, not a figure.
+    """
     if importlib.util.find_spec("hydra") is None:
         return {"skipped": "hydra-core is not installed (pip install hydra-core)"}
     overrides = ["+exp=cifar", f"data.root={root}", "data.verify=false", "data.download=false",
@@ -83,6 +87,8 @@ def shaped_run(root: Path, device: torch.device, quick: bool) -> dict[str, Any]:
         overrides += ["trainer.max_epochs=1", "data.batch_size=64", "data.eval_batch_size=256"]
     if device.type == "cpu":
         overrides.append("trainer.precision=32")  # bf16 is emulated, and slow, on most CPUs
+    if quick and device.type == "cpu":
+        overrides += ["trainer.max_steps=2", f"model.widths=[{','.join(map(str, TINY_WIDTHS))}]"]
     with tempfile.TemporaryDirectory() as run_dir:
         try:
             process_s, _ = run_process([sys.executable, "-m", "trainkit.train", *overrides,
@@ -152,7 +158,8 @@ def _measure(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     resident = InMemoryLoader(data, batch, shuffle=True, device=device, padding=2, flip=True,
                               pad_mode="reflect", channels_last=True)
     prefetched = DevicePrefetcher(loader, device, mean=mean, std=std, channels_last=True)
-    model = CifarNet().to(device, memory_format=torch.channels_last)
+    model = (CifarNet(TINY_WIDTHS) if tiny else CifarNet()).to(
+        device, memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
 
     def precision_step(mode: str) -> Step:
