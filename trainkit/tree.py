@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-Path = str  # "a.b[0]": dict keys joined by dots, sequence indices in brackets
+KeyPath = str  # "a.b[0]": dict keys joined by dots, sequence indices in brackets
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *, with_path: bool = False,
              share: bool = True) -> Any:
     """``tree`` with every tensor ``t`` replaced by ``fn(t)`` (``fn(t, path)`` with ``with_path``).
 
-    With ``share``, lists and tuples whose items all come back unchanged (the same objects) are
+    With ``share``, containers whose items all come back unchanged (the same objects) are
     returned themselves, not rebuilt: moving a batch that is already on its device costs no
     allocation. ``share=False`` copies every container (a snapshot that must not change). Dict
     subclasses keep their type where their constructor takes a dict (OrderedDict; not
@@ -33,7 +33,7 @@ def tree_map(fn: Callable[..., Any], tree: Any, *, with_path: bool = False,
     return _map(fn, tree, "" if with_path else None, share)
 
 
-def _map(fn: Callable[..., Any], obj: Any, path: Path | None, share: bool) -> Any:
+def _map(fn: Callable[..., Any], obj: Any, path: KeyPath | None, share: bool) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj) if path is None else fn(obj, path)
     cls = type(obj)
@@ -47,6 +47,8 @@ def _map(fn: Callable[..., Any], obj: Any, path: Path | None, share: bool) -> An
     if isinstance(obj, Mapping):
         mapped = {k: _map(fn, v, None if path is None else _join(path, k), share)
                   for k, v in obj.items()}
+        if share and all(mapped[k] is v for k, v in obj.items()):
+            return obj
         try:
             return cls(mapped)  # keeps OrderedDict and other dict subclasses
         except TypeError:  # e.g. defaultdict, whose constructor wants a factory first
@@ -55,11 +57,13 @@ def _map(fn: Callable[..., Any], obj: Any, path: Path | None, share: bool) -> An
         changes = {f.name: _map(fn, getattr(obj, f.name),
                                 None if path is None else _join(path, f.name), share)
                    for f in dataclasses.fields(obj) if f.init}
+        if share and all(v is getattr(obj, k) for k, v in changes.items()):
+            return obj
         return dataclasses.replace(obj, **changes)
     return obj
 
 
-def tree_leaves(tree: Any, path: Path = "") -> Iterator[tuple[Path, Any]]:
+def tree_leaves(tree: Any, path: KeyPath = "") -> Iterator[tuple[KeyPath, Any]]:
     """``(path, leaf)`` for every leaf of ``tree`` -- tensors and anything else not a container
     -- in the order :func:`tree_map` visits them.
 
@@ -85,5 +89,5 @@ def tensors(tree: Any) -> Iterator[torch.Tensor]:
     return (leaf for _, leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor))
 
 
-def _join(path: Path, key: Any) -> Path:
+def _join(path: KeyPath, key: Any) -> KeyPath:
     return f"{path}.{key}" if path else str(key)
