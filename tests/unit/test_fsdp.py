@@ -109,3 +109,24 @@ def test_fsdp_in_one_process_with_compile_and_checkpointing_trains_like_the_plai
     assert dist.is_initialized() and dist.get_world_size() == 1
     for name, expected in plain.items():
         torch.testing.assert_close(sharded[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_non_finite_losses_skip_the_step_under_fsdp_as_without(one_rank_group: None) -> None:
+    def run(strategy: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
+        g = torch.Generator().manual_seed(0)
+        data = [(torch.randn(8, 16, generator=g), torch.randint(0, 3, (8,), generator=g))
+                for _ in range(6)]
+        for i in (2, 4):
+            data[i][0][0, 0] = float("nan")
+        summary = Trainer(TrainerConfig(device="cpu", strategy=strategy)).fit(
+            model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), data)
+        return summary, {k: getattr(v, "full_tensor", v.detach)()
+                         for k, v in model.state_dict().items()}
+
+    (plain_summary, plain), (summary, sharded) = run("auto"), run("fsdp")
+    assert summary["skipped_steps"] == summary["nonfinite_steps"] == 2
+    assert plain_summary["skipped_steps"] == 2
+    for name, expected in plain.items():
+        torch.testing.assert_close(sharded[name], expected, rtol=0, atol=1e-7, msg=name)
