@@ -52,7 +52,8 @@ def fit(root: str, precision: str, runtime: Runtime, **settings: Any) -> dict[st
     batch = GLOBAL_BATCH // runtime.world_size
     train = InMemoryLoader(load_mnist(root, train=True, verify=False, download=False), batch,
                            shuffle=True, rank=runtime.rank, world_size=runtime.world_size)
-    val = InMemoryLoader(load_mnist(root, train=False, verify=False, download=False), 64,
+    # 255 samples: 128 and 127 per rank, in batches of 127: 2 batches on rank 0, 1 on rank 1
+    val = InMemoryLoader(load_mnist(root, train=False, verify=False, download=False), 127,
                          shuffle=False, rank=runtime.rank, world_size=runtime.world_size)
     config = TrainerConfig(  # 2 epochs of 3 steps: an evaluation between them
         device="cpu", max_epochs=2, precision=precision, accumulate_grad_batches=2,
@@ -75,6 +76,7 @@ def fit(root: str, precision: str, runtime: Runtime, **settings: Any) -> dict[st
                   "optimizer_param": type(optimizer.param_groups[0]["params"][0]).__name__,
                   "module": type(model).__name__},
         "sharded": fsdp.is_sharded(model) and isinstance(model, nn.Module),
+        "val_batches": len(val),
     }
 
 

@@ -77,7 +77,9 @@ def test_two_ranks_fsdp_train_like_one_process(fits: tuple[dict, dict]) -> None:
     norms = _norms(sharded)
     assert len(norms) == 6 and all(type(n) is float and n > 0.5 for n in norms)
     assert norms == pytest.approx(_norms(single), rel=1e-5)
-    # evaluation: every rank ran its forwards (an uneven split of 255), the loss summed over all
+    # evaluation: rank 0 had 2 val batches, rank 1 one (it ran a second, uncounted forward for
+    # rank 0's all-gathers), and the loss is the sum over all 255 samples
+    assert sharded["val_batches"] == 2 and single["val_batches"] == 3
     assert sharded["summary"]["metrics"]["val/loss"] == pytest.approx(
         single["summary"]["metrics"]["val/loss"], rel=1e-5)
 
