@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit import distributed
+from trainkit import distributed, fsdp
 from trainkit.device import move_to_device
+from trainkit.errors import TrainkitError
 from trainkit.precision import Precision
 from trainkit.step import Criterion, Forward, batch_size
 
@@ -29,6 +30,9 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     for metric in metrics.values():
         metric.reset()
     loss_sum, count = torch.zeros((), device=device), 0
+    # FSDP: each forward all-gathers weights, so every rank runs as many (agreed before any)
+    extra = _missing_forwards(data) if fsdp.is_sharded(model) else None
+    batch = None
     for batch in data:
         batch = move_to_device(batch, device)
         n = batch_size(batch)
@@ -38,6 +42,8 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
         for metric in metrics.values():
             metric.update(outputs, targets)
         count += n
+    if extra is not None:
+        _match_forwards(model, extra, batch, precision, forward)
     if distributed.is_distributed():  # each rank saw its own shard: sum over all of them
         total, count = distributed.sum_across_ranks(loss_sum, count)
         results = {"val/loss": total / max(count, 1)}
@@ -47,3 +53,26 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
     model.train(was_training)
     return results
+
+
+def _missing_forwards(data: Iterable[Any]) -> int:
+    """How many batches fewer than the rank with the most this rank has (an uneven split)."""
+    if not distributed.is_distributed():
+        return 0
+    mine = len(data)  # type: ignore[arg-type]
+    counts = distributed.all_gather(mine)
+    if min(counts) == 0 < max(counts):  # all ranks know: all stop, none waits for the others
+        raise TrainkitError(f"FSDP evaluation: a rank has no validation batch while others have "
+                            f"some ({counts} by rank); use fewer ranks or more validation data")
+    return max(counts) - mine
+
+
+def _match_forwards(model: nn.Module, extra: int, batch: Any, precision: Precision,
+                    forward: Forward) -> None:
+    """FSDP: a rank with fewer val batches runs its last one ``extra`` times more, uncounted,
+    for the other ranks' all-gathers; then all reshard, so that no gathered copy outlives the
+    weights it was made from (the EMA swaps them in place)."""
+    for _ in range(extra):
+        with precision.autocast():
+            forward(model, batch)
+    fsdp.reshard(model)
