@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from trainkit import fsdp
 from trainkit.errors import TrainkitError
@@ -59,7 +58,7 @@ def sync_gradients(model: nn.Module, sync: bool) -> contextlib.AbstractContextMa
     inner = model._modules.get("_orig_mod", model)  # through torch.compile's wrapper
     if isinstance(inner, nn.parallel.DistributedDataParallel):
         return inner.no_sync()
-    if isinstance(inner, FSDPModule):
+    if fsdp.is_sharded(inner):
         return fsdp.no_sync(inner)
     return contextlib.nullcontext()
 

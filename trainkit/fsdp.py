@@ -16,18 +16,20 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trainkit.activations import match_modules
 from trainkit.errors import TrainkitError
 from trainkit.runtime import Runtime
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 log = logging.getLogger("trainkit")
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -50,7 +52,11 @@ def resolve_strategy(strategy: str, world_size: int) -> str:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` (inside a ``torch.compile`` wrapper or not) was sharded by FSDP2."""
-    return isinstance(model._modules.get("_orig_mod", model), FSDPModule)
+    # torch's FSDP is imported only when something shards (its import costs ~0.5 s, sympy
+    # included): until then no module can be an FSDPModule, and nothing needs importing here.
+    torch_fsdp = sys.modules.get("torch.distributed.fsdp")
+    return torch_fsdp is not None and isinstance(model._modules.get("_orig_mod", model),
+                                                 torch_fsdp.FSDPModule)
 
 
 def default_blocks(model: nn.Module) -> list[str]:
@@ -80,6 +86,8 @@ def default_blocks(model: nn.Module) -> list[str]:
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     """FSDP2's policy for ``trainer.precision``: low-precision params, float32 reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     dtype = _PARAM_DTYPES.get(precision)
     if dtype is None:
         return MixedPrecisionPolicy()
@@ -114,6 +122,9 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, runti
         >>> model = shard_model(model.to(runtime.device), optimizer, runtime,
         ...                     blocks=["TransformerEncoderLayer"])  # doctest: +SKIP
     """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     names = (match_modules(model, blocks, "trainer.fsdp_blocks", nested=True) if blocks
              else default_blocks(model))
     if optimizer is not None and optimizer.state:
@@ -166,7 +177,7 @@ def reshard(model: nn.Module) -> None:
     missed by the next forward.
     """
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if is_sharded(module):
             module.reshard()
 
 

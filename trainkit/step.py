@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from trainkit.device import move_to_device
 from trainkit.distributed import sync_gradients
@@ -139,8 +138,9 @@ def train_window(
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if clip_algorithm == "norm":
             grad_norm = nn.utils.clip_grad_norm_(params, clip_val)
-            if isinstance(grad_norm, DTensor):  # FSDP: the norm over all shards, as a tensor
-                grad_norm = grad_norm.full_tensor()
+            full_tensor = getattr(grad_norm, "full_tensor", None)  # FSDP: a DTensor
+            if full_tensor is not None:  # the norm over all shards, as a plain tensor
+                grad_norm = full_tensor()
         else:
             nn.utils.clip_grad_value_(params, clip_val)
     stepped = precision.step(optimizer)
