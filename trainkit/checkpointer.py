@@ -195,7 +195,7 @@ class Checkpointer:
 
     def _load_weights(self, state: Mapping[str, Any], key: str, optimizer: bool = False) -> None:
         model = self.parts["model"]
-        if optimizer and self._sharded is not None:
+        if optimizer and sharded_checkpoint.is_sharded(model):
             raise TrainkitError(
                 f"{state.get('_path', '?')} is a single-file checkpoint: a sharded (fsdp) run "
                 "resumes from a checkpoint directory; start from its weights with "
@@ -257,17 +257,24 @@ class Checkpointer:
                                 "the same settings (trainer.seed)")
 
     def _init_from(self, path: str) -> None:
-        state = load_checkpoint(path, key="checkpoint.init_from")
-        state["_path"] = path
-        self._load_weights(state, "checkpoint.init_from")
-        ema = self.parts["ema"]
-        if ema is not None and state.get("ema") is not None and self._sharded is None:
-            ema.load_state_dict(state["ema"])
-        elif ema is not None:
+        ema, sharded = self.parts["ema"], sharded_checkpoint.is_sharded(self.parts["model"])
+        if Path(path).is_dir():  # a sharded checkpoint: its weights, resharded onto this model
+            state = sharded_checkpoint.read_meta(path, key="checkpoint.init_from")
+            has_ema = sharded_resume.load_weights(state, self.parts["model"], ema)
+            if has_ema and state.get("ema"):  # the weights are in place; now the count
+                ema.load_state_dict({**state["ema"], "weights": ema.state_dict()["weights"]})
+        else:
+            state = load_checkpoint(path, key="checkpoint.init_from")
+            state["_path"] = path
+            self._load_weights(state, "checkpoint.init_from")
+            has_ema = ema is not None and state.get("ema") is not None and not sharded
+            if has_ema:
+                ema.load_state_dict(state["ema"])
+        if ema is not None and not has_ema:
             ema.restart()  # the average of the loaded weights, not of the random ones
         log.info("initialized the weights from %s (step %d of its run%s); optimizer, LR "
                  "schedule and counters start fresh", path, state["global_step"],
-                 ", and its EMA" if ema is not None and state.get("ema") is not None else "")
+                 ", and its EMA" if has_ema else "")
 
     # -- when to save -------------------------------------------------------------------------
 

@@ -138,7 +138,8 @@ class ShardedCheckpoints:
         kwargs = {"storage_writer": _writer(tmp, step), "process_group": self.group}
         with _quiet_single_process():
             if self.async_save and self.group is not None:
-                self._pending = (dcp.async_save(tensors, **kwargs), step, best)
+                self._pending = (self._guard(lambda: dcp.async_save(tensors, **kwargs)), step,
+                                 best)
                 return
             self._guard(lambda: dcp.save(tensors, no_dist=self.group is None, **kwargs))
         self._publish(step, best)

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
@@ -63,6 +64,26 @@ def load_tensors(meta: Mapping[str, Any], model: nn.Module, optimizer: Any, ema:
     _check_fits(path, state["model"], saved, key)
     if ema is not None and not any(name.startswith("ema.") for name in saved):
         del state["ema"]
+    _load(path, state, group)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    return "ema" in state
+
+
+def load_weights(meta: Mapping[str, Any], model: nn.Module, ema: EMA | None) -> bool:
+    """Only the model's (and the EMA's) weights from a directory (``checkpoint.init_from``);
+    returns whether EMA weights were loaded."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    _check_fits(meta["_path"], state["model"], meta["_tensors"], "checkpoint.init_from")
+    if ema is not None and any(name.startswith("ema.") for name in meta["_tensors"]):
+        state["ema"] = ema.state_dict()["weights"]
+    _load(meta["_path"], state, None)
+    set_model_state_dict(model, state["model"])
+    return "ema" in state
+
+
+def _load(path: str, state: dict[str, Any], group: Any) -> None:
+    """DCP's load in place, its error as one line."""
     single = not (dist.is_available() and dist.is_initialized())
     try:
         with _quiet_single_process():
@@ -71,9 +92,6 @@ def load_tensors(meta: Mapping[str, Any], model: nn.Module, optimizer: Any, ema:
     except dcp.CheckpointException as err:
         raise TrainkitError(f"checkpoint {path} does not fit this run's model or optimizer "
                             f"({one_line(err, 100)})") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-    return "ema" in state
 
 
 def load_full_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
