@@ -331,7 +331,9 @@ class Checkpointer:
         # Every rank's RNG state (dropout, augmentation draws differ per rank), for exact resumes.
         rng_per_rank = distributed.gather_to_main(rng.get_rng_state())  # collective: all ranks
         if self._sharded is not None:
-            self._save_sharded(step, rng_per_rank, again=self.saved_step == step, best=best)
+            # the same step again (now the best): its directory was written by this run
+            again = self._sharded.written_step == step
+            self._save_sharded(step, rng_per_rank, again=again, best=best)
         elif self.manager is not None and self.runtime.is_main:
             state = self.state_dict()
             if self.runtime.distributed:

@@ -90,13 +90,14 @@ class ShardedCheckpoints:
         # A collective: every rank constructs this at the same point (Checkpointer.register).
         self.group = dist.new_group(backend="gloo") if _distributed() else None
         self._pending: tuple[Future, int, bool] | None = None
+        self.written_step = -1  # the step this process last wrote its part of (not a file test)
 
     @classmethod
     def reader(cls, directory: str | Path) -> ShardedCheckpoints:
         """One that only finds directories to resume from (no group: not a collective)."""
         self = cls.__new__(cls)
         self.directory, self.keep_last, self.async_save = Path(directory), 0, False
-        self.is_main, self.group, self._pending = False, None, None
+        self.is_main, self.group, self._pending, self.written_step = False, None, None, -1
         return self
 
     @property
@@ -129,10 +130,9 @@ class ShardedCheckpoints:
             TrainkitError: this or the previous write failed; earlier checkpoints are intact.
         """
         self.wait()
-        tmp = self.directory / f".step_{step:09d}.tmp"
+        tmp, self.written_step = self.directory / f".step_{step:09d}.tmp", step
         if self.is_main:
-            self._clear_leftovers()
-            tmp.mkdir(parents=True)
+            self._guard(lambda: self._clear_leftovers(tmp))
             self._guard(lambda: save_atomic(meta or {}, tmp / META_FILE))
         self._barrier()  # the folder exists, empty of a dead save's files, before anyone writes
         kwargs = {"storage_writer": _writer(tmp, step), "process_group": self.group}
@@ -207,12 +207,14 @@ class ShardedCheckpoints:
             if old.name not in kept:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def _clear_leftovers(self) -> None:
-        """Folders of saves that died (one save is in flight at a time: none is ours)."""
+    def _clear_leftovers(self, tmp: Path) -> None:
+        """Remove folders of saves that died (one save is in flight at a time: none is ours),
+        then make ``tmp``, empty."""
         self.directory.mkdir(parents=True, exist_ok=True)
         for path in self.directory.iterdir():
             if _TMP_DIR.match(path.name):
                 shutil.rmtree(path, ignore_errors=True)
+        tmp.mkdir()
 
     def _barrier(self) -> None:
         if self.group is not None:
