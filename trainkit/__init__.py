@@ -22,6 +22,7 @@ from trainkit.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.device import available_devices, move_to_device, resolve_device
 from trainkit.ema import EMA
 from trainkit.errors import ConfigError, TrainkitError
+from trainkit.fsdp import shard_model
 from trainkit.precision import Precision
 from trainkit.rng import seed_everything
 from trainkit.runtime import Runtime
@@ -70,6 +71,7 @@ __all__ = [
     "resolve_device",
     "save_atomic",
     "seed_everything",
+    "shard_model",
     "train_window",
     "windows",
 ]

@@ -17,6 +17,7 @@ from trainkit.errors import ConfigError
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 PAD_MODES = ("constant", "reflect")
 HANG_ACTIONS = ("report", "abort")
+STRATEGIES = ("auto", "ddp", "fsdp")
 
 
 @dataclass
@@ -36,6 +37,10 @@ class TrainerConfig:
     cudnn_benchmark: bool = True  # CUDA: autotune convolution algorithms per input shape
     tf32: bool = True  # CUDA, Ampere+: float32 matmuls and convolutions in TF32
     activation_checkpointing: list[str] = field(default_factory=list)
+    # auto: DDP over several ranks; fsdp: weights, gradients and optimizer state sharded (FSDP2)
+    strategy: str = "auto"
+    fsdp_blocks: list[str] = field(default_factory=list)  # sharded units; empty: repeated blocks
+    fsdp_reshard_after_forward: bool = True  # free gathered weights after forward (less memory)
     log_every_n_steps: int = 50
     log_every_n_seconds: float = 60.0  # also log when this long passed (slow steps); 0: off
     eval_every_n_epochs: int = 1
@@ -84,6 +89,14 @@ class TrainerConfig:
         if self.hang_action not in HANG_ACTIONS:
             raise ConfigError(f"trainer.hang_action={self.hang_action!r}: use 'report' or 'abort'")
         self.activation_checkpointing = list(self.activation_checkpointing)
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"trainer.strategy={self.strategy!r} is not one of "
+                              f"{', '.join(STRATEGIES)}")
+        self.fsdp_blocks = list(self.fsdp_blocks)
+        if not all(isinstance(name, str) and name for name in self.fsdp_blocks):
+            raise ConfigError(f"trainer.fsdp_blocks must be a list of module class names or "
+                              f"paths, got {self.fsdp_blocks!r}")
+        _check_bool("trainer.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward)
 
 
 @dataclass

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
+from trainkit import fsdp
 from trainkit.errors import TrainkitError
 
 if TYPE_CHECKING:
@@ -46,16 +48,19 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def sync_gradients(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
-    """Context for one micro-step's backward: skip DDP's all-reduce unless ``sync``.
+    """Context for one micro-step's backward: skip DDP's all-reduce (FSDP's reduce-scatter and
+    resharding) unless ``sync``.
 
     Accumulating k micro-batches only needs gradients averaged across ranks once, on the last one.
-    Without DDP this is a no-op.
+    Without DDP or FSDP this is a no-op.
     """
     if sync:  # checked first: this runs every step, and Module attribute misses are slow
         return contextlib.nullcontext()
     inner = model._modules.get("_orig_mod", model)  # through torch.compile's wrapper
     if isinstance(inner, nn.parallel.DistributedDataParallel):
         return inner.no_sync()
+    if isinstance(inner, FSDPModule):
+        return fsdp.no_sync(inner)
     return contextlib.nullcontext()
 
 

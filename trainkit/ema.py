@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainkit import fsdp
 from trainkit.distributed import unwrap
 from trainkit.errors import TrainkitError
 
@@ -36,8 +37,14 @@ class EMA:
         # detached, so the in-place updates below are never recorded by autograd.
         live = unwrap(model).state_dict(keep_vars=True)
         self._names = list(live)
-        self._live = [t.detach() for t in live.values()]
-        self.shadow = [t.clone() for t in self._live]
+        self.shadow = [t.detach().clone() for t in live.values()]
+        # Under FSDP the weights are DTensors and so are their shadows, sharded alike (each rank
+        # averages its own shard); the math below runs on the local shards, views that share
+        # their storage (not every foreach op has a DTensor rule).
+        self._live = [fsdp.local(t.detach()) for t in live.values()]
+        self._shadow = [fsdp.local(t) for t in self.shadow]
+        self._model = unwrap(model)
+        self._sharded = fsdp.is_sharded(self._model)
         floating = [t.is_floating_point() for t in self._live]
         self._float = [i for i, f in enumerate(floating) if f]
         self._other = [i for i, f in enumerate(floating) if not f]
@@ -46,25 +53,32 @@ class EMA:
         """Fold the model's current weights into the average."""
         self.updates += 1
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        torch._foreach_lerp_([self.shadow[i] for i in self._float],
+        torch._foreach_lerp_([self._shadow[i] for i in self._float],
                              [self._live[i] for i in self._float], 1.0 - decay)
         for i in self._other:
-            self.shadow[i].copy_(self._live[i])
+            self._shadow[i].copy_(self._live[i])
 
     def restart(self) -> None:
         """Start the average over from the model's current weights (e.g. just loaded ones)."""
-        torch._foreach_copy_(self.shadow, self._live)
+        torch._foreach_copy_(self._shadow, self._live)
         self.updates = 0
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
         """Within this block the model holds the averaged weights; its own come back after."""
         saved = [t.clone() for t in self._live]
-        torch._foreach_copy_(self._live, self.shadow)
+        self._regather()
+        torch._foreach_copy_(self._live, self._shadow)
         try:
             yield
         finally:
             torch._foreach_copy_(self._live, saved)
+            self._regather()
+
+    def _regather(self) -> None:
+        """FSDP: drop gathered copies of the weights, so forwards see the swapped shards."""
+        if self._sharded:
+            fsdp.reshard(self._model)
 
     def state_dict(self) -> dict[str, Any]:
         return {"decay": self.decay, "updates": self.updates,
@@ -74,5 +88,5 @@ class EMA:
         weights = state["weights"]
         if list(weights) != self._names:
             raise TrainkitError("checkpoint's EMA weights do not match this model's parameters")
-        torch._foreach_copy_(self.shadow, [weights[name] for name in self._names])
+        torch._foreach_copy_(self._shadow, [fsdp.local(weights[name]) for name in self._names])
         self.updates = int(state["updates"])

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit import distributed
+from trainkit import distributed, fsdp
 from trainkit.device import move_to_device
+from trainkit.errors import TrainkitError
 from trainkit.precision import Precision
 from trainkit.step import Criterion, Forward, batch_size
 
@@ -29,6 +30,8 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     for metric in metrics.values():
         metric.reset()
     loss_sum, count = torch.zeros((), device=device), 0
+    sharded = fsdp.is_sharded(model)
+    batch = None
     for batch in data:
         batch = move_to_device(batch, device)
         n = batch_size(batch)
@@ -38,6 +41,8 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
         for metric in metrics.values():
             metric.update(outputs, targets)
         count += n
+    if sharded:
+        _match_forwards(model, data, batch, precision, forward)
     if distributed.is_distributed():  # each rank saw its own shard: sum over all of them
         total, count = distributed.sum_across_ranks(loss_sum, count)
         results = {"val/loss": total / max(count, 1)}
@@ -47,3 +52,19 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
     model.train(was_training)
     return results
+
+
+def _match_forwards(model: nn.Module, data: Iterable[Any], batch: Any, precision: Precision,
+                    forward: Forward) -> None:
+    """FSDP: every forward all-gathers weights, so all ranks must run as many. A rank with fewer
+    val batches (an uneven split) runs its last one again, uncounted; then all reshard, so that
+    no gathered copy outlives the weights it was made from (the EMA swaps them in place)."""
+    if distributed.is_distributed():
+        extra = max(distributed.all_gather(len(data))) - len(data)  # type: ignore[arg-type]
+        if extra and batch is None:
+            raise TrainkitError("FSDP evaluation: this rank has no validation batch while "
+                                "others have some; use fewer ranks or more validation data")
+        for _ in range(extra):
+            with precision.autocast():
+                forward(model, batch)
+    fsdp.reshard(model)

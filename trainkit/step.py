@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainkit.device import move_to_device
 from trainkit.distributed import sync_gradients
@@ -138,6 +139,8 @@ def train_window(
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if clip_algorithm == "norm":
             grad_norm = nn.utils.clip_grad_norm_(params, clip_val)
+            if isinstance(grad_norm, DTensor):  # FSDP: the norm over all shards, as a tensor
+                grad_norm = grad_norm.full_tensor()
         else:
             nn.utils.clip_grad_value_(params, clip_val)
     stepped = precision.step(optimizer)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainkit import distributed, evaluation, oom, rng
+from trainkit import distributed, evaluation, fsdp, oom, rng
 from trainkit.activations import apply_activation_checkpointing
 from trainkit.checkpointer import Checkpointer
 from trainkit.config import CheckpointConfig, TrainerConfig
@@ -202,7 +202,7 @@ class Trainer:
              metrics: Mapping[str, Any] | None, forward: Forward, preemption: Preemption | None,
              stop_at_step: int | None) -> dict[str, Any]:
         setup_logging(self.run_dir, self.runtime.is_main)  # this run's train.log, or none
-        model = self._prepare_model(model)  # under DDP: rank 0's weights on every rank
+        model = self._prepare_model(model, optimizer)  # DDP/FSDP: rank 0's weights everywhere
         # Training's random draws (dropout, ...) follow from config.seed, each rank its own.
         rng.seed_rank(self.runtime.rank, self.config.seed)
         ema = EMA(model, self.config.ema_decay) if self.config.ema_decay else None
@@ -362,14 +362,20 @@ class Trainer:
 
     # -- wiring and reports -------------------------------------------------------------------
 
-    def _prepare_model(self, model: nn.Module) -> nn.Module:
+    def _prepare_model(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        """Device, layout, activation checkpointing, then DDP or FSDP (compile comes last)."""
+        cfg = self.config
         model = model.to(self.runtime.device)
-        if self.config.channels_last:
+        if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        if self.config.activation_checkpointing:
-            apply_activation_checkpointing(model, self.config.activation_checkpointing)
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(model, cfg.activation_checkpointing)
         distributed.init_process_group(self.runtime)  # no-op in one process or when already up
-        return distributed.wrap_ddp(model, self.runtime)
+        if fsdp.resolve_strategy(cfg.strategy, self.runtime.world_size) == "fsdp":
+            return fsdp.shard_model(model, optimizer, self.runtime, blocks=cfg.fsdp_blocks,
+                                    reshard_after_forward=cfg.fsdp_reshard_after_forward,
+                                    precision=cfg.precision)
+        return distributed.wrap_ddp(model, self.runtime)  # auto or ddp; one process: as it is
 
     def _log_train(self, run: _Run) -> None:
         """The window's figures to the sinks, the console and train.log."""

@@ -114,6 +114,18 @@ def test_activation_memory_quick() -> None:
     _check_rows(result["rows"])
 
 
+def test_fsdp_memory_quick() -> None:
+    """Bytes, not time: exact on any machine. Even-sized layers split exactly in half."""
+    result = _run("benchmarks.fsdp_memory")
+    ddp, sharded = result["ddp_per_rank"], result["fsdp_per_rank"]
+    assert len(ddp) == len(sharded) == 2
+    for full, half in zip(ddp, sharded):
+        assert full["grads"] == full["params"] and full["optimizer"] == 2 * full["params"]
+        assert {k: 2 * v for k, v in half.items()} == full
+    assert result["ratio"] == 0.5
+    _check_rows(result["rows"])
+
+
 def test_gpu_says_why_not_without_cuda() -> None:
     import torch
 
