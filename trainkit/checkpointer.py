@@ -6,7 +6,9 @@ was done (:meth:`~Checkpointer.step_done`), an evaluation gave results
 (:meth:`~Checkpointer.evaluated`), the run stops or ends (:meth:`~Checkpointer.save`) -- and
 the Checkpointer decides whether to write, through
 :class:`~trainkit.checkpoint.CheckpointManager` (atomic files, rotation) or, with
-``checkpoint.async_save``, its background writer.
+``checkpoint.async_save``, its background writer. A model sharded by FSDP2 gets directories
+instead, written by every rank (:class:`~trainkit.sharded_checkpoint.ShardedCheckpoints`) and
+read onto any number of ranks (:mod:`trainkit.sharded_resume`).
 
 Where a run starts (:meth:`~Checkpointer.start`):
 
