@@ -199,9 +199,9 @@ class Checkpointer:
         model = self.parts["model"]
         if optimizer and sharded_checkpoint.is_sharded(model):
             raise TrainkitError(
-                f"{state.get('_path', '?')} is a single-file checkpoint: a sharded (fsdp) run "
-                "resumes from a checkpoint directory; start from its weights with "
-                "checkpoint.init_from and checkpoint.resume=null")
+                f"{state.get('_path', self.config.resume)} is a single-file checkpoint: a "
+                "sharded (fsdp) run resumes from a checkpoint directory; start from its weights "
+                "with checkpoint.init_from and checkpoint.resume=null")
         differences = weight_differences(model.state_dict(), state["model"])
         if differences:  # torch would list the same, as a traceback
             fix = ("use the model config it was saved with, another run_dir, or "
