@@ -72,9 +72,9 @@ def _distributed() -> bool:
 class ShardedCheckpoints:
     """Writes ``step_<N>/`` directories through DCP, rotates them, and finds one to resume from.
 
-    Every rank makes one (at the same point: it makes a gloo group of its own for DCP, so that
-    an async save's collectives, on a background thread, never interleave with training's) and
-    calls :meth:`save` together; rank 0 alone renames, links and rotates.
+    Every rank makes one, at the same point (with ``async_save`` it makes a gloo group for
+    DCP's collectives), and calls :meth:`save` together; rank 0 alone renames, links and
+    rotates.
 
     Example:
         >>> ckpts = ShardedCheckpoints("runs/a/checkpoints", keep_last=3)  # doctest: +SKIP
@@ -86,9 +86,9 @@ class ShardedCheckpoints:
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.async_save = async_save
-        self.is_main = not _distributed() or dist.get_rank() == 0
-        # A collective: every rank constructs this at the same point (Checkpointer.register).
-        self.group = dist.new_group(backend="gloo") if _distributed() else None
+        self.distributed = _distributed()
+        self.is_main = not self.distributed or dist.get_rank() == 0
+        self.group = _group(self.distributed, async_save)
         self._pending: tuple[Future, int, bool] | None = None
         self.written_step = -1  # the step this process last wrote its part of (not a file test)
 
@@ -97,7 +97,8 @@ class ShardedCheckpoints:
         """One that only finds directories to resume from (no group: not a collective)."""
         self = cls.__new__(cls)
         self.directory, self.keep_last, self.async_save = Path(directory), 0, False
-        self.is_main, self.group, self._pending, self.written_step = False, None, None, -1
+        self.distributed, self.is_main, self.group = False, False, None
+        self._pending, self.written_step = None, -1
         return self
 
     @property
@@ -137,11 +138,11 @@ class ShardedCheckpoints:
         self._barrier()  # the folder exists, empty of a dead save's files, before anyone writes
         kwargs = {"storage_writer": _writer(tmp, step), "process_group": self.group}
         with _quiet_single_process():
-            if self.async_save and self.group is not None:
+            if self.async_save and self.distributed:
                 self._pending = (self._guard(lambda: dcp.async_save(tensors, **kwargs)), step,
                                  best)
                 return
-            self._guard(lambda: dcp.save(tensors, no_dist=self.group is None, **kwargs))
+            self._guard(lambda: dcp.save(tensors, no_dist=not self.distributed, **kwargs))
         self._publish(step, best)
 
     def update_meta(self, meta: dict[str, Any] | None, step: int, *, best: bool) -> None:
@@ -217,7 +218,7 @@ class ShardedCheckpoints:
         tmp.mkdir()
 
     def _barrier(self) -> None:
-        if self.group is not None:
+        if self.distributed:
             dist.barrier(group=self.group)
 
     def _guard(self, write: Any) -> Any:
@@ -250,6 +251,22 @@ class ShardedCheckpoints:
             except TrainkitError as err:
                 log.warning("skipping unusable checkpoint: %s", err)
         return None
+
+
+def _group(distributed: bool, async_save: bool) -> Any:
+    """The process group DCP's collectives run on (None: the default one).
+
+    An async save runs them on a background thread while training goes on: on a gloo group of
+    their own, so they never interleave with training's (made here, a collective: every rank
+    constructs a :class:`ShardedCheckpoints` at the same point). Otherwise the CPU group.
+    """
+    if not distributed:
+        return None
+    if async_save:
+        return dist.new_group(backend="gloo")
+    from trainkit.distributed import _cpu_group
+
+    return _cpu_group()
 
 
 def _point(link: Path, target: Path) -> None:
