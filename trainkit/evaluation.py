@@ -30,7 +30,8 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     for metric in metrics.values():
         metric.reset()
     loss_sum, count = torch.zeros((), device=device), 0
-    sharded = fsdp.is_sharded(model)
+    # FSDP: each forward all-gathers weights, so every rank runs as many (agreed before any)
+    extra = _missing_forwards(data) if fsdp.is_sharded(model) else None
     batch = None
     for batch in data:
         batch = move_to_device(batch, device)
@@ -41,8 +42,8 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
         for metric in metrics.values():
             metric.update(outputs, targets)
         count += n
-    if sharded:
-        _match_forwards(model, data, batch, precision, forward)
+    if extra is not None:
+        _match_forwards(model, extra, batch, precision, forward)
     if distributed.is_distributed():  # each rank saw its own shard: sum over all of them
         total, count = distributed.sum_across_ranks(loss_sum, count)
         results = {"val/loss": total / max(count, 1)}
@@ -54,17 +55,24 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     return results
 
 
-def _match_forwards(model: nn.Module, data: Iterable[Any], batch: Any, precision: Precision,
+def _missing_forwards(data: Iterable[Any]) -> int:
+    """How many batches fewer than the rank with the most this rank has (an uneven split)."""
+    if not distributed.is_distributed():
+        return 0
+    mine = len(data)  # type: ignore[arg-type]
+    counts = distributed.all_gather(mine)
+    if min(counts) == 0 < max(counts):  # all ranks know: all stop, none waits for the others
+        raise TrainkitError(f"FSDP evaluation: a rank has no validation batch while others have "
+                            f"some ({counts} by rank); use fewer ranks or more validation data")
+    return max(counts) - mine
+
+
+def _match_forwards(model: nn.Module, extra: int, batch: Any, precision: Precision,
                     forward: Forward) -> None:
-    """FSDP: every forward all-gathers weights, so all ranks must run as many. A rank with fewer
-    val batches (an uneven split) runs its last one again, uncounted; then all reshard, so that
-    no gathered copy outlives the weights it was made from (the EMA swaps them in place)."""
-    if distributed.is_distributed():
-        extra = max(distributed.all_gather(len(data))) - len(data)  # type: ignore[arg-type]
-        if extra and batch is None:
-            raise TrainkitError("FSDP evaluation: this rank has no validation batch while "
-                                "others have some; use fewer ranks or more validation data")
-        for _ in range(extra):
-            with precision.autocast():
-                forward(model, batch)
+    """FSDP: a rank with fewer val batches runs its last one ``extra`` times more, uncounted,
+    for the other ranks' all-gathers; then all reshard, so that no gathered copy outlives the
+    weights it was made from (the EMA swaps them in place)."""
+    for _ in range(extra):
+        with precision.autocast():
+            forward(model, batch)
     fsdp.reshard(model)

@@ -375,6 +375,9 @@ class Trainer:
             return fsdp.shard_model(model, optimizer, self.runtime, blocks=cfg.fsdp_blocks,
                                     reshard_after_forward=cfg.fsdp_reshard_after_forward,
                                     precision=cfg.precision)
+        if cfg.fsdp_blocks:
+            log.warning("trainer.fsdp_blocks is ignored: trainer.strategy=%s does not shard "
+                        "(set trainer.strategy=fsdp)", cfg.strategy)
         return distributed.wrap_ddp(model, self.runtime)  # auto or ddp; one process: as it is
 
     def _log_train(self, run: _Run) -> None:

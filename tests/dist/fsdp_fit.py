@@ -20,7 +20,10 @@ from tests.dist.nets import FlatNet
 from trainkit import InMemoryLoader, Runtime, Trainer, TrainerConfig, load_mnist, seed_everything
 from trainkit import distributed, fsdp
 
-CASES = {"32": {}, "bf16-mixed": {}, "16-mixed": {}}
+# fp32 keeps gathered weights after forward: the path where an evaluation (with the EMA's weights
+# swapped in) would leave stale gathered copies behind for the next training step.
+CASES: dict[str, dict[str, Any]] = {"32": {"fsdp_reshard_after_forward": False},
+                                    "bf16-mixed": {}, "16-mixed": {}}
 GLOBAL_BATCH = 32
 
 
@@ -41,7 +44,7 @@ def held(tensors: Any) -> int:
     return sum(fsdp.local(t).numel() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def fit(root: str, precision: str, runtime: Runtime) -> dict[str, Any]:
+def fit(root: str, precision: str, runtime: Runtime, **settings: Any) -> dict[str, Any]:
     sharded = runtime.world_size > 1
     seed_everything(0)
     model = FlatNet()
@@ -49,12 +52,13 @@ def fit(root: str, precision: str, runtime: Runtime) -> dict[str, Any]:
     batch = GLOBAL_BATCH // runtime.world_size
     train = InMemoryLoader(load_mnist(root, train=True, verify=False, download=False), batch,
                            shuffle=True, rank=runtime.rank, world_size=runtime.world_size)
-    val = InMemoryLoader(load_mnist(root, train=False, verify=False, download=False), 64,
+    # 255 samples: 128 and 127 per rank, in batches of 127: 2 batches on rank 0, 1 on rank 1
+    val = InMemoryLoader(load_mnist(root, train=False, verify=False, download=False), 127,
                          shuffle=False, rank=runtime.rank, world_size=runtime.world_size)
-    config = TrainerConfig(
-        device="cpu", max_steps=6, precision=precision, accumulate_grad_batches=2,
+    config = TrainerConfig(  # 2 epochs of 3 steps: an evaluation between them
+        device="cpu", max_epochs=2, precision=precision, accumulate_grad_batches=2,
         gradient_clip_val=0.5, ema_decay=0.9, activation_checkpointing=["net.1"],
-        log_every_n_steps=1, strategy="fsdp" if sharded else "auto")
+        log_every_n_steps=1, strategy="fsdp" if sharded else "auto", **settings)
     recorder = Recorder()
     trainer = Trainer(config, runtime=runtime, sinks=[recorder])
     summary = trainer.fit(model, optimizer, train, val_data=val)
@@ -72,13 +76,15 @@ def fit(root: str, precision: str, runtime: Runtime) -> dict[str, Any]:
                   "optimizer_param": type(optimizer.param_groups[0]["params"][0]).__name__,
                   "module": type(model).__name__},
         "sharded": fsdp.is_sharded(model) and isinstance(model, nn.Module),
+        "val_batches": len(val),
     }
 
 
 def main(root: str, out: str) -> None:
     runtime = Runtime.from_env("cpu")
     distributed.init_process_group(runtime)
-    results = {precision: fit(root, precision, runtime) for precision in CASES}
+    results = {precision: fit(root, precision, runtime, **settings)
+               for precision, settings in CASES.items()}
     if runtime.is_main:
         torch.save(results, out)
     distributed.shutdown()

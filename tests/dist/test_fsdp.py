@@ -26,7 +26,8 @@ pytestmark = pytest.mark.dist
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_fake_mnist(tmp_path_factory.mktemp("fsdpdata"), n_train=512, n_test=255)
+    # 192 training samples: 3 steps of 2 x 32 per epoch, so 2 epochs have an evaluation between
+    return write_fake_mnist(tmp_path_factory.mktemp("fsdpdata"), n_train=192, n_test=255)
 
 
 def _fits(out: Path, data_root: Path, *launcher: str) -> dict[str, Any]:
@@ -59,7 +60,8 @@ def _norms(fit: dict[str, Any]) -> list[float]:
 
 def test_two_ranks_fsdp_train_like_one_process(fits: tuple[dict, dict]) -> None:
     """fp32 with accumulation (2 micro-batches, no reduce-scatter on the first), norm clipping
-    (norms ~1.2 > 0.5, so it clips every step), EMA and AdamW: the same weights after 6 steps."""
+    (norms ~1.2 > 0.5, so it clips every step), EMA, AdamW, weights kept gathered after forward,
+    and an evaluation with the EMA weights after epoch 1: the same weights after 6 steps."""
     single, sharded = fits[0]["32"], fits[1]["32"]
     assert sharded["sharded"] and sharded["types"]["param"] == "DTensor"
     assert sharded["types"]["optimizer_param"] == "DTensor"  # the optimizer steps the shards
@@ -75,7 +77,9 @@ def test_two_ranks_fsdp_train_like_one_process(fits: tuple[dict, dict]) -> None:
     norms = _norms(sharded)
     assert len(norms) == 6 and all(type(n) is float and n > 0.5 for n in norms)
     assert norms == pytest.approx(_norms(single), rel=1e-5)
-    # evaluation: every rank ran its forwards (an uneven split of 255), the loss summed over all
+    # evaluation: rank 0 had 2 val batches, rank 1 one (it ran a second, uncounted forward for
+    # rank 0's all-gathers), and the loss is the sum over all 255 samples
+    assert sharded["val_batches"] == 2 and single["val_batches"] == 3
     assert sharded["summary"]["metrics"]["val/loss"] == pytest.approx(
         single["summary"]["metrics"]["val/loss"], rel=1e-5)
 
