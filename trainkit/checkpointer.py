@@ -6,7 +6,9 @@ was done (:meth:`~Checkpointer.step_done`), an evaluation gave results
 (:meth:`~Checkpointer.evaluated`), the run stops or ends (:meth:`~Checkpointer.save`) -- and
 the Checkpointer decides whether to write, through
 :class:`~trainkit.checkpoint.CheckpointManager` (atomic files, rotation) or, with
-``checkpoint.async_save``, its background writer.
+``checkpoint.async_save``, its background writer. A model sharded by FSDP2 gets directories
+instead, written by every rank (:class:`~trainkit.sharded_checkpoint.ShardedCheckpoints`) and
+read onto any number of ranks (:mod:`trainkit.sharded_resume`).
 
 Where a run starts (:meth:`~Checkpointer.start`):
 
@@ -29,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from trainkit import distributed, rng, schedules
+from trainkit import distributed, rng, schedules, sharded_checkpoint, sharded_resume
 from trainkit.async_checkpoint import AsyncCheckpointWriter
 from trainkit.checkpoint import (
     CheckpointManager,
@@ -43,6 +45,7 @@ from trainkit.data.resumable import ResumableData
 from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
 from trainkit.runtime import Runtime
+from trainkit.sharded_checkpoint import FORMAT, ShardedCheckpoints
 from trainkit.train_state import TrainState
 from trainkit.watchdog import Watchdog, watched
 
@@ -85,21 +88,30 @@ class Checkpointer:
         self.saved_step, self._saved_time = -1, time.monotonic()
         self.state = TrainState()
         self.parts: dict[str, Any] = {}
+        self._sharded: ShardedCheckpoints | None = None  # an FSDP2 run's directories
 
     def register(self, state: TrainState, *, model: nn.Module, optimizer: Any,
                  precision: Any, scheduler: Any = None, ema: EMA | None = None,
                  data: Any = None) -> None:
-        """The objects a checkpoint holds; None for a part this run has not."""
+        """The objects a checkpoint holds; None for a part this run has not.
+
+        A model sharded by ``fully_shard`` (FSDP2) gets sharded checkpoints: directories every
+        rank writes its part of (:mod:`trainkit.sharded_checkpoint`). A collective then: every
+        rank registers at the same point.
+        """
         self.state = state
         self.parts = {"model": distributed.unwrap(model), "optimizer": optimizer,
                       "scheduler": scheduler, "precision": precision, "ema": ema,
                       "data": data if isinstance(data, ResumableData) else None}
+        if sharded_checkpoint.is_sharded(self.parts["model"]) and self.manager is not None:
+            self._sharded = ShardedCheckpoints(self.manager.directory, self.config.keep_last,
+                                               async_save=self.config.async_save)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a checkpoint holds, each part asked for its own state."""
+    def state_dict(self, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Everything a checkpoint holds, each part asked for its own state (but ``exclude``)."""
         return {
             **{name: part.state_dict() if part is not None else None
-               for name, part in self.parts.items()},
+               for name, part in self.parts.items() if name not in exclude},
             "trainer": self.state.state_dict(),
             "global_step": self.state.global_step,
             "epoch": self.state.epoch,
@@ -125,31 +137,71 @@ class Checkpointer:
     def load_state_dict(self, state: Mapping[str, Any], planned_steps: int | None = None) -> None:
         """Restore a checkpoint made by :meth:`state_dict` into the registered parts."""
         check_config(state, self.run_config)
-        self._load_weights(state, "checkpoint.resume")
-        self.parts["optimizer"].load_state_dict(state["optimizer"])
+        sharded = state.get("format") == FORMAT  # a directory (read_meta), not a .pt file
+        if sharded:
+            self._load_sharded(state)
+        else:
+            self._load_weights(state, "checkpoint.resume", optimizer=True)
+            self.parts["optimizer"].load_state_dict(state["optimizer"])
+            self._load_ema(state.get("ema"))
         self._load_schedule(state, planned_steps)
         self.parts["precision"].load_state_dict(state["precision"])
-        self._load_ema(state.get("ema"))
         self._check_data(state.get("data"))
         self.state.load_state_dict(state["trainer"])
-        rng.set_rng_state(rng.rng_of_rank(state, self.runtime.rank))
-        self.saved_step, self._saved_time = self.state.global_step, time.monotonic()
         at, data = self.state, self.parts["data"]
+        moved = ""
+        if sharded:  # may have been saved on another number of ranks
+            moved = sharded_resume.carry_over(
+                state, at, rank=self.runtime.rank, world_size=self.runtime.world_size,
+                batch_size=getattr(data, "batch_size", None),
+                batches_per_epoch=len(data) if data is not None else None)
+        else:
+            rng.set_rng_state(rng.rng_of_rank(state, self.runtime.rank))
+        self.saved_step, self._saved_time = self.state.global_step, time.monotonic()
         # named as step N's log line names it: its epoch (from 1), its batch in that epoch
         batch = at.batch_in_epoch or (len(data) if at.epoch and data is not None else 0)
-        log.info("resumed from %s at step %d (epoch %d, batch %d)",
-                 state.get("_path", self.config.resume), at.global_step, at.epoch_number, batch)
+        log.info("resumed from %s at step %d (epoch %d, batch %d)%s",
+                 state.get("_path", self.config.resume), at.global_step, at.epoch_number, batch,
+                 moved)
+
+    def _load_sharded(self, state: Mapping[str, Any]) -> None:
+        """Model, optimizer and EMA weights from a directory, resharded onto this run."""
+        ema = self.parts["ema"]
+        group = self._sharded.group if self._sharded is not None else None
+        if sharded_resume.load_tensors(state, self.parts["model"], self.parts["optimizer"],
+                                       ema, group) and state.get("ema"):
+            # the weights are in place; the count comes from trainkit.pt
+            ema.load_state_dict({**state["ema"], "weights": ema.state_dict()["weights"]})
+        else:
+            self._load_ema(None)
 
     def _checkpoint_to_resume(self) -> dict[str, Any] | None:
         resume = self.config.resume
         if resume is None or str(resume).lower() in ("null", "none", ""):
             return None
         if str(resume) == "auto":
-            return self.manager.load_latest() if self.manager is not None else None
+            return self._latest()
+        if Path(resume).is_dir():
+            return sharded_checkpoint.read_meta(resume)
         return load_checkpoint(resume)
 
-    def _load_weights(self, state: Mapping[str, Any], key: str) -> None:
+    def _latest(self) -> dict[str, Any] | None:
+        """A sharded run resumes from directories; another from files, else from directories
+        (a run saved sharded can go on in one process)."""
+        if self.manager is None:
+            return None
+        dirs = self._sharded or ShardedCheckpoints.reader(self.manager.directory)
+        if self._sharded is not None:
+            return dirs.latest_meta()
+        return self.manager.load_latest() or dirs.latest_meta()
+
+    def _load_weights(self, state: Mapping[str, Any], key: str, optimizer: bool = False) -> None:
         model = self.parts["model"]
+        if optimizer and sharded_checkpoint.is_sharded(model):
+            raise TrainkitError(
+                f"{state.get('_path', self.config.resume)} is a single-file checkpoint: a "
+                "sharded (fsdp) run resumes from a checkpoint directory; start from its weights "
+                "with checkpoint.init_from and checkpoint.resume=null")
         differences = weight_differences(model.state_dict(), state["model"])
         if differences:  # torch would list the same, as a traceback
             fix = ("use the model config it was saved with, another run_dir, or "
@@ -159,7 +211,10 @@ class Checkpointer:
                 f"{key}: the checkpoint does not fit this model ({differences[0]}"
                 f"{f' and {len(differences) - 1} more' if len(differences) > 1 else ''}): {fix}",
                 details=[f"checkpoint: {state.get('_path', '?')}", *differences])
-        model.load_state_dict(state["model"])
+        if sharded_checkpoint.is_sharded(model):  # each rank keeps its shard of the full weights
+            sharded_resume.load_full_weights(model, state["model"])
+        else:
+            model.load_state_dict(state["model"])
 
     def _load_schedule(self, state: Mapping[str, Any], planned_steps: int | None) -> None:
         """The saved schedule as it was; re-planned when the run got longer than it was."""
@@ -204,17 +259,24 @@ class Checkpointer:
                                 "the same settings (trainer.seed)")
 
     def _init_from(self, path: str) -> None:
-        state = load_checkpoint(path, key="checkpoint.init_from")
-        state["_path"] = path
-        self._load_weights(state, "checkpoint.init_from")
-        ema = self.parts["ema"]
-        if ema is not None and state.get("ema") is not None:
-            ema.load_state_dict(state["ema"])
-        elif ema is not None:
+        ema, sharded = self.parts["ema"], sharded_checkpoint.is_sharded(self.parts["model"])
+        if Path(path).is_dir():  # a sharded checkpoint: its weights, resharded onto this model
+            state = sharded_checkpoint.read_meta(path, key="checkpoint.init_from")
+            has_ema = sharded_resume.load_weights(state, self.parts["model"], ema)
+            if has_ema and state.get("ema"):  # the weights are in place; now the count
+                ema.load_state_dict({**state["ema"], "weights": ema.state_dict()["weights"]})
+        else:
+            state = load_checkpoint(path, key="checkpoint.init_from")
+            state["_path"] = path
+            self._load_weights(state, "checkpoint.init_from")
+            has_ema = ema is not None and state.get("ema") is not None and not sharded
+            if has_ema:
+                ema.load_state_dict(state["ema"])
+        if ema is not None and not has_ema:
             ema.restart()  # the average of the loaded weights, not of the random ones
         log.info("initialized the weights from %s (step %d of its run%s); optimizer, LR "
                  "schedule and counters start fresh", path, state["global_step"],
-                 ", and its EMA" if ema is not None and state.get("ema") is not None else "")
+                 ", and its EMA" if has_ema else "")
 
     # -- when to save -------------------------------------------------------------------------
 
@@ -224,6 +286,8 @@ class Checkpointer:
         ``may_save()`` agrees (the loop's NaN/inf guard: no streak running)."""
         if self.due(step, time_due) and may_save():
             self.save(step)
+        elif self._sharded is not None:
+            self._sharded.poll()  # an async save that ended gets its name and `last` now
 
     def due(self, step: int, time_due: bool = False) -> bool:
         """Whether step ``step`` gets a periodic checkpoint (``time_due``: agreed by all ranks)."""
@@ -268,7 +332,11 @@ class Checkpointer:
         periodic = not best and (bool(self.config.every_n_steps) or not last_step)
         # Every rank's RNG state (dropout, augmentation draws differ per rank), for exact resumes.
         rng_per_rank = distributed.gather_to_main(rng.get_rng_state())  # collective: all ranks
-        if self.manager is not None and self.runtime.is_main:
+        if self._sharded is not None:
+            # the same step again (now the best): its directory was written by this run
+            again = self._sharded.written_step == step
+            self._save_sharded(step, rng_per_rank, again=again, best=best)
+        elif self.manager is not None and self.runtime.is_main:
             state = self.state_dict()
             if self.runtime.distributed:
                 state["rng_per_rank"] = rng_per_rank
@@ -277,22 +345,41 @@ class Checkpointer:
         self.saved_step, self._saved_time = step, time.monotonic()
         distributed.barrier()  # no rank runs ahead of a checkpoint still being written (or copied)
 
+    def _save_sharded(self, step: int, rng_per_rank: list[Any] | None, *, again: bool,
+                      best: bool) -> None:
+        """Every rank writes its part of ``step_<step>/``; rank 0 adds ``trainkit.pt``."""
+        meta = None
+        if self.runtime.is_main:
+            ema = self.parts["ema"]
+            meta = {**self.state_dict(exclude=("model", "optimizer", "ema")), "format": FORMAT,
+                    "world_size": self.runtime.world_size, "rng_per_rank": rng_per_rank,
+                    "batch_size": getattr(self.parts["data"], "batch_size", None),
+                    "ema": {"decay": ema.decay, "updates": ema.updates} if ema else None}
+        if again:  # the same step (now the best): same weights, only trainkit.pt changed
+            self._sharded.update_meta(meta, step, best=best)
+            return
+        tensors = sharded_resume.tensor_state(self.parts["model"], self.parts["optimizer"],
+                                              self.parts["ema"])
+        self._sharded.save(tensors, meta, step, best=best)
+
     def wait(self) -> None:
         """Block until the last checkpoint is on disk (raise its write's error)."""
-        if self._writer is not None:
-            self._writer.wait()
+        for writer in (self._writer, self._sharded):
+            if writer is not None:
+                writer.wait()
 
     def close(self) -> None:
         """Let a write still in flight end whole, however the run ends."""
-        if self._writer is not None:
-            self._writer.close()
+        for writer in (self._writer, self._sharded):
+            if writer is not None:
+                writer.close()
 
     def last_saved(self) -> str:
         """Which checkpoint a run that stops on an error leaves, as words for its message."""
         if self.manager is None or self.saved_step < 0:
             return "no checkpoint was written"
-        return (f"the last checkpoint, {self.manager.last}, is from step {self.saved_step} "
-                "and intact")
+        last = self._sharded.last if self._sharded is not None else self.manager.last
+        return f"the last checkpoint, {last}, is from step {self.saved_step} and intact"
 
     @functools.cached_property
     def _manifest(self) -> dict[str, Any]:

@@ -91,15 +91,23 @@ def _work_dir(keep: Path | None) -> Path:
                             "existing, writable folder (mkdir -p it first)") from err
 
 
+def _load(checkpoints: Path, name: str) -> dict[str, Any]:
+    """``<name>.pt``, or under ``trainer.strategy=fsdp`` the directory ``<name>`` whole."""
+    if (checkpoints / f"{name}.pt").exists() or not (checkpoints / name).is_dir():
+        return load_checkpoint(checkpoints / f"{name}.pt")
+    from trainkit.sharded_resume import load_full
+
+    return load_full(checkpoints / name)
+
+
 def _report(straight: Path, resumed: Path, stop_at: int, steps: int) -> int:
-    at_end = _differences(load_checkpoint(straight / "last.pt"),
-                          load_checkpoint(resumed / "last.pt"))
+    at_end = _differences(_load(straight, "last"), _load(resumed, "last"))
     if not at_end:
         print(f"verify_resume: OK -- stopping at step {stop_at} and resuming gives bitwise the "
               f"same state after {steps} steps as running straight through")
         return 0
-    name = f"step_{stop_at:09d}.pt"
-    at_stop = _differences(load_checkpoint(straight / name), load_checkpoint(resumed / name))
+    name = f"step_{stop_at:09d}"
+    at_stop = _differences(_load(straight, name), _load(resumed, name))
     print(f"verify_resume: MISMATCH -- {len(at_end)} entries differ after {steps} steps:")
     for line in at_end[:20]:
         print(f"  {line}")
