@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from trainkit import distributed, rng, schedules, sharded_checkpoint, sharded_resume
+from trainkit import distributed, fsdp, rng, schedules, sharded_checkpoint, sharded_resume
 from trainkit.async_checkpoint import AsyncCheckpointWriter
 from trainkit.checkpoint import (
     CheckpointManager,
@@ -103,7 +103,7 @@ class Checkpointer:
         self.parts = {"model": distributed.unwrap(model), "optimizer": optimizer,
                       "scheduler": scheduler, "precision": precision, "ema": ema,
                       "data": data if isinstance(data, ResumableData) else None}
-        if sharded_checkpoint.is_sharded(self.parts["model"]) and self.manager is not None:
+        if fsdp.is_sharded(self.parts["model"]) and self.manager is not None:
             self._sharded = ShardedCheckpoints(self.manager.directory, self.config.keep_last,
                                                async_save=self.config.async_save)
 
@@ -197,7 +197,7 @@ class Checkpointer:
 
     def _load_weights(self, state: Mapping[str, Any], key: str, optimizer: bool = False) -> None:
         model = self.parts["model"]
-        if optimizer and sharded_checkpoint.is_sharded(model):
+        if optimizer and fsdp.is_sharded(model):
             raise TrainkitError(
                 f"{state.get('_path', self.config.resume)} is a single-file checkpoint: a "
                 "sharded (fsdp) run resumes from a checkpoint directory; start from its weights "
@@ -211,7 +211,7 @@ class Checkpointer:
                 f"{key}: the checkpoint does not fit this model ({differences[0]}"
                 f"{f' and {len(differences) - 1} more' if len(differences) > 1 else ''}): {fix}",
                 details=[f"checkpoint: {state.get('_path', '?')}", *differences])
-        if sharded_checkpoint.is_sharded(model):  # each rank keeps its shard of the full weights
+        if fsdp.is_sharded(model):  # each rank keeps its shard of the full weights
             sharded_resume.load_full_weights(model, state["model"])
         else:
             model.load_state_dict(state["model"])
@@ -259,7 +259,7 @@ class Checkpointer:
                                 "the same settings (trainer.seed)")
 
     def _init_from(self, path: str) -> None:
-        ema, sharded = self.parts["ema"], sharded_checkpoint.is_sharded(self.parts["model"])
+        ema, sharded = self.parts["ema"], fsdp.is_sharded(self.parts["model"])
         if Path(path).is_dir():  # a sharded checkpoint: its weights, resharded onto this model
             state = sharded_checkpoint.read_meta(path, key="checkpoint.init_from")
             has_ema = sharded_resume.load_weights(state, self.parts["model"], ema)

@@ -30,15 +30,16 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch import nn
 
 from trainkit.checkpoint import _fsync_dir, save_atomic
 from trainkit.errors import TrainkitError, one_line
+
+if TYPE_CHECKING:  # imported where used: with FSDP and sympy it costs ~0.8 s at start-up
+    import torch.distributed.checkpoint as dcp
 
 log = logging.getLogger("trainkit")
 META_FILE = "trainkit.pt"  # the non-tensor part, next to DCP's files
@@ -48,13 +49,6 @@ _TMP_DIR = re.compile(r"^\.step_\d+\.tmp$")
 # Test-only: "STEP:RANK" makes that rank SIGKILL itself inside the write of that step, after its
 # shard file is written and before DCP's metadata exists (tests/dist/test_sharded_checkpoints).
 KILL_IN_WRITE_ENV = "TRAINKIT_TEST_KILL_IN_CHECKPOINT_WRITE"
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` (already unwrapped) was sharded by ``fully_shard`` (FSDP2)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
 
 
 @contextmanager
@@ -130,6 +124,8 @@ class ShardedCheckpoints:
         Raises:
             TrainkitError: this or the previous write failed; earlier checkpoints are intact.
         """
+        import torch.distributed.checkpoint as dcp
+
         self.wait()
         tmp, self.written_step = self.directory / f".step_{step:09d}.tmp", step
         if self.is_main:
@@ -223,9 +219,11 @@ class ShardedCheckpoints:
 
     def _guard(self, write: Any) -> Any:
         """Run ``write``; an OSError or DCP's error becomes one line, earlier ones intact."""
+        from torch.distributed.checkpoint import CheckpointException
+
         try:
             return write()
-        except (OSError, dcp.CheckpointException) as err:
+        except (OSError, CheckpointException) as err:
             cause = err.strerror if isinstance(err, OSError) and err.strerror else one_line(err, 80)
             raise TrainkitError(
                 f"cannot write a checkpoint ({cause}); existing checkpoints are intact: free disk "
@@ -305,9 +303,11 @@ def read_meta(path: str | Path, *, key: str = "checkpoint.resume") -> dict[str, 
     if not (path / ".metadata").is_file() or not (path / META_FILE).is_file():
         raise TrainkitError(f"{path} is not a complete sharded checkpoint (no .metadata or "
                             f"{META_FILE}: an unfinished save, or another folder)")
+    from torch.distributed.checkpoint import FileSystemReader
+
     try:
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
-        storage = dcp.FileSystemReader(path).read_metadata()
+        storage = FileSystemReader(path).read_metadata()
     except Exception as err:
         raise TrainkitError(f"checkpoint {path} cannot be read ({one_line(err, 80)})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -326,20 +326,22 @@ def read_meta(path: str | Path, *, key: str = "checkpoint.resume") -> dict[str, 
 
 def _writer(tmp: Path, step: int) -> dcp.FileSystemWriter:
     """DCP's writer with fsynced files; the test-only killing one where the test asked."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
     rank = dist.get_rank() if _distributed() else 0
-    if os.environ.get(KILL_IN_WRITE_ENV, "") == f"{step}:{rank}":
-        return _KilledAfterItsShard(tmp, sync_files=True)
-    return dcp.FileSystemWriter(tmp, sync_files=True)
+    if os.environ.get(KILL_IN_WRITE_ENV, "") != f"{step}:{rank}":
+        return FileSystemWriter(tmp, sync_files=True)
 
+    class KilledAfterItsShard(FileSystemWriter):
+        """Test-only (:data:`KILL_IN_WRITE_ENV`): writes this rank's shard, then SIGKILLs
+        itself -- before the results reach rank 0, so no ``.metadata`` is ever written."""
 
-class _KilledAfterItsShard(dcp.FileSystemWriter):
-    """Test-only (:data:`KILL_IN_WRITE_ENV`): writes this rank's shard, then SIGKILLs itself --
-    before the results reach rank 0, so no ``.metadata`` is ever written."""
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            import signal
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        import signal
+            written = super().write_data(plan, planner)
+            written.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+            return written
 
-        written = super().write_data(plan, planner)
-        written.wait()
-        os.kill(os.getpid(), signal.SIGKILL)
-        return written
+    return KilledAfterItsShard(tmp, sync_files=True)

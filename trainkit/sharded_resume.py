@@ -19,17 +19,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
+# torch.distributed.checkpoint is imported where used: with FSDP and sympy it costs ~0.8 s,
+# which a run without sharded checkpoints should not pay at start-up.
 from trainkit import rng
 from trainkit.checkpoint import save_atomic, weight_differences
 from trainkit.ema import EMA
@@ -43,6 +36,8 @@ log = logging.getLogger("trainkit")
 def tensor_state(model: nn.Module, optimizer: Any, ema: EMA | None) -> dict[str, Any]:
     """What DCP writes, and loads in place: the model's and optimizer's state keyed by
     parameter name (DTensor shards under FSDP, plain tensors otherwise), and the EMA weights."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     if ema is not None:
@@ -59,6 +54,8 @@ def load_tensors(meta: Mapping[str, Any], model: nn.Module, optimizer: Any, ema:
     Raises:
         TrainkitError: the checkpoint does not fit this model or optimizer.
     """
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     path, saved = meta["_path"], meta["_tensors"]
     state = tensor_state(model, optimizer, ema)
     _check_fits(path, state["model"], saved, key)
@@ -73,6 +70,8 @@ def load_tensors(meta: Mapping[str, Any], model: nn.Module, optimizer: Any, ema:
 def load_weights(meta: Mapping[str, Any], model: nn.Module, ema: EMA | None) -> bool:
     """Only the model's (and the EMA's) weights from a directory (``checkpoint.init_from``);
     returns whether EMA weights were loaded."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     _check_fits(meta["_path"], state["model"], meta["_tensors"], "checkpoint.init_from")
     if ema is not None and any(name.startswith("ema.") for name in meta["_tensors"]):
@@ -84,6 +83,8 @@ def load_weights(meta: Mapping[str, Any], model: nn.Module, ema: EMA | None) -> 
 
 def _load(path: str, state: dict[str, Any], group: Any) -> None:
     """DCP's load in place, its error as one line."""
+    import torch.distributed.checkpoint as dcp
+
     single = not (dist.is_available() and dist.is_initialized())
     try:
         with _quiet_single_process():
@@ -97,6 +98,8 @@ def _load(path: str, state: dict[str, Any], group: Any) -> None:
 def load_full_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     """Full (unsharded) weights, a ``.pt`` file's, into a sharded model: each rank keeps its
     shard of them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True))
 
 
@@ -143,6 +146,8 @@ def carry_over(meta: Mapping[str, Any], state: TrainState, *, rank: int, world_s
 def load_full(path: str | Path, *, key: str = "checkpoint") -> dict[str, Any]:
     """A whole sharded checkpoint in this process (no process group): ``trainkit.pt``'s state
     with ``model``, ``optimizer`` and ``ema["weights"]`` filled in as plain tensors."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     meta = read_meta(path, key=key)
     fd, raw = tempfile.mkstemp(prefix=".consolidate-", suffix=".tmp")
     os.close(fd)
