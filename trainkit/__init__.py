@@ -6,7 +6,7 @@ piece: devices, data loaders, mixed precision, the step, EMA, checkpoints, preem
 
 import gc as _gc
 
-# Importing torch (first, through the imports below) makes ~0.5 M long-lived objects, and the
+# Importing torch (first, through the imports below) makes ~200 k long-lived objects, and the
 # allocations trigger full collections that walk all of them: three during `import trainkit`,
 # 0.3-0.8 s of a 2-core machine's time, freeing nothing (modules, classes and functions are not
 # garbage). The collector is paused for the imports only and its state restored after.
