@@ -29,9 +29,21 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path) -> Path:
     run_dir = tmp_path_factory.mktemp("run")
-    result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_epochs=2"))
+    # PYTHONPROFILEIMPORTTIME: the run's stderr lists every module it imported
+    result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_epochs=2"),
+                       env=offline_env(PYTHONPROFILEIMPORTTIME="1"))
     assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir.parent / f"{run_dir.name}-imports.txt").write_text(result.stderr)
     return run_dir
+
+
+def test_run_skips_the_heavy_imports_it_does_not_use(finished_run: Path) -> None:
+    # torch._dynamo (via any torch.optim optimizer) and torchmetrics (which imports torchvision
+    # and dynamo) cost seconds of a short run: the default AdamW and accuracy are trainkit's own
+    lines = (finished_run.parent / f"{finished_run.name}-imports.txt").read_text().splitlines()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time")}
+    assert "torch" in imported and "trainkit.trainer" in imported  # the listing is complete
+    assert not imported & {"torch._dynamo", "torchmetrics", "torchvision", "sympy"}
 
 
 def test_summary_follows_the_contract(finished_run: Path) -> None:
