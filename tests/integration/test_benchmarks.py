@@ -86,8 +86,9 @@ def test_mnist_e2e_quick() -> None:
 def test_checkpoint_quick() -> None:
     result = _run("benchmarks.checkpoint")
     assert 0.5 < result["state_mb"] < 2
-    assert set(result["median_s"]) == {"bare", "bare_fsync", "save_atomic", "manager",
-                                       "async_blocked"}
+    assert set(result["median_s"]) == {"durable", "bare", "manager", "async_blocked"}
+    assert result["rows"][0]["name"] == "checkpoint: manager.save/durable torch.save"
+    assert result["rows"][0]["value"] == result["ratios"]["manager/durable"]
     assert all(map(_positive, result["ratios"].values()))
     _check_samples(result["samples"], result["rounds"])
     _check_rows(result["rows"])
