@@ -351,10 +351,7 @@ class Trainer:
                 run.ema.update()
         else:
             self.state.skipped_steps += 1
-        if result.finite:  # the common case without a call
-            self.state.nonfinite_streak = 0
-        else:
-            self._guard.count(False, result.value)
+        self._guard.count(result.finite, result.value)
 
     @watched("evaluation")
     def _validate(self, run: _Run, data: Iterable[Any],
