@@ -4,6 +4,8 @@ Each benchmark module has ``main(argv) -> dict`` and alternates its sides itself
 only calls them one after another, adds a description of the machine, writes everything to
 ``benchmarks/results.json`` and prints one line per headline ratio with its goal. A benchmark
 that fails is reported as failed, the others still run, and the runner then exits non-zero.
+With ``--only``, the file keeps the other benchmarks' last results (its table, all of them) and
+the new ones replace theirs; the machine description is this run's.
 
 ``--quick`` checks that every benchmark runs, on sizes too small to say anything about speed:
 it writes ``benchmarks/results.quick.json`` (ignored by git), never the tracked results of the
@@ -63,7 +65,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(sorted(unknown))}; have {', '.join(NAMES)}")
     results: dict[str, Any] = {"machine": machine(), "quick": args.quick, "benchmarks": {}}
-    rows: list[dict[str, Any]] = []
     for name in wanted:
         print(f"== {name}", flush=True)
         try:
@@ -78,8 +79,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.quick:  # tiny sizes measure nothing: a goal met or missed there means nothing
             result["rows"] = [{**r, "met": None} if r["value"] is not None else r
                               for r in result["rows"]]
-        rows += result["rows"]
-    results["table"] = rows
+    if set(wanted) != set(NAMES):  # --only: the other benchmarks' last results stay in the file
+        results["benchmarks"] = {**_previous(args.out, args.quick), **results["benchmarks"]}
+    results["table"] = [r for name in NAMES for r in results["benchmarks"].get(name, {}).get(
+        "rows", [])]
+    rows = [r for name in wanted for r in results["benchmarks"][name]["rows"]]
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print()
     print(table(rows))
@@ -91,6 +95,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"benchmarks failed: {', '.join(failed)} (reasons above and in "
                          f"{args.out})")
     return results
+
+
+def _previous(path: Path, quick: bool) -> dict[str, Any]:
+    """The benchmarks of the results file this run updates; none when it is missing, of the
+    other kind (quick or full) or unreadable."""
+    try:
+        previous = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if previous.get("quick") != quick:
+        return {}
+    return {name: result for name, result in previous.get("benchmarks", {}).items()
+            if name in NAMES}
 
 
 def _failed(name: str, reason: str) -> dict[str, Any]:

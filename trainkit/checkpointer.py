@@ -294,6 +294,17 @@ class Checkpointer:
         every = self.config.every_n_steps
         return time_due or bool(every and step % every == 0)
 
+    def next_due(self, step: int) -> int:
+        """The first step after ``step`` that ``checkpoint.every_n_steps`` saves at; 0 when none
+        does. The loop compares each step with it: one comparison instead of a call per step."""
+        every = self.config.every_n_steps
+        return (step // every + 1) * every if every else 0
+
+    @property
+    def saves_by_time(self) -> bool:
+        """Whether ``checkpoint.every_n_minutes`` is set (:meth:`time_due` can ever be true)."""
+        return bool(self.config.every_n_minutes)
+
     def time_due(self) -> bool:
         """Whether ``checkpoint.every_n_minutes`` passed since the last save, by rank 0's clock."""
         minutes = self.config.every_n_minutes

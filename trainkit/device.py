@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -113,7 +113,20 @@ def move_to_device(batch: T, device: torch.device | str) -> T:
         'a'
     """
     device = device if isinstance(device, torch.device) else torch.device(device)
+    if type(batch) in _FLAT and _all_on(batch, device):
+        return batch  # already placed (a prefetcher's, a CPU run's): no walk, no allocation
     return tree_map(functools.partial(_move, device=device), batch)
+
+
+_FLAT = (tuple, list)  # the common batch, ``(inputs, targets)``: checked without the walker
+
+
+def _all_on(batch: tuple[Any, ...] | list[Any], device: torch.device) -> bool:
+    """Whether every item of a flat batch is a tensor already on ``device``."""
+    for item in batch:  # noqa: SIM110 (all() over a generator allocates one per batch)
+        if not isinstance(item, torch.Tensor) or item.device != device:
+            return False
+    return True
 
 
 def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

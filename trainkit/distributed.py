@@ -239,13 +239,16 @@ class StepVote:
 
     Args:
         stop: whether this rank wants to stop (a signal arrived).
-        save_due: whether this rank's clock says a time-based checkpoint is due.
+        save_due: whether this rank's clock says a time-based checkpoint is due; None when
+            the run saves by time never.
     """
 
-    def __init__(self, stop: Callable[[], bool], save_due: Callable[[], bool]) -> None:
-        self._stop, self._save_due = stop, save_due
+    def __init__(self, stop: Callable[[], bool], save_due: Callable[[], bool] | None) -> None:
+        self._stop = stop
+        self._save_due = save_due or _never  # None: no time-based saves
         self._agreed: tuple[bool, bool] | None = None
         self.active = is_distributed()
+        self._timed = save_due is not None
 
     def nonfinite(self, local: bool | torch.Tensor) -> bool | torch.Tensor:
         """Whether any rank's loss was NaN/inf; also agrees on stopping and saving.
@@ -266,12 +269,21 @@ class StepVote:
     def stop_and_save(self) -> tuple[bool, bool]:
         """``(stop, save)`` as all ranks agreed for the step just taken."""
         if not self.active:  # one process: nothing to agree on (this runs every step)
+            if not self._timed:  # no call, no new tuple
+                return _STOP if self._stop() else _GO
             return self._stop(), self._save_due()
         if self._agreed is None:
             _, stop, save = any_rank(False, self._stop(), self._save_due())
             return stop, save
         agreed, self._agreed = self._agreed, None
         return agreed
+
+
+_STOP, _GO = (True, False), (False, False)
+
+
+def _never() -> bool:
+    return False
 
 
 def shared_run_dir(run_dir: str | None = None) -> str | None:

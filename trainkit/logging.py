@@ -23,7 +23,8 @@ def setup_logging(run_dir: str | Path | None, is_main: bool = True) -> logging.L
     errors only.
     """
     logger = logging.getLogger(LOGGER_NAME)
-    logger.setLevel(logging.INFO)
+    if logger.level != logging.INFO:  # setLevel clears every logger's cache, even when equal
+        logger.setLevel(logging.INFO)
     logger.propagate = False
     log_file = str(Path(run_dir).resolve() / "train.log") if run_dir and is_main else None
     if any(getattr(h, "_trainkit_file", "unset") == log_file for h in logger.handlers):

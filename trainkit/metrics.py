@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -10,6 +11,16 @@ import psutil
 import torch
 
 from trainkit.device import GIB, memory_stats
+
+_processes: dict[int, psutil.Process] = {}
+
+
+def _this_process() -> psutil.Process:
+    """This process's psutil handle, made once per process (a fork gets its own): ~20 us."""
+    pid = os.getpid()
+    if pid not in _processes:
+        _processes[pid] = psutil.Process(pid)
+    return _processes[pid]
 
 
 class DeviceMean:
@@ -77,7 +88,7 @@ class StepMeter:
         self.device = device
         self.loss = DeviceMean()
         self.grad_norm = DeviceMean()
-        self._process = psutil.Process()
+        self._process = _this_process()
         self.cuda_peak_gib = 0.0  # largest window peak so far (each window resets torch's)
         self.restart()
 

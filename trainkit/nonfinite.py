@@ -93,6 +93,8 @@ class NonFiniteGuard:
                  device: torch.device | str = "cpu") -> None:
         self.patience, self.state, self._saved = patience, state, saved
         self._always = torch.device(device).type in HOST_READS_FREE
+        # every step reads its check on the host (the CPU): on_host needs no call
+        self.host_every_step = patience > 0 and self._always
         self.counter = NonFiniteCounter()
 
     def on_host(self, wait_anyway: bool) -> bool:
@@ -109,7 +111,8 @@ class NonFiniteGuard:
     def add(self, result: Any, read_first: bool) -> NonFiniteTally | None:
         """Take a step's result; with ``read_first``, first read what the device counted (the
         steps before it, which this one may extend a streak of) and return that."""
-        tally = self.read() if read_first else None
+        # nothing counted on the device (always so on the CPU): no read, no tally
+        tally = self.read() if read_first and self.counter.pending else None
         if result.finite_flag is not None:
             self.counter.add(result.finite_flag)
         return tally

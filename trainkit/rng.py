@@ -22,22 +22,32 @@ def mix_seed(*keys: int) -> int:
     return h >> 1  # torch.Generator.manual_seed takes up to 2**63 - 1 without wrapping
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's (CPU and every CUDA device) generators."""
+def seed_everything(seed: int, *, accelerators: bool = True) -> None:
+    """Seed Python's, NumPy's and torch's (CPU and every CUDA device) generators.
+
+    ``accelerators=False`` seeds torch's CPU generator only: ``torch.manual_seed`` also queues
+    a seed for each accelerator backend not started yet, recording the caller's stack for each
+    (~0.5 ms), which a run on the CPU draws nothing from.
+    """
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    if accelerators:
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
 
 
-def seed_rank(rank: int, seed: int | None = None) -> None:
+def seed_rank(rank: int, seed: int | None = None, *,
+              device: torch.device | None = None) -> None:
     """Give this rank its own random stream, derived from ``seed`` (default: the seed in use)
-    and the rank.
+    and the rank; on a CPU ``device``, the CPU's generators only.
 
     Every rank of a DDP job seeds alike so that models start equal; left so, every rank would
     then draw the same dropout masks (and other random numbers) for its different samples. The
     stream differs from ``seed_everything(seed)``'s, which built the model's initial weights.
     """
-    seed_everything(mix_seed(torch.initial_seed() if seed is None else seed, rank))
+    seed_everything(mix_seed(torch.initial_seed() if seed is None else seed, rank),
+                    accelerators=device is None or device.type != "cpu")
 
 
 def get_rng_state() -> dict[str, Any]:

@@ -102,24 +102,15 @@ def train_window(
     normal step, never by a bad gradient). ``finite_flag`` says which it was, unread; ``agree``
     then takes and returns a tensor.
     """
-    sizes = [batch_size(b) for b in window]
-    total = sum(sizes)
-    last = len(window) - 1
-    losses = []
-    for i, batch in enumerate(window):
-        batch = move_to_device(batch, device)
-        # Only the last micro-batch's backward all-reduces gradients under DDP.
-        with _SYNC if i == last else sync_gradients(model, sync=False):
-            with precision.autocast():
-                outputs, targets = forward(model, batch)
-                loss = criterion(outputs, targets)
-            if last > 0:  # several micro-batches: weight each by its share of the samples
-                loss = loss * (sizes[i] / total)
-            precision.backward(loss)
+    if len(window) == 1:  # the common case: no weighting, no no_sync, nothing to add up
+        batch = window[0]
+        total = batch_size(batch)
+        loss = _loss(model, move_to_device(batch, device), precision, criterion, forward)
+        precision.backward(loss)
         # In place when allowed: a new detached tensor costs ~1% of a tiny model's step.
-        losses.append(loss.detach_() if loss._base is None else loss.detach())
-    # Weighted micro-batch losses add up to the window's mean; a single batch needs no op.
-    loss = losses[0] if last == 0 else torch.stack(losses).sum()
+        loss = loss.detach_() if loss._base is None else loss.detach()
+    else:
+        loss, total = _accumulate(model, window, precision, criterion, forward, device)
     value = None
     if check_finite:
         value = loss.item()  # host sync (see docstring)
@@ -128,7 +119,7 @@ def train_window(
             nonfinite = agree(nonfinite)
         if nonfinite:
             optimizer.zero_grad(set_to_none=True)
-            return StepResult(loss, None, False, total, finite=False, value=value)
+            return StepResult(loss, None, False, total, False, value)
     finite_flag = None
     if guard_finite and not check_finite:
         finite_flag = _drop_nonfinite_gradients(optimizer, loss, agree)
@@ -146,6 +137,37 @@ def train_window(
     stepped = precision.step(optimizer)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss, grad_norm, stepped, total, True, value, finite_flag)
+
+
+def _loss(model: nn.Module, batch: Batch, precision: Precision, criterion: Criterion,
+          forward: Forward) -> torch.Tensor:
+    """One micro-batch's forward pass and loss, under autocast when the precision has one."""
+    if precision.dtype is None:  # fp32: no context to enter (this runs every micro-step)
+        outputs, targets = forward(model, batch)
+        return criterion(outputs, targets)
+    with precision.autocast():
+        outputs, targets = forward(model, batch)
+        return criterion(outputs, targets)
+
+
+def _accumulate(model: nn.Module, window: Sequence[Batch], precision: Precision,
+                criterion: Criterion, forward: Forward,
+                device: torch.device) -> tuple[torch.Tensor, int]:
+    """Forward/backward each micro-batch of a window of several, each loss weighted by its share
+    of the samples; returns the window's mean loss (detached) and its sample count."""
+    sizes = [batch_size(b) for b in window]
+    total = sum(sizes)
+    last = len(window) - 1
+    losses = []
+    for i, batch in enumerate(window):
+        batch = move_to_device(batch, device)
+        # Only the last micro-batch's backward all-reduces gradients under DDP.
+        with _SYNC if i == last else sync_gradients(model, sync=False):
+            loss = _loss(model, batch, precision, criterion, forward) * (sizes[i] / total)
+            precision.backward(loss)
+        losses.append(loss.detach_())  # the product is no view: detached in place
+    # Weighted micro-batch losses add up to the window's mean.
+    return torch.stack(losses).sum(), total
 
 
 def _drop_nonfinite_gradients(optimizer: torch.optim.Optimizer, loss: torch.Tensor,

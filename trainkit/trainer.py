@@ -204,7 +204,7 @@ class Trainer:
         setup_logging(self.run_dir, self.runtime.is_main)  # this run's train.log, or none
         model = self._prepare_model(model, optimizer)  # DDP/FSDP: rank 0's weights everywhere
         # Training's random draws (dropout, ...) follow from config.seed, each rank its own.
-        rng.seed_rank(self.runtime.rank, self.config.seed)
+        rng.seed_rank(self.runtime.rank, self.config.seed, device=self.runtime.device)
         ema = EMA(model, self.config.ema_decay) if self.config.ema_decay else None
         started = time.perf_counter()
         total_steps = self.planned_steps(len(train_data))
@@ -258,10 +258,12 @@ class Trainer:
         model = torch.compile(run.model) if cfg.compile else run.model
         run.meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
-        vote = StepVote(stop=lambda: preemption.requested, save_due=self.checkpointer.time_due)
-        self._guard = NonFiniteGuard(cfg.nonfinite_patience, state, self.checkpointer.last_saved,
+        checkpointer = self.checkpointer
+        vote = StepVote(stop=lambda: preemption.requested,
+                        save_due=checkpointer.time_due if checkpointer.saves_by_time else None)
+        self._guard = NonFiniteGuard(cfg.nonfinite_patience, state, checkpointer.last_saved,
                                      self.runtime.device)
-        self._logged_at = time.monotonic()
+        self._logged_at = time.perf_counter()
         results: dict[str, float] = {}
         while state.global_step < run.total_steps and state.epoch < cfg.max_epochs:
             set_epoch(run.data, state.epoch, state.batch_in_epoch)
@@ -280,28 +282,32 @@ class Trainer:
 
     def _epoch(self, run: _Run, model: nn.Module, vote: StepVote) -> bool:
         """One pass over the data (what is left of it); True when the run stopped in it."""
-        state, checkpointer = self.state, self.checkpointer
+        state, checkpointer, meter = self.state, self.checkpointer, run.meter
+        clock = time.perf_counter
         batches = len(run.data)
         run.model.train()
         agree = vote.nonfinite if vote.active else None
-        fetched = time.perf_counter()
+        next_save = checkpointer.next_due(state.global_step)  # one comparison per step
+        fetched = clock()
         for window in windows(run.data, self.config.accumulate_grad_batches):
             # Blocked on the data since the last step ended (time/data_wait_pct).
-            run.meter.data_wait += time.perf_counter() - fetched
+            meter.data_wait += clock() - fetched
             self._step(run, model, window, batches, agree)
+            step = state.global_step
             stop, time_due = vote.stop_and_save()
-            if stop or state.global_step == run.stop_at_step:
+            if stop or step == run.stop_at_step:
                 self._guard.stop_if_diverged()  # counted before the save
-                checkpointer.save(state.global_step)
+                checkpointer.save(step)
                 say = log.warning if self.runtime.is_main else log.info  # once per job
-                say("stopped at step %d; re-run the same command to resume", state.global_step)
+                say("stopped at step %d; re-run the same command to resume", step)
                 return True
-            # a save never follows NaN/inf steps the host has not counted
-            checkpointer.step_done(state.global_step, time_due=time_due,
-                                   may_save=self._guard.steady)
-            if state.global_step >= run.total_steps:
+            if time_due or step == next_save:
+                # a save never follows NaN/inf steps the host has not counted
+                checkpointer.step_done(step, time_due=time_due, may_save=self._guard.steady)
+                next_save = checkpointer.next_due(step)
+            if step >= run.total_steps:
                 break
-            fetched = time.perf_counter()
+            fetched = clock()
         return False
 
     def _step(self, run: _Run, model: nn.Module, window: list[Any], batches_per_epoch: int,
@@ -309,8 +315,9 @@ class Trainer:
         """One optimizer step over ``window``, counted, metered and logged."""
         cfg, state, guard = self.config, self.state, self._guard
         step = state.global_step + 1
-        on_host = guard.on_host(step % cfg.log_every_n_steps == 0 or step >= run.total_steps
-                                or self.checkpointer.due(step) or step == run.stop_at_step)
+        on_host = guard.host_every_step or guard.on_host(
+            step % cfg.log_every_n_steps == 0 or step >= run.total_steps
+            or self.checkpointer.due(step) or step == run.stop_at_step)
         result = train_window(
             model, window, optimizer=run.optimizer, precision=self.precision,
             criterion=run.criterion, forward=run.forward, device=self.runtime.device,
@@ -328,11 +335,11 @@ class Trainer:
         run.meter.add(result.samples, loss if result.finite else None,
                       result.grad_norm if result.stepped else None, result.finite_flag)
         run.progress.step()
-        if state.global_step % cfg.log_every_n_steps == 0 or (
+        if step % cfg.log_every_n_steps == 0 or (
                 cfg.log_every_n_seconds
-                and time.monotonic() - self._logged_at >= cfg.log_every_n_seconds):
+                and time.perf_counter() - self._logged_at >= cfg.log_every_n_seconds):
             self._log_train(run)
-            self._logged_at = time.monotonic()
+            self._logged_at = time.perf_counter()
 
     def _count(self, result: StepResult, run: _Run, batches: int, per_epoch: int) -> None:
         """Advance the counters, scheduler and EMA after one step (or skipped step)."""

@@ -2,9 +2,9 @@
 
 A stuck rank (a DataLoader worker deadlock, a full network disk, a collective one rank never
 reaches) freezes every rank of a DDP job without a word: gloo waits for ever, NCCL until its
-timeout. The loop calls :meth:`Watchdog.beat` after every step, which only stores the step and
-the time in an attribute; a thread per process looks every few seconds, and when no step has
-completed for the limit:
+timeout. The loop calls :meth:`Watchdog.beat` after every step, which only stores the step in
+an attribute; a thread per process looks every few seconds (dating a step by the look that first
+sees it), and when no step has completed for the limit:
 
 - this process appends every thread's Python stack to ``<run_dir>/hangs/rank<R>.txt``;
 - rank 0 logs one line naming the ranks that are behind, the step each last completed and where
@@ -95,8 +95,9 @@ class Watchdog:
         self._reset()
 
     def beat(self, step: int) -> None:
-        """Record that ``step`` just completed: two attribute stores, nothing else."""
-        self._beat = (step, time.monotonic())
+        """Record that ``step`` just completed: one attribute store, nothing else (no clock: the
+        watching thread dates the step by the look that first sees it, at most a poll late)."""
+        self._step = step
 
     @contextlib.contextmanager
     def busy(self, kind: str) -> Iterator[None]:
@@ -109,7 +110,7 @@ class Watchdog:
             now = time.monotonic()
             self._slowest[kind] = max(self._slowest.get(kind, 0.0), now - started)
             if len(self._busy) == 1:  # the step clock restarts after the pause...
-                self._beat = (self._beat[0], now)
+                self._since = now
             self._busy = self._busy[:-1]  # ...before the pause ends: the thread reads _busy first
 
     def limit(self, kind: str = "step") -> float:
@@ -146,7 +147,7 @@ class Watchdog:
         self._thread = None
         self._arm_fallback(None)
         if kind is None and (self._reported or self._hang):  # it ended before the next look
-            self._recovered(self._beat[0])
+            self._recovered(self._step)
 
     def _recovered(self, step: int | None) -> None:
         if self.rank == 0:
@@ -158,7 +159,9 @@ class Watchdog:
     # -- the watchdog thread ------------------------------------------------------------------
 
     def _reset(self) -> None:
-        self._beat: tuple[int | None, float] = (None, time.monotonic())  # (step, when)
+        self._step: int | None = None  # the last completed step (the loop's beat)
+        self._since = time.monotonic()  # the step clock's start: the fit's, or a pause's end
+        self._noticed: tuple[int | None, float] = (None, 0.0)  # (step, the look that first saw it)
         self._busy: tuple[tuple[str, float], ...] = ()  # (kind, since), outermost first
         self._hang: dict[str, Any] | None = None  # this process's hang, while it lasts
         self._reported = False  # rank 0: the hang line is out and no recovery line yet
@@ -177,8 +180,11 @@ class Watchdog:
             self._arm_fallback(None)
 
     def _look(self, now: float) -> None:
-        busy = self._busy  # read before _beat: busy() sets _beat before it clears _busy
-        step, at = self._beat
+        busy = self._busy  # read before _since: busy() sets _since before it clears _busy
+        restarted, step = self._since, self._step
+        if step != self._noticed[0]:  # a step completed since the last look: about now
+            self._noticed = (step, now)
+        at = max(self._noticed[1], restarted)
         if busy:
             kind, since = busy[0]
             self._seen = (step, 0.0)

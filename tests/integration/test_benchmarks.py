@@ -86,8 +86,9 @@ def test_mnist_e2e_quick() -> None:
 def test_checkpoint_quick() -> None:
     result = _run("benchmarks.checkpoint")
     assert 0.5 < result["state_mb"] < 2
-    assert set(result["median_s"]) == {"bare", "bare_fsync", "save_atomic", "manager",
-                                       "async_blocked"}
+    assert set(result["median_s"]) == {"durable", "bare", "manager", "async_blocked"}
+    assert result["rows"][0]["name"] == "checkpoint: manager.save/durable torch.save"
+    assert result["rows"][0]["value"] == result["ratios"]["manager/durable"]
     assert all(map(_positive, result["ratios"].values()))
     _check_samples(result["samples"], result["rounds"])
     _check_rows(result["rows"])
@@ -155,6 +156,9 @@ def test_gpu_quick_runs_its_code_on_the_cpu(tmp_path: Path) -> None:
 
 def test_runner_quick_writes_json_and_table(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
+    # an earlier quick run's gpu result: a run of other benchmarks (--only) keeps it
+    earlier = {"name": "gpu: earlier", "value": 1.0, "unit": "x", "goal": "-", "met": None}
+    out.write_text(json.dumps({"quick": True, "benchmarks": {"gpu": {"rows": [earlier]}}}))
     # mnist_e2e is covered above; here the runner's aggregation.
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--only", "overhead,loaders,checkpoint",
@@ -164,10 +168,12 @@ def test_runner_quick_writes_json_and_table(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(out.read_text())
     assert {"cpu", "logical_cores", "torch", "date"} <= set(results["machine"])
-    assert set(results["benchmarks"]) == {"overhead", "loaders", "checkpoint"}
+    assert set(results["benchmarks"]) == {"overhead", "loaders", "checkpoint", "gpu"}
     assert "skipped" not in results["benchmarks"]["loaders"]
     _check_rows(results["table"])
-    assert "checkpoint: manager.save/torch.save" in proc.stdout
+    assert results["table"][-1] == earlier  # the table in the runner's order, gpu last
+    assert "checkpoint: manager.save/durable torch.save" in proc.stdout
+    assert "gpu: earlier" not in proc.stdout  # the printed table: this run's rows
     assert "results written to" in proc.stdout
 
 

@@ -86,11 +86,12 @@ def test_the_automatic_limit_grows_with_the_slowest_step_seen() -> None:
     assert (watchdog.limit("step"), watchdog.limit("first step")) == (300, 900)
     assert watchdog.limit("evaluation") == watchdog.limit("checkpoint") == 1800
     watchdog._owner = threading.get_ident()
-    start = time.monotonic()  # step 1 ends; step 2 takes 41 s, seen 40 s in by a look
-    watchdog._beat = (1, start)
+    start = time.monotonic()  # step 1 ends, seen by a look; step 2 is seen 40 s in, then ends
+    watchdog.beat(1)
     try:
+        watchdog._look(start)
         watchdog._look(start + 40)
-        watchdog._beat = (2, start + 41)
+        watchdog.beat(2)
         watchdog._look(start + 42)
     finally:
         watchdog._arm_fallback(None)  # each look armed faulthandler's timer in this process
