@@ -296,7 +296,11 @@ class Checkpointer:
 
     def next_due(self, step: int) -> int:
         """The first step after ``step`` that ``checkpoint.every_n_steps`` saves at; 0 when none
-        does. The loop compares each step with it: one comparison instead of a call per step."""
+        does. The loop compares each step with it: one comparison instead of a call per step.
+        While an async sharded save awaits its publication, the next step: :meth:`step_done`
+        then polls it, so ``last`` points at it as soon as it is on disk."""
+        if self._sharded is not None and self._sharded.in_flight:
+            return step + 1
         every = self.config.every_n_steps
         return (step // every + 1) * every if every else 0
 

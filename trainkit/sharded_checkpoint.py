@@ -151,6 +151,11 @@ class ShardedCheckpoints:
             if best:
                 self._guard(lambda: _point(self.best, target))
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether an async save is written or waits for :meth:`poll` to publish it."""
+        return self._pending is not None
+
     def poll(self) -> None:
         """Publish an async save that has ended (cheap when none has: checks a future)."""
         if self._pending is not None and self._pending[0].done():
