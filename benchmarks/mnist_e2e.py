@@ -1,7 +1,7 @@
 """Time to accuracy: `python -m trainkit.train +exp=mnist` vs the classic MNIST script.
 
     python -m benchmarks.mnist_e2e                      # real MNIST under TRAINKIT_DATA_DIR
-    python -m benchmarks.mnist_e2e --seeds 0,1,2,3,4    # every seed's accuracy, 3 rounds
+    python -m benchmarks.mnist_e2e --seeds 0            # one seed, one round
     python -m benchmarks.mnist_e2e --quick              # generated files, a few steps
 
 Both sides are timed the same way, from process start to exit (interpreter, imports, data,
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of trainkit, classic, classic, trainkit; default: enough "
                              "for each seed to run once")
-    parser.add_argument("--seeds", default="0",
+    parser.add_argument("--seeds", default="0,1,2,3,4",
                         help="comma-separated trainer.seed values, taken in turn by trainkit's "
                              "runs")
     parser.add_argument("--quick", action="store_true", help="generated data, a few steps")
