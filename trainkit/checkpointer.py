@@ -36,9 +36,9 @@ from trainkit.async_checkpoint import AsyncCheckpointWriter
 from trainkit.checkpoint import (
     CheckpointManager,
     check_config,
+    check_weights_fit,
     load_checkpoint,
     manifest,
-    weight_differences,
 )
 from trainkit.config import CheckpointConfig
 from trainkit.data.resumable import ResumableData
@@ -170,8 +170,7 @@ class Checkpointer:
         group = self._sharded.group if self._sharded is not None else None
         if sharded_resume.load_tensors(state, self.parts["model"], self.parts["optimizer"],
                                        ema, group) and state.get("ema"):
-            # the weights are in place; the count comes from trainkit.pt
-            ema.load_state_dict({**state["ema"], "weights": ema.state_dict()["weights"]})
+            ema.updates = int(state["ema"]["updates"])  # the weights are in place; the count
         else:
             self._load_ema(None)
 
@@ -190,10 +189,10 @@ class Checkpointer:
         (a run saved sharded can go on in one process)."""
         if self.manager is None:
             return None
-        dirs = self._sharded or ShardedCheckpoints.reader(self.manager.directory)
         if self._sharded is not None:
-            return dirs.latest_meta()
-        return self.manager.load_latest() or dirs.latest_meta()
+            return sharded_checkpoint.latest_meta(self.manager.directory)
+        return (self.manager.load_latest()
+                or sharded_checkpoint.latest_meta(self.manager.directory))
 
     def _load_weights(self, state: Mapping[str, Any], key: str, optimizer: bool = False) -> None:
         model = self.parts["model"]
@@ -202,15 +201,9 @@ class Checkpointer:
                 f"{state.get('_path', self.config.resume)} is a single-file checkpoint: a "
                 "sharded (fsdp) run resumes from a checkpoint directory; start from its weights "
                 "with checkpoint.init_from and checkpoint.resume=null")
-        differences = weight_differences(model.state_dict(), state["model"])
-        if differences:  # torch would list the same, as a traceback
-            fix = ("use the model config it was saved with, another run_dir, or "
-                   "checkpoint.resume=null" if key == "checkpoint.resume" else
-                   "use a checkpoint of this model, or this model's config")
-            raise TrainkitError(
-                f"{key}: the checkpoint does not fit this model ({differences[0]}"
-                f"{f' and {len(differences) - 1} more' if len(differences) > 1 else ''}): {fix}",
-                details=[f"checkpoint: {state.get('_path', '?')}", *differences])
+        # torch would list the same differences, as a traceback
+        check_weights_fit(model.state_dict(), state["model"], key=key,
+                          path=state.get("_path", "?"))
         if fsdp.is_sharded(model):  # each rank keeps its shard of the full weights
             sharded_resume.load_full_weights(model, state["model"])
         else:
@@ -264,7 +257,7 @@ class Checkpointer:
             state = sharded_checkpoint.read_meta(path, key="checkpoint.init_from")
             has_ema = sharded_resume.load_weights(state, self.parts["model"], ema)
             if has_ema and state.get("ema"):  # the weights are in place; now the count
-                ema.load_state_dict({**state["ema"], "weights": ema.state_dict()["weights"]})
+                ema.updates = int(state["ema"]["updates"])
         else:
             state = load_checkpoint(path, key="checkpoint.init_from")
             state["_path"] = path

@@ -248,7 +248,6 @@ class StepVote:
         self._save_due = save_due or _never  # None: no time-based saves
         self._agreed: tuple[bool, bool] | None = None
         self.active = is_distributed()
-        self._timed = save_due is not None
 
     def nonfinite(self, local: bool | torch.Tensor) -> bool | torch.Tensor:
         """Whether any rank's loss was NaN/inf; also agrees on stopping and saving.
@@ -269,7 +268,7 @@ class StepVote:
     def stop_and_save(self) -> tuple[bool, bool]:
         """``(stop, save)`` as all ranks agreed for the step just taken."""
         if not self.active:  # one process: nothing to agree on (this runs every step)
-            if not self._timed:  # no call, no new tuple
+            if self._save_due is _never:  # no call, no new tuple
                 return _STOP if self._stop() else _GO
             return self._stop(), self._save_due()
         if self._agreed is None:

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 log = logging.getLogger("trainkit")
-STRATEGIES = ("auto", "ddp", "fsdp")
 # Parameters (and hence all-gathers and compute) in the low precision; gradients reduced and
 # master weights kept in float32.
 _PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}

@@ -86,15 +86,6 @@ class ShardedCheckpoints:
         self._pending: tuple[Future, int, bool] | None = None
         self.written_step = -1  # the step this process last wrote its part of (not a file test)
 
-    @classmethod
-    def reader(cls, directory: str | Path) -> ShardedCheckpoints:
-        """One that only finds directories to resume from (no group: not a collective)."""
-        self = cls.__new__(cls)
-        self.directory, self.keep_last, self.async_save = Path(directory), 0, False
-        self.distributed, self.is_main, self.group = False, False, None
-        self._pending, self.written_step = None, -1
-        return self
-
     @property
     def last(self) -> Path:
         return self.directory / "last"
@@ -103,13 +94,12 @@ class ShardedCheckpoints:
     def best(self) -> Path:
         return self.directory / "best"
 
-    def step_dirs(self) -> list[Path]:
-        """Complete-by-name checkpoint directories, oldest first."""
-        if not self.directory.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.directory.iterdir()
-                 if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-        return [p for _, p in sorted(found)]
+    def _step_dir(self, step: int) -> Path:
+        return self.directory / f"step_{step:09d}"
+
+    def _tmp_dir(self, step: int) -> Path:
+        """Where ``step_dir(step)`` is written until it is whole."""
+        return self.directory / f".step_{step:09d}.tmp"
 
     # -- saving -------------------------------------------------------------------------------
 
@@ -127,7 +117,7 @@ class ShardedCheckpoints:
         import torch.distributed.checkpoint as dcp
 
         self.wait()
-        tmp, self.written_step = self.directory / f".step_{step:09d}.tmp", step
+        tmp, self.written_step = self._tmp_dir(step), step
         if self.is_main:
             self._guard(lambda: self._clear_leftovers(tmp))
             self._guard(lambda: save_atomic(meta or {}, tmp / META_FILE))
@@ -146,7 +136,7 @@ class ShardedCheckpoints:
         same), and point ``best`` at it when ``best``."""
         self.wait()
         if self.is_main:
-            target = self.directory / f"step_{step:09d}"
+            target = self._step_dir(step)
             self._guard(lambda: save_atomic(meta or {}, target / META_FILE))
             if best:
                 self._guard(lambda: _point(self.best, target))
@@ -182,9 +172,8 @@ class ShardedCheckpoints:
         it, then old directories go -- each only after the one before is durable."""
         if not self.is_main:
             return
-        tmp = self.directory / f".step_{step:09d}.tmp"
-        target = self.directory / f"step_{step:09d}"
-        self._guard(lambda: self._rename_into_place(tmp, target))
+        target = self._step_dir(step)
+        self._guard(lambda: self._rename_into_place(self._tmp_dir(step), target))
         self._guard(lambda: _point(self.last, target))
         if best:
             self._guard(lambda: _point(self.best, target))
@@ -205,7 +194,7 @@ class ShardedCheckpoints:
     def _rotate(self) -> None:
         """Keep the newest ``keep_last`` directories, and whatever ``last``/``best`` name."""
         kept = {_target(self.last), _target(self.best)}
-        for old in self.step_dirs()[: -self.keep_last]:
+        for old in step_dirs(self.directory)[: -self.keep_last]:
             if old.name not in kept:
                 shutil.rmtree(old, ignore_errors=True)
 
@@ -235,25 +224,32 @@ class ShardedCheckpoints:
                 "space or fix permissions, then re-run the same command to resume",
                 details=[f"checkpoint folder: {self.directory}"]) from None
 
-    # -- finding one to resume from -----------------------------------------------------------
+# -- finding one to resume from -------------------------------------------------------------
 
-    def candidates(self) -> list[Path]:
-        """Directories to try when resuming, newest first (``last``'s first)."""
-        dirs = list(reversed(self.step_dirs()))
-        last = _target(self.last)
-        if last is not None:
-            dirs.sort(key=lambda p: p.name != last)  # stable: the rest stay newest first
-        return dirs
 
-    def latest_meta(self) -> dict[str, Any] | None:
-        """The non-tensor part of the newest complete directory; broken ones are skipped with
-        one warning line each."""
-        for path in self.candidates():
-            try:
-                return read_meta(path)
-            except TrainkitError as err:
-                log.warning("skipping unusable checkpoint: %s", err)
-        return None
+def step_dirs(directory: Path) -> list[Path]:
+    """Complete-by-name checkpoint directories in ``directory``, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_meta(directory: str | Path) -> dict[str, Any] | None:
+    """The non-tensor part of the newest complete directory in ``directory`` (``last``'s
+    first); broken ones are skipped with one warning line each. Reads only: no collective."""
+    directory = Path(directory)
+    candidates = list(reversed(step_dirs(directory)))
+    last = _target(directory / "last")
+    if last is not None:
+        candidates.sort(key=lambda p: p.name != last)  # stable: the rest stay newest first
+    for path in candidates:
+        try:
+            return read_meta(path)
+        except TrainkitError as err:
+            log.warning("skipping unusable checkpoint: %s", err)
+    return None
 
 
 def _group(distributed: bool, async_save: bool) -> Any:

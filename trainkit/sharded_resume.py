@@ -24,7 +24,7 @@ from torch import nn
 # torch.distributed.checkpoint is imported where used: with FSDP and sympy it costs ~0.8 s,
 # which a run without sharded checkpoints should not pay at start-up.
 from trainkit import rng
-from trainkit.checkpoint import save_atomic, weight_differences
+from trainkit.checkpoint import check_weights_fit, save_atomic
 from trainkit.ema import EMA
 from trainkit.errors import TrainkitError, one_line
 from trainkit.sharded_checkpoint import _quiet_single_process, read_meta
@@ -104,16 +104,11 @@ def load_full_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> 
 
 
 def _check_fits(path: str, here: Mapping[str, Any], saved: Mapping[str, Any], key: str) -> None:
-    """The same one-line error as for a ``.pt`` file of another model."""
+    """The same one-line error as for a ``.pt`` file of another model (DCP's metadata gives
+    the saved shapes)."""
     shapes = {name[len("model."):]: SimpleNamespace(shape=torch.Size(getattr(md, "size", ())))
               for name, md in saved.items() if name.startswith("model.")}
-    differences = weight_differences(here, shapes)
-    if differences:
-        raise TrainkitError(
-            f"{key}: the checkpoint does not fit this model ({differences[0]}"
-            f"{f' and {len(differences) - 1} more' if len(differences) > 1 else ''}): use the "
-            "model config it was saved with, another run_dir, or checkpoint.resume=null",
-            details=[f"checkpoint: {path}", *differences])
+    check_weights_fit(here, shapes, key=key, path=path)
 
 
 def carry_over(meta: Mapping[str, Any], state: TrainState, *, rank: int, world_size: int,

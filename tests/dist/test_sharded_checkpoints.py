@@ -25,7 +25,7 @@ from tests.conftest import REPO, error_report, offline_env, run_train
 from tests.dist.nets import FlatNet
 from tests.dist.test_torchrun import torchrun_command
 from tests.fakes import write_fake_mnist
-from trainkit.sharded_checkpoint import KILL_IN_WRITE_ENV, ShardedCheckpoints
+from trainkit.sharded_checkpoint import KILL_IN_WRITE_ENV, latest_meta
 from trainkit.sharded_resume import load_full
 
 pytestmark = pytest.mark.dist
@@ -201,7 +201,7 @@ def test_resume_skips_a_broken_newest_directory_with_one_warning(
     shard.write_bytes(shard.read_bytes()[:100])  # truncated: the index names bytes beyond it
     (checkpoints / ".step_000000010.tmp").mkdir()  # a save that died: never a candidate
     with caplog.at_level(logging.WARNING, logger="trainkit"):
-        meta = ShardedCheckpoints.reader(checkpoints).latest_meta()
+        meta = latest_meta(checkpoints)
     assert meta is not None and meta["global_step"] == 6
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "step_000000008 is incomplete (__1_0.distcp" in warned[0]

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from trainkit.errors import TrainkitError
-from trainkit.sharded_checkpoint import FORMAT, META_FILE, ShardedCheckpoints, read_meta
+from trainkit.sharded_checkpoint import (
+    FORMAT,
+    META_FILE,
+    ShardedCheckpoints,
+    latest_meta,
+    read_meta,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -35,7 +41,7 @@ def test_rotation_keeps_the_newest_and_the_best_and_last_names_the_newest(tmp_pa
     assert os.readlink(tmp_path / "best") == "step_000000002"
     meta = read_meta(tmp_path / "last")
     assert meta["global_step"] == 4 and "model.w" in meta["_tensors"]
-    assert ShardedCheckpoints.reader(tmp_path).latest_meta()["global_step"] == 4
+    assert latest_meta(tmp_path)["global_step"] == 4
 
 
 def test_the_same_step_again_rewrites_only_its_trainkit_file(tmp_path: Path) -> None:

@@ -260,6 +260,23 @@ def weight_differences(here: Mapping[str, Any], saved: Mapping[str, Any]) -> lis
     return [*missing, *extra, *shapes]
 
 
+def check_weights_fit(here: Mapping[str, Any], saved: Mapping[str, Any], *, key: str,
+                      path: Any) -> None:
+    """Raise a one-line error (the differences as details) unless the checkpoint's weights
+    ``saved`` fit a model's ``here`` (both ``{name: anything with .shape}``); ``key`` is the
+    setting that named the checkpoint, ``path`` where it is."""
+    differences = weight_differences(here, saved)
+    if not differences:
+        return
+    fix = ("use the model config it was saved with, another run_dir, or checkpoint.resume=null"
+           if key == "checkpoint.resume" else
+           "use a checkpoint of this model, or this model's config")
+    raise TrainkitError(
+        f"{key}: the checkpoint does not fit this model ({differences[0]}"
+        f"{f' and {len(differences) - 1} more' if len(differences) > 1 else ''}): {fix}",
+        details=[f"checkpoint: {path}", *differences])
+
+
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """``"key: old -> new"`` for every leaf that differs between two nested configs."""
     old, new = flatten(saved), flatten(current)
