@@ -19,6 +19,19 @@ from trainkit.signals import PREEMPTION_SIGNALS
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """trainkit's cache (the record of verified dataset files) in the session's temporary
+    folder, for this process and the ones the tests start, not in the user's ~/.cache."""
+    before = os.environ.get("TRAINKIT_CACHE_DIR")
+    os.environ["TRAINKIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        os.environ.pop("TRAINKIT_CACHE_DIR")
+    else:
+        os.environ["TRAINKIT_CACHE_DIR"] = before
+
+
 def hear_preemption_signals() -> None:
     """Undo inherited SIG_IGNs: ``nohup`` ignores SIGHUP and a shell's background job SIGINT, and
     trainkit rightly leaves an ignored signal ignored. For a child the signal tests start (its

@@ -38,10 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     module = importlib.import_module(COMMANDS[command][0])
     if command == "train":
-        # Hydra reads the overrides from sys.argv itself.
+        # Hydra reads the overrides from sys.argv itself; run() ends the process.
         sys.argv = [f"trainkit {command}", *rest]
-        module.main()
-        return 0
+        module.run()
     return int(module.main(rest) or 0)
 
 

@@ -36,6 +36,9 @@ class TrainerConfig:
     channels_last: bool = False
     cudnn_benchmark: bool = True  # CUDA: autotune convolution algorithms per input shape
     tf32: bool = True  # CUDA, Ampere+: float32 matmuls and convolutions in TF32
+    # CPU runs: glibc keeps freed memory for the next step instead of unmapping it (no page
+    # faults per step; see trainkit.cpu_settings)
+    cpu_keep_freed_memory: bool = True
     activation_checkpointing: list[str] = field(default_factory=list)
     # auto: DDP over several ranks; fsdp: weights, gradients and optimizer state sharded (FSDP2)
     strategy: str = "auto"
@@ -81,6 +84,7 @@ class TrainerConfig:
         _check_int("trainer.nonfinite_patience", self.nonfinite_patience, minimum=0)
         _check_bool("trainer.cudnn_benchmark", self.cudnn_benchmark)
         _check_bool("trainer.tf32", self.tf32)
+        _check_bool("trainer.cpu_keep_freed_memory", self.cpu_keep_freed_memory)
         timeout = self.hang_timeout_s
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(
                 timeout, (int, float)) or not timeout >= 0):

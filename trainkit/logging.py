@@ -47,7 +47,7 @@ def setup_logging(run_dir: str | Path | None, is_main: bool = True) -> logging.L
 
 
 def log_start(model: str, runtime: Any, total_steps: int, per_epoch: int, config: Any,
-              batch_size: int | None, cuda_text: str = "") -> None:
+              batch_size: int | None, settings_text: str = "") -> None:
     """The first line of a run: what trains where, for how long, with which global batch."""
     k, world = config.accumulate_grad_batches, runtime.world_size
     batch = (f"global batch {batch_size * k * world} = batch {batch_size} x accumulate {k} x "
@@ -56,7 +56,7 @@ def log_start(model: str, runtime: Any, total_steps: int, per_epoch: int, config
     logging.getLogger(LOGGER_NAME).info(
         "training %s on %s for %d steps (%d per epoch), precision %s, %s", model,
         runtime.device, total_steps, per_epoch, config.precision,
-        batch + (f", {cuda_text}" if cuda_text else ""))
+        batch + (f", {settings_text}" if settings_text else ""))
 
 
 def log_window(scalars: Mapping[str, float], epoch: int, step: int, total_steps: int) -> None:

@@ -108,14 +108,22 @@ class NonFiniteGuard:
         return self.patience > 0 and (wait_anyway or self._always
                                       or bool(self.state.nonfinite_streak))
 
-    def add(self, result: Any, read_first: bool) -> NonFiniteTally | None:
-        """Take a step's result; with ``read_first``, first read what the device counted (the
-        steps before it, which this one may extend a streak of) and return that."""
+    def record(self, result: Any, read_first: bool) -> None:
+        """Count a step's result, after the loop counted the step itself.
+
+        With ``read_first``, first read what the device counted for the steps before it (this
+        one may extend a streak of them). Then this step's device flag is added, or its host
+        verdict counted. Raises :class:`NonFiniteLossError` when a streak reached the patience.
+        """
         # nothing counted on the device (always so on the CPU): no read, no tally
-        tally = self.read() if read_first and self.counter.pending else None
+        tally = self.read(upto=self.state.global_step - 1) if (
+            read_first and self.counter.pending) else None
         if result.finite_flag is not None:
             self.counter.add(result.finite_flag)
-        return tally
+        if not result.finite or self.state.nonfinite_streak:  # a finite step ends a streak
+            self.count(result.finite, result.value)
+        if tally is not None:
+            self.stop_if_diverged(tally)
 
     def count(self, finite: bool, value: float | None) -> None:
         """A host-checked step's verdict into the streak; raises when the patience ran out."""
@@ -130,8 +138,9 @@ class NonFiniteGuard:
         if state.nonfinite_streak >= self.patience:
             raise self.diverged(state.nonfinite_streak)
 
-    def read(self) -> NonFiniteTally:
-        """Count the NaN/inf windows the device saw since the last read, into the state.
+    def read(self, upto: int | None = None) -> NonFiniteTally:
+        """Count the NaN/inf windows the device saw since the last read (up to step ``upto``,
+        default the state's), into the state.
 
         A host read (sync) when steps were checked on the device since the last one. Ranks read
         at the same steps and hold the same (all-reduced) tally, so they stop together.
@@ -144,7 +153,7 @@ class NonFiniteGuard:
         state.skipped_steps += tally.count
         state.nonfinite_streak = tally.streak  # device-checked runs start after a finite step
         log.warning("%d step(s) up to step %d had a NaN/inf loss; their gradients were dropped",
-                    tally.count, state.global_step)
+                    tally.count, state.global_step if upto is None else upto)
         return tally
 
     def stop_if_diverged(self, tally: NonFiniteTally | None = None) -> None:

@@ -19,6 +19,7 @@ Batch = Any
 Forward = Callable[[nn.Module, Batch], tuple[Any, Any]]
 Criterion = Callable[[Any, Any], torch.Tensor]
 _SYNC = contextlib.nullcontext()  # reused: entering a fresh one every micro-step shows up
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 
 
 def default_forward(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
@@ -118,7 +119,7 @@ def train_window(
         if agree is not None:
             nonfinite = agree(nonfinite)
         if nonfinite:
-            optimizer.zero_grad(set_to_none=True)
+            drop_gradients(optimizer)
             return StepResult(loss, None, False, total, False, value)
     finite_flag = None
     if guard_finite and not check_finite:
@@ -135,8 +136,25 @@ def train_window(
         else:
             nn.utils.clip_grad_value_(params, clip_val)
     stepped = precision.step(optimizer)
-    optimizer.zero_grad(set_to_none=True)
+    drop_gradients(optimizer)
     return StepResult(loss, grad_norm, stepped, total, True, value, finite_flag)
+
+
+def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.zero_grad(set_to_none=True)`` without the cost of torch's wrappers.
+
+    ``torch.optim.Optimizer.zero_grad`` enters a profiler range and a wrapper that keeps
+    ``torch.compile`` out of it (and imports ``torch._dynamo``, ~1.5 s, on its first call):
+    10-20 µs a step, 5-8% of a small model's step on a CPU. With ``set_to_none=True`` all it
+    does is set each gradient to None, which is done here directly. An optimizer class that
+    defines its own ``zero_grad`` (one that keeps gradients elsewhere) runs its own.
+    """
+    if type(optimizer).zero_grad is not _TORCH_ZERO_GRAD:
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
 
 
 def _loss(model: nn.Module, batch: Batch, precision: Precision, criterion: Criterion,

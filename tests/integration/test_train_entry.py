@@ -145,6 +145,53 @@ def test_multirun_sweeps_learning_rates(tmp_path: Path, mnist_root: Path) -> Non
     assert lrs == [0.01, 0.05]
 
 
+def test_hydra_mode_given_on_the_command_line_is_read_hydras_way(tmp_path: Path,
+                                                                 mnist_root: Path) -> None:
+    # The entry point skips Hydra's extra composition that reads hydra.mode, except when the
+    # command line sets it: then the sweep runs without -m, as Hydra documents.
+    overrides = [o for o in tiny_run(tmp_path, mnist_root, "trainer.max_steps=2")
+                 if not o.startswith("hydra.run.dir")]
+    result = run_train(*overrides, "hydra.mode=MULTIRUN", "optim.lr=0.01,0.05",
+                       f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert all((tmp_path / job / "summary.json").is_file() for job in ("0", "1"))
+
+
+EXIT_SCRIPT = """
+import atexit, sys, threading, time
+from pathlib import Path
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+def late():
+    time.sleep(1.0)
+    (out / "thread").write_text("finished")
+threading.Thread(target=late).start()  # not a daemon: the exit must wait for it
+sys.argv = ["trainkit train", *sys.argv[2:]]
+import trainkit.train
+trainkit.train.run()
+"""
+
+
+@pytest.mark.parametrize("outcome", ["completed", "config error"])
+def test_the_fast_exit_runs_exit_handlers_and_waits_for_threads(
+        tmp_path: Path, mnist_root: Path, outcome: str) -> None:
+    # run() ends the process without the interpreter's teardown: what a user's code left to the
+    # exit (atexit handlers, a thread that is not a daemon) still happens, with the right status.
+    extra = ["trainer.max_steps=2"] if outcome == "completed" else ["trainer.max_steps=-5"]
+    result = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, str(tmp_path),
+         *tiny_run(tmp_path / "run", mnist_root, *extra)],
+        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == (0 if outcome == "completed" else 2), result.stderr[-2000:]
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "finished"
+    if outcome == "completed":
+        assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
+        assert "done: test accuracy" in (tmp_path / "run" / "train.log").read_text()
+    else:
+        assert "trainer.max_steps must be >= -1" in result.stderr
+
+
 BAD_INPUTS = [
     ("data.batch_size=-4", "data.batch_size must be >= 1"),
     ("data.batch_size=2.5", "data.batch_size"),

@@ -15,7 +15,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from trainkit.datasets import CIFAR10_FOLDER, MNIST_MD5, check_md5, cifar10_files
+from trainkit.checksums import check_md5
+from trainkit.datasets import CIFAR10_FOLDER, MNIST_MD5, cifar10_files
 from trainkit.errors import TrainkitError, chain_lines, print_error
 
 
@@ -70,7 +71,7 @@ def verify(root: Path, names: list[str]) -> list[str]:
             continue
         try:
             for file, md5 in md5s.items():
-                check_md5(root / folder / file, md5)
+                check_md5(root / folder / file, md5, remembered=False)
         except TrainkitError as err:
             problems.append(f"{name}: {err}")
             continue
