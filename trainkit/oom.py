@@ -11,6 +11,7 @@ import torch
 
 from trainkit.device import GIB, memory_stats
 from trainkit.errors import one_line
+from trainkit.step import drop_gradients
 
 log = logging.getLogger("trainkit")
 
@@ -23,7 +24,7 @@ def release(error: BaseException, optimizer: torch.optim.Optimizer | None = None
     """
     traceback.clear_frames(error.__traceback__)
     if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
+        drop_gradients(optimizer)
     gc.collect()  # reference cycles through the cleared frames
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

@@ -343,11 +343,10 @@ class Trainer:
             state.skipped_steps += 1
         guard.record(result, read_first=on_host)  # raises when the run diverged
         self._watchdog.beat(step)
-        # the loss as a number when the NaN check already read it: no second sync; a skipped
-        # fp16 step's norm is of overflowed gradients (inf): left out
-        run.meter.add(result.samples,
-                      (result.loss if result.value is None else result.value)
-                      if result.finite else None,
+        # the loss as a number when the NaN check already read it: no second sync
+        loss = result.loss if result.value is None else result.value
+        # a skipped fp16 step's norm is of overflowed gradients (inf): left out
+        run.meter.add(result.samples, loss if result.finite else None,
                       result.grad_norm if result.stepped else None, result.finite_flag)
         run.progress.step()
         if step % cfg.log_every_n_steps == 0 or time.perf_counter() >= self._log_deadline:
