@@ -36,7 +36,7 @@ try:
     from trainkit.rng import seed_everything
     from trainkit.runtime import Runtime
     from trainkit.signals import EXIT_PREEMPTED, Preemption
-    from trainkit.step import StepResult, train_window, windows
+    from trainkit.step import StepResult, WindowStep, train_window, windows
     from trainkit.trainer import NonFiniteLossError, Trainer, TrainState
     from trainkit.watchdog import EXIT_HUNG, Watchdog
 finally:
@@ -70,6 +70,7 @@ __all__ = [
     "TrainerConfig",
     "TrainkitError",
     "Watchdog",
+    "WindowStep",
     "apply_activation_checkpointing",
     "available_devices",
     "build_loaders",

@@ -96,6 +96,12 @@ class NonFiniteGuard:
         # every step reads its check on the host (the CPU): on_host needs no call
         self.host_every_step = patience > 0 and self._always
         self.counter = NonFiniteCounter()
+        self._update_idle()
+
+    def _update_idle(self) -> None:
+        # idle: no streak runs and the device counted nothing unread, so a finite step checked
+        # on the host changes nothing and the loop need not call record() for it
+        self.idle = not self.state.nonfinite_streak and not self.counter.pending
 
     def on_host(self, wait_anyway: bool) -> bool:
         """Whether the next step reads its check on the host (and skips a bad step).
@@ -122,6 +128,7 @@ class NonFiniteGuard:
             self.counter.add(result.finite_flag)
         if not result.finite or self.state.nonfinite_streak:  # a finite step ends a streak
             self.count(result.finite, result.value)
+        self._update_idle()
         if tally is not None:
             self.stop_if_diverged(tally)
 
@@ -146,14 +153,14 @@ class NonFiniteGuard:
         at the same steps and hold the same (all-reduced) tally, so they stop together.
         """
         tally = self.counter.read()
-        if not tally.count:
-            return tally
-        state = self.state
-        state.nonfinite_steps += tally.count
-        state.skipped_steps += tally.count
-        state.nonfinite_streak = tally.streak  # device-checked runs start after a finite step
-        log.warning("%d step(s) up to step %d had a NaN/inf loss; their gradients were dropped",
-                    tally.count, state.global_step if upto is None else upto)
+        if tally.count:
+            state = self.state
+            state.nonfinite_steps += tally.count
+            state.skipped_steps += tally.count
+            state.nonfinite_streak = tally.streak  # device-checked runs start after a finite one
+            log.warning("%d step(s) up to step %d had a NaN/inf loss; their gradients were "
+                        "dropped", tally.count, state.global_step if upto is None else upto)
+        self._update_idle()
         return tally
 
     def stop_if_diverged(self, tally: NonFiniteTally | None = None) -> None:

@@ -20,6 +20,8 @@ Forward = Callable[[nn.Module, Batch], tuple[Any, Any]]
 Criterion = Callable[[Any, Any], torch.Tensor]
 _SYNC = contextlib.nullcontext()  # reused: entering a fresh one every micro-step shows up
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+_FLAT = (tuple, list)  # the common batch, (inputs, targets), is checked without a walk
+_new_tuple = tuple.__new__
 
 
 def default_forward(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
@@ -47,8 +49,14 @@ def steps_per_epoch(batches: int, accumulate: int) -> int:
     return -(-batches // accumulate)
 
 
-def windows(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
+def windows(batches: Iterable[Batch], k: int) -> Iterator[Sequence[Batch]]:
     """Group batches into accumulation windows of ``k``; the last one may be shorter."""
+    if k == 1:  # each batch alone, as a 1-tuple made in C: no generator frame per step
+        return zip(batches)
+    return _windows(batches, k)
+
+
+def _windows(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
     window: list[Batch] = []
     for batch in batches:
         window.append(batch)
@@ -102,42 +110,103 @@ def train_window(
     change; momentum, Adam's moments and weight decay still move the weights about as far as a
     normal step, never by a bad gradient). ``finite_flag`` says which it was, unread; ``agree``
     then takes and returns a tensor.
+
+    A loop that steps many times binds these arguments once in a :class:`WindowStep`.
     """
-    if len(window) == 1:  # the common case: no weighting, no no_sync, nothing to add up
-        batch = window[0]
-        total = batch_size(batch)
-        loss = _loss(model, move_to_device(batch, device), precision, criterion, forward)
-        precision.backward(loss)
-        # In place when allowed: a new detached tensor costs ~1% of a tiny model's step.
-        loss = loss.detach_() if loss._base is None else loss.detach()
-    else:
-        loss, total = _accumulate(model, window, precision, criterion, forward, device)
-    value = None
-    if check_finite:
-        value = loss.item()  # host sync (see docstring)
-        nonfinite = not math.isfinite(value)
-        if agree is not None:
-            nonfinite = agree(nonfinite)
-        if nonfinite:
-            drop_gradients(optimizer)
-            return StepResult(loss, None, False, total, False, value)
-    finite_flag = None
-    if guard_finite and not check_finite:
-        finite_flag = _drop_nonfinite_gradients(optimizer, loss, agree)
-    grad_norm = None
-    if clip_val is not None:
-        precision.unscale_(optimizer)  # clip true gradients, not loss-scaled ones
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if clip_algorithm == "norm":
-            grad_norm = nn.utils.clip_grad_norm_(params, clip_val)
-            full_tensor = getattr(grad_norm, "full_tensor", None)  # FSDP: a DTensor
-            if full_tensor is not None:  # the norm over all shards, as a plain tensor
-                grad_norm = full_tensor()
+    return WindowStep(model, optimizer=optimizer, precision=precision, criterion=criterion,
+                      forward=forward, device=device, clip_val=clip_val,
+                      clip_algorithm=clip_algorithm, agree=agree)(
+        window, check_finite=check_finite, guard_finite=guard_finite)
+
+
+class WindowStep:
+    """:func:`train_window` with the arguments that hold for a whole fit bound once.
+
+    A loop calls it every step with the window and the checks that step needs. What cannot change
+    during a fit (whether the precision autocasts or scales the loss, the gradient clipping) is
+    decided here, so a small model's step does not spend its microseconds on it.
+
+    Example:
+        >>> step = WindowStep(model, optimizer=optimizer, precision=Precision("32"),
+        ...                   criterion=F.cross_entropy, forward=default_forward,
+        ...                   device=torch.device("cpu"))  # doctest: +SKIP
+        >>> for window in windows(loader, 4):  # doctest: +SKIP
+        ...     result = step(window, check_finite=True)
+    """
+
+    def __init__(self, model: nn.Module, *, optimizer: torch.optim.Optimizer,
+                 precision: Precision, criterion: Criterion, forward: Forward,
+                 device: torch.device, clip_val: float | None = None,
+                 clip_algorithm: str = "norm", agree: Callable[[Any], Any] | None = None) -> None:
+        self.model, self.optimizer, self.precision = model, optimizer, precision
+        self.criterion, self.forward, self.device = criterion, forward, device
+        self.clip_val, self.clip_algorithm, self.agree = clip_val, clip_algorithm, agree
+        # fp32: no autocast to enter, no loss scaler to pass the backward and the step through
+        self._plain = precision.dtype is None and precision.scaler is None
+
+    def __call__(self, window: Sequence[Batch], check_finite: bool = False,
+                 guard_finite: bool = False) -> StepResult:
+        """One optimizer step over ``window`` (see :func:`train_window` for the checks)."""
+        model, optimizer, precision = self.model, self.optimizer, self.precision
+        if len(window) == 1:  # the common case: no weighting, no no_sync, nothing to add up
+            batch = window[0]
+            if type(batch) in _FLAT and batch and type(batch[0]) is torch.Tensor:  # (x, y)
+                total = batch[0].shape[0]
+                for item in batch:  # already on the device (a CPU run's, a prefetcher's)?
+                    if not isinstance(item, torch.Tensor) or item.device != self.device:
+                        batch = move_to_device(batch, self.device)
+                        break
+            else:
+                total = batch_size(batch)
+                batch = move_to_device(batch, self.device)
+            if self._plain:
+                outputs, targets = self.forward(model, batch)
+                loss = self.criterion(outputs, targets)
+                loss.backward()
+            else:
+                loss = _loss(model, batch, precision, self.criterion, self.forward)
+                precision.backward(loss)
+            # In place when allowed: a new detached tensor costs ~1% of a tiny model's step.
+            loss = loss.detach_() if loss._base is None else loss.detach()
         else:
-            nn.utils.clip_grad_value_(params, clip_val)
-    stepped = precision.step(optimizer)
-    drop_gradients(optimizer)
-    return StepResult(loss, grad_norm, stepped, total, True, value, finite_flag)
+            loss, total = _accumulate(model, window, precision, self.criterion, self.forward,
+                                      self.device)
+        value = None
+        if check_finite:
+            value = loss.item()  # host sync (see train_window)
+            nonfinite = not math.isfinite(value)
+            if self.agree is not None:
+                nonfinite = self.agree(nonfinite)
+            if nonfinite:
+                drop_gradients(optimizer)
+                return StepResult(loss, None, False, total, False, value)
+        finite_flag = None
+        if guard_finite and not check_finite:
+            finite_flag = _drop_nonfinite_gradients(optimizer, loss, self.agree)
+        grad_norm = None
+        if self.clip_val is not None:
+            grad_norm = self._clip()
+        if self._plain:
+            optimizer.step()
+            stepped = True
+        else:
+            stepped = precision.step(optimizer)
+        drop_gradients(optimizer)
+        # tuple.__new__ directly: the NamedTuple's own __new__ is one more Python call a step
+        return _new_tuple(StepResult, (loss, grad_norm, stepped, total, True, value, finite_flag))
+
+    def _clip(self) -> torch.Tensor | None:
+        """Clip the gradients by norm (returning the norm before clipping) or by value."""
+        self.precision.unscale_(self.optimizer)  # clip true gradients, not loss-scaled ones
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.clip_algorithm != "norm":
+            nn.utils.clip_grad_value_(params, self.clip_val)
+            return None
+        grad_norm = nn.utils.clip_grad_norm_(params, self.clip_val)
+        full_tensor = getattr(grad_norm, "full_tensor", None)  # FSDP: a DTensor
+        if full_tensor is not None:  # the norm over all shards, as a plain tensor
+            grad_norm = full_tensor()
+        return grad_norm
 
 
 def drop_gradients(optimizer: torch.optim.Optimizer) -> None:

@@ -45,14 +45,7 @@ from trainkit.precision import Precision
 from trainkit.runtime import Runtime
 from trainkit.signals import Preemption
 from trainkit.sinks import MetricsSink, Sinks, default_sinks
-from trainkit.step import (
-    Criterion,
-    Forward,
-    default_forward,
-    steps_per_epoch,
-    train_window,
-    windows,
-)
+from trainkit.step import Criterion, Forward, WindowStep, default_forward, steps_per_epoch, windows
 from trainkit.summary import Begun, build_summary, write_hparams, write_summary
 from trainkit.train_state import TrainState
 from trainkit.watchdog import Watchdog, watched
@@ -127,6 +120,7 @@ class Trainer:
         self._watchdog = Watchdog(self.config.hang_timeout_s, self.config.hang_action,
                                   run_dir=self.run_dir, rank=self.runtime.rank,
                                   world_size=self.runtime.world_size)
+        self._watchdog.follow(lambda: self.state.global_step)  # no call per step
         self.checkpointer = Checkpointer(checkpoint or CheckpointConfig(), self.run_dir,
                                          self.runtime, self.run_config, self._watchdog)
 
@@ -269,11 +263,16 @@ class Trainer:
                         save_due=checkpointer.time_due if checkpointer.saves_by_time else None)
         self._guard = NonFiniteGuard(cfg.nonfinite_patience, state, checkpointer.last_saved,
                                      self.runtime.device)
+        train_step = WindowStep(
+            model, optimizer=run.optimizer, precision=self.precision, criterion=run.criterion,
+            forward=run.forward, device=self.runtime.device, clip_val=cfg.gradient_clip_val,
+            clip_algorithm=cfg.gradient_clip_algorithm,
+            agree=vote.nonfinite if vote.active else None)
         self._log_deadline = self._next_log_deadline()
         results: dict[str, float] = {}
         while state.global_step < run.total_steps and state.epoch < cfg.max_epochs:
             set_epoch(run.data, state.epoch, state.batch_in_epoch)
-            if self._epoch(run, model, vote):
+            if self._epoch(run, train_step, vote, preemption):
                 return "preempted", results
             done = state.global_step >= run.total_steps
             end_of_epoch = state.batch_in_epoch == 0  # advance() rolled over to the next epoch
@@ -286,22 +285,29 @@ class Trainer:
         self._guard.stop_if_diverged()
         return "completed", results
 
-    def _epoch(self, run: _Run, model: nn.Module, vote: StepVote) -> bool:
+    def _epoch(self, run: _Run, train_step: WindowStep, vote: StepVote,
+               preemption: Preemption) -> bool:
         """One pass over the data (what is left of it); True when the run stopped in it."""
         state, checkpointer, meter = self.state, self.checkpointer, run.meter
         clock = time.perf_counter
         batches = len(run.data)
         run.model.train()
-        agree = vote.nonfinite if vote.active else None
         next_save = checkpointer.next_due(state.global_step)  # one comparison per step
+        # one process without time-based saves: nothing to agree on, the signal is the vote
+        voting = vote.active or checkpointer.saves_by_time
+        stop = time_due = False
+        stop_at, total = run.stop_at_step, run.total_steps
         fetched = clock()
         for window in windows(run.data, self.config.accumulate_grad_batches):
             # Blocked on the data since the last step ended (time/data_wait_pct).
             meter.data_wait += clock() - fetched
-            self._step(run, model, window, batches, agree)
+            self._step(run, train_step, window, batches)
             step = state.global_step
-            stop, time_due = vote.stop_and_save()
-            if stop or step == run.stop_at_step:
+            if voting:
+                stop, time_due = vote.stop_and_save()
+            else:
+                stop = preemption.requested
+            if stop or step == stop_at:
                 self._guard.stop_if_diverged()  # counted before the save
                 checkpointer.save(step)
                 say = log.warning if self.runtime.is_main else log.info  # once per job
@@ -311,13 +317,13 @@ class Trainer:
                 # a save never follows NaN/inf steps the host has not counted
                 checkpointer.step_done(step, time_due=time_due, may_save=self._guard.steady)
                 next_save = checkpointer.next_due(step)
-            if step >= run.total_steps:
+            if step >= total:
                 break
             fetched = clock()
         return False
 
-    def _step(self, run: _Run, model: nn.Module, window: list[Any], batches_per_epoch: int,
-              agree: Any) -> None:
+    def _step(self, run: _Run, train_step: WindowStep, window: list[Any],
+              batches_per_epoch: int) -> None:
         """One optimizer step over ``window``, counted, metered and logged.
 
         This runs every step, so its own work is a handful of calls: on a CPU core a small
@@ -328,27 +334,25 @@ class Trainer:
         on_host = guard.host_every_step or guard.on_host(
             step % cfg.log_every_n_steps == 0 or step >= run.total_steps
             or self.checkpointer.due(step) or step == run.stop_at_step)
-        result = train_window(
-            model, window, optimizer=run.optimizer, precision=self.precision,
-            criterion=run.criterion, forward=run.forward, device=self.runtime.device,
-            clip_val=cfg.gradient_clip_val, clip_algorithm=cfg.gradient_clip_algorithm,
-            check_finite=on_host, guard_finite=guard.patience > 0 and not on_host, agree=agree)
-        state.advance(len(window), result.samples, batches_per_epoch)
-        if result.stepped:
+        result = train_step(window, on_host, not on_host and guard.patience > 0)
+        # unpacked once: reading a NamedTuple's fields by name is a descriptor call each
+        loss, grad_norm, stepped, samples, finite, value, finite_flag = result
+        state.advance(len(window), samples, batches_per_epoch)
+        if stepped:
             if run.scheduler is not None:
                 run.scheduler.step()
             if run.ema is not None:
                 run.ema.update()
         else:
             state.skipped_steps += 1
-        guard.record(result, read_first=on_host)  # raises when the run diverged
-        self._watchdog.beat(step)
-        # the loss as a number when the NaN check already read it: no second sync
-        loss = result.loss if result.value is None else result.value
-        # a skipped fp16 step's norm is of overflowed gradients (inf): left out
-        run.meter.add(result.samples, loss if result.finite else None,
-                      result.grad_norm if result.stepped else None, result.finite_flag)
-        run.progress.step()
+        if not (finite and finite_flag is None and guard.idle):
+            guard.record(result, read_first=on_host)  # raises when the run diverged
+        # the loss as a number when the NaN check already read it: no second sync; a skipped
+        # fp16 step's norm is of overflowed gradients (inf): left out
+        run.meter.add(samples, (loss if value is None else value) if finite else None,
+                      grad_norm if stepped else None, finite_flag)
+        if run.progress.enabled:
+            run.progress.step()
         if step % cfg.log_every_n_steps == 0 or time.perf_counter() >= self._log_deadline:
             self._log_train(run)
 

@@ -3,8 +3,9 @@
 A stuck rank (a DataLoader worker deadlock, a full network disk, a collective one rank never
 reaches) freezes every rank of a DDP job without a word: gloo waits for ever, NCCL until its
 timeout. The loop calls :meth:`Watchdog.beat` after every step, which only stores the step in
-an attribute; a thread per process looks every few seconds (dating a step by the look that first
-sees it), and when no step has completed for the limit:
+an attribute (or the watchdog reads the loop's own step counter, :meth:`Watchdog.follow`); a
+thread per process looks every few seconds (dating a step by the look that first sees it), and
+when no step has completed for the limit:
 
 - this process appends every thread's Python stack to ``<run_dir>/hangs/rank<R>.txt``;
 - rank 0 logs one line naming the ranks that are behind, the step each last completed and where
@@ -90,14 +91,23 @@ class Watchdog:
         self.on_abort: Callable[[dict[str, Any]], None] | None = None
         self._slowest: dict[str, float] = {}  # kind -> longest one seen, seconds
         self._poll_s = MAX_POLL_S if not timeout_s else min(MAX_POLL_S, max(0.1, timeout_s / 4))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._entered = False
+        self._progress: Callable[[], int] | None = None  # follow()'s counter
         self._reset()
 
     def beat(self, step: int) -> None:
         """Record that ``step`` just completed: one attribute store, nothing else (no clock: the
         watching thread dates the step by the look that first sees it, at most a poll late)."""
         self._step = step
+
+    def follow(self, progress: Callable[[], int]) -> None:
+        """Take the last completed step from ``progress()`` instead of :meth:`beat`.
+
+        The watching thread calls it at each look, so a loop that counts its steps anyway spends
+        nothing per step on the watchdog. The count as the watching starts means that no step
+        has completed yet (a resumed run's counter starts where it left off).
+        """
+        self._progress = progress
 
     @contextlib.contextmanager
     def busy(self, kind: str) -> Iterator[None]:
@@ -131,23 +141,28 @@ class Watchdog:
         if self.timeout_s == 0:
             return self
         self._reset()
+        self._first = self._progress() if self._progress is not None else None
         store = distributed.attempt_store("hang")
         self._board = Board(store, self.world_size) if store is not None else None
         self._owner = threading.get_ident()  # the thread whose steps are watched
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="trainkit-watchdog", daemon=True)
-        self._thread.start()
+        _LOOKS.add(self)
+        self._entered = True
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        if self._thread is None:
+        if not self._entered:
             return
-        self._stop.set()
-        self._thread.join()
-        self._thread = None
-        self._arm_fallback(None)
+        _LOOKS.remove(self)  # no look of this watchdog runs from here on
+        self._entered = False
         if kind is None and (self._reported or self._hang):  # it ended before the next look
-            self._recovered(self._step)
+            self._recovered(self._completed())
+
+    def _completed(self) -> int | None:
+        """The last step completed in this fit; None while none has."""
+        if self._progress is None:
+            return self._step
+        step = self._progress()
+        return None if step == self._first else step
 
     def _recovered(self, step: int | None) -> None:
         if self.rank == 0:
@@ -160,6 +175,7 @@ class Watchdog:
 
     def _reset(self) -> None:
         self._step: int | None = None  # the last completed step (the loop's beat)
+        self._first: int | None = None  # follow()'s count as the watching started
         self._since = time.monotonic()  # the step clock's start: the fit's, or a pause's end
         self._noticed: tuple[int | None, float] = (None, 0.0)  # (step, the look that first saw it)
         self._busy: tuple[tuple[str, float], ...] = ()  # (kind, since), outermost first
@@ -170,18 +186,19 @@ class Watchdog:
         self._store_failed = False  # warned once that the job's store did not answer
         self._armed = False  # faulthandler's timer is ours and running
 
-    def _run(self) -> None:
+    def _look_or_stop(self, now: float) -> bool:
+        """One look; False when it failed and this watchdog stops watching."""
         try:
-            while not self._stop.wait(self._poll_s):
-                self._look(time.monotonic())
+            self._look(now)
+            return True
         except Exception as err:  # never take training down; say that watching stopped
             log.warning("hang watchdog stopped: %s", one_line(err))
-        finally:  # a timer left armed by a thread that is gone would report a false hang
-            self._arm_fallback(None)
+            self._arm_fallback(None)  # a timer nobody re-arms would report a false hang
+            return False
 
     def _look(self, now: float) -> None:
         busy = self._busy  # read before _since: busy() sets _since before it clears _busy
-        restarted, step = self._since, self._step
+        restarted, step = self._since, self._completed()
         if step != self._noticed[0]:  # a step completed since the last look: about now
             self._noticed = (step, now)
         at = max(self._noticed[1], restarted)
@@ -342,6 +359,52 @@ class Watchdog:
             handler.flush()
         sys.stdout.flush()
         os._exit(EXIT_HUNG)  # the stuck main thread cannot raise; sys.exit here ends a thread
+
+
+class _Looks:
+    """The one thread of a process that looks at the entered watchdogs, each at its own interval.
+
+    It starts with the first watchdog entered and then waits while none is: a thread started and
+    joined per fit would cost ~0.3 ms of every fit. Looks run under the lock, so once
+    :meth:`remove` returns no look of that watchdog runs.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[Watchdog, float] = {}  # entered watchdog -> when its next look is due
+        self._thread: threading.Thread | None = None
+
+    def add(self, watchdog: Watchdog) -> None:
+        with self._cond:
+            self._due[watchdog] = time.monotonic() + watchdog._poll_s
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="trainkit-watchdog",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()  # its interval may be shorter than the current wait
+
+    def remove(self, watchdog: Watchdog) -> None:
+        with self._cond:  # waits for a look in progress
+            self._due.pop(watchdog, None)
+            watchdog._arm_fallback(None)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                for watchdog, due in list(self._due.items()):
+                    now = time.monotonic()
+                    if due <= now:
+                        if watchdog._look_or_stop(now):
+                            self._due[watchdog] = now + watchdog._poll_s
+                        else:
+                            del self._due[watchdog]
+                wake = min(self._due.values(), default=None)
+                self._cond.wait(None if wake is None else max(wake - time.monotonic(), 0.0))
+
+
+_LOOKS = _Looks()
+if hasattr(os, "register_at_fork"):  # a forked child has no watching thread, nor its lock held
+    os.register_at_fork(after_in_child=_LOOKS.__init__)
 
 
 def watched(kind: str) -> Callable[[_T], _T]:

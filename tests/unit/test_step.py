@@ -58,6 +58,7 @@ def test_accumulated_window_equals_one_big_batch(sizes: list[int]) -> None:
 def test_windows_keep_a_short_last_window() -> None:
     assert [len(w) for w in windows(range(10), 4)] == [4, 4, 2]
     assert [len(w) for w in windows(range(8), 4)] == [4, 4]
+    assert [list(w) for w in windows(range(3), 1)] == [[0], [1], [2]]  # no accumulation
 
 
 def test_batch_size_finds_the_first_tensor() -> None:

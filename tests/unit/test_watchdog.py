@@ -81,6 +81,42 @@ def test_zero_turns_it_off(tmp_path: Path) -> None:
         assert threading.active_count() == before  # no thread at all
 
 
+def test_watchdogs_share_one_thread_that_never_looks_at_one_exited(tmp_path: Path) -> None:
+    looks: list[int] = []
+
+    def progress() -> int:  # what Trainer passes to follow(): its step counter
+        looks.append(1)
+        return len(looks)  # moves at every look: never a hang
+
+    def watching_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "trainkit-watchdog"]
+
+    first = Watchdog(timeout_s=0.4, run_dir=tmp_path)  # polls every 0.1 s
+    first.follow(progress)
+    with first:
+        time.sleep(0.5)
+    assert len(looks) >= 3  # entering read it once, the looks the rest
+    seen = len(looks)
+    time.sleep(0.3)
+    assert len(looks) == seen  # exited: no look at it any more
+    (thread,) = watching_threads()
+    with Watchdog(timeout_s=0.4, run_dir=tmp_path) as second:
+        second.beat(1)
+        time.sleep(0.2)
+    assert watching_threads() == [thread] and thread.is_alive()  # the same thread, still there
+    assert len(looks) == seen and not (tmp_path / "hangs").exists()
+
+
+def test_a_followed_counter_counts_from_where_the_watching_started() -> None:
+    counter = [41]  # a resumed run's step counter: no step of this fit has completed yet
+    watchdog = Watchdog(timeout_s=60)
+    watchdog.follow(lambda: counter[0])
+    with watchdog:
+        assert watchdog._completed() is None  # so the first step gets its longer limit
+        counter[0] = 42
+        assert watchdog._completed() == 42
+
+
 def test_the_automatic_limit_grows_with_the_slowest_step_seen() -> None:
     watchdog = Watchdog(timeout_s=None)
     assert (watchdog.limit("step"), watchdog.limit("first step")) == (300, 900)
