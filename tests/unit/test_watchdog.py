@@ -5,7 +5,10 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import re
+import select
+import signal
 import threading
 import time
 from pathlib import Path
@@ -105,6 +108,30 @@ def test_watchdogs_share_one_thread_that_never_looks_at_one_exited(tmp_path: Pat
         time.sleep(0.2)
     assert watching_threads() == [thread] and thread.is_alive()  # the same thread, still there
     assert len(looks) == seen and not (tmp_path / "hangs").exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_process_forked_mid_fit_watches_only_its_own_watchdogs(tmp_path: Path) -> None:
+    from trainkit import watchdog as module
+
+    read, write = os.pipe()
+    with Watchdog(timeout_s=60, run_dir=tmp_path) as parents:  # a fit that forks a worker
+        pid = os.fork()
+        if pid == 0:
+            try:
+                inherited = parents in module._LOOKS._due
+                with Watchdog(timeout_s=60, run_dir=tmp_path) as own:
+                    mine = own in module._LOOKS._due
+                os.write(write, json.dumps([inherited, mine]).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        ready, _, _ = select.select([read], [], [], 30)
+        answer = json.loads(os.read(read, 100)) if ready else None
+        if answer is None:  # stuck on a lock the watching thread held at the fork
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert answer == [False, True]  # the parent's fit is not watched (or reported) twice
 
 
 def test_a_followed_counter_counts_from_where_the_watching_started() -> None:
