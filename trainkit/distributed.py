@@ -248,6 +248,9 @@ class StepVote:
         self._save_due = save_due or _never  # None: no time-based saves
         self._agreed: tuple[bool, bool] | None = None
         self.active = is_distributed()
+        # False: one process saving by step counts only, where the stop callable alone decides
+        # and the loop need not call stop_and_save at every step
+        self.needed = self.active or save_due is not None
 
     def nonfinite(self, local: bool | torch.Tensor) -> bool | torch.Tensor:
         """Whether any rank's loss was NaN/inf; also agrees on stopping and saving.
@@ -267,18 +270,13 @@ class StepVote:
 
     def stop_and_save(self) -> tuple[bool, bool]:
         """``(stop, save)`` as all ranks agreed for the step just taken."""
-        if not self.active:  # one process: nothing to agree on (this runs every step)
-            if self._save_due is _never:  # no call, no new tuple
-                return _STOP if self._stop() else _GO
+        if not self.active:  # one process: nothing to agree on
             return self._stop(), self._save_due()
         if self._agreed is None:
             _, stop, save = any_rank(False, self._stop(), self._save_due())
             return stop, save
         agreed, self._agreed = self._agreed, None
         return agreed
-
-
-_STOP, _GO = (True, False), (False, False)
 
 
 def _never() -> bool:

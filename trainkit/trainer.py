@@ -293,8 +293,6 @@ class Trainer:
         batches = len(run.data)
         run.model.train()
         next_save = checkpointer.next_due(state.global_step)  # one comparison per step
-        # one process without time-based saves: nothing to agree on, the signal is the vote
-        voting = vote.active or checkpointer.saves_by_time
         stop = time_due = False
         stop_at, total = run.stop_at_step, run.total_steps
         fetched = clock()
@@ -303,9 +301,9 @@ class Trainer:
             meter.data_wait += clock() - fetched
             self._step(run, train_step, window, batches)
             step = state.global_step
-            if voting:
+            if vote.needed:
                 stop, time_due = vote.stop_and_save()
-            else:
+            else:  # one process saving by steps: the signal alone decides
                 stop = preemption.requested
             if stop or step == stop_at:
                 self._guard.stop_if_diverged()  # counted before the save

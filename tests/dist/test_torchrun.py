@@ -6,6 +6,7 @@ at a fixed step of a fixed rank, so no test races a run that may already be over
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torchmetrics.classification import MulticlassAccuracy
 
 from tests.conftest import (
@@ -121,8 +124,11 @@ def test_val_metrics_cover_the_whole_val_set_once(two_ranks: Path, data_root: Pa
     model.load_state_dict(weights(two_ranks))
     val = InMemoryLoader(load_mnist(data_root, train=False, verify=False, download=False), 64,
                          shuffle=False)
+    # the run's criterion, which val/loss uses too (+exp=mnist smooths the labels)
+    smoothing = OmegaConf.load(two_ranks / ".hydra" / "config.yaml").loss.label_smoothing
     single = Trainer(TrainerConfig(device="cpu")).evaluate(
-        model, val, metrics={"acc": MulticlassAccuracy(10, average="micro")})
+        model, val, criterion=functools.partial(F.cross_entropy, label_smoothing=smoothing),
+        metrics={"acc": MulticlassAccuracy(10, average="micro")})
     assert 0.0 < single["val/acc"] < 1.0  # else a wrong reduction could go unnoticed
     assert summary["metrics"]["val/acc"] == pytest.approx(single["val/acc"], abs=1e-7)
     assert summary["metrics"]["val/loss"] == pytest.approx(single["val/loss"], rel=1e-5)

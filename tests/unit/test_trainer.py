@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.conftest import last_checkpoint, preemption_signals_heard, sgd_without
-from trainkit import CheckpointConfig, Trainer, TrainerConfig, load_checkpoint, seed_everything
+from trainkit import (
+    CheckpointConfig,
+    Preemption,
+    Trainer,
+    TrainerConfig,
+    load_checkpoint,
+    seed_everything,
+)
 from trainkit.data import InMemoryLoader
 from trainkit.datasets import TensorData
 from trainkit.errors import TrainkitError
@@ -239,6 +246,36 @@ def test_time_based_checkpoints(tmp_path: Path) -> None:
     _trainer(tmp_path, every_n_minutes=1e-9, keep_last=100).fit(model, _sgd(model), _batches(5))
     steps = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt"))
     assert steps == [f"step_{s:09d}.pt" for s in range(1, 6)]
+
+
+class StopAfter(Preemption):
+    """A user's own stop condition: ``requested`` after ``steps`` forward passes."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps, self.seen = steps, 0
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None or self.seen >= self.steps
+
+
+@pytest.mark.parametrize("every_n_minutes", [0.0, 60.0])
+def test_a_stop_request_ends_a_one_process_run_with_and_without_time_based_saves(
+        tmp_path: Path, every_n_minutes: float) -> None:
+    """Both ways the loop asks to stop in one process: through the vote (time-based saves on)
+    and through the stop flag alone; a Preemption that overrides ``requested`` is heard."""
+    preemption = StopAfter(3)
+
+    def forward(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+        preemption.seen += 1
+        return model(batch[0]), batch[1]
+
+    model = _model()
+    summary = _trainer(tmp_path, every_n_minutes=every_n_minutes).fit(
+        model, _sgd(model), _batches(10), forward=forward, preemption=preemption)
+    assert summary["status"] == "preempted" and summary["global_step"] == 3
+    assert [p.name for p in (tmp_path / "checkpoints").glob("step_*.pt")] == ["step_000000003.pt"]
 
 
 class NoisyImages(torch.utils.data.Dataset):
