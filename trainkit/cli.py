@@ -38,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     module = importlib.import_module(COMMANDS[command][0])
     if command == "train":
-        # Hydra reads the overrides from sys.argv itself; run() ends the process.
+        # Hydra reads the overrides from sys.argv itself (and exits with the run's status).
         sys.argv = [f"trainkit {command}", *rest]
-        module.run()
+        module.main()
+        return 0
     return int(module.main(rest) or 0)
 
 

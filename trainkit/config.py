@@ -14,7 +14,7 @@ from typing import Any
 
 from trainkit.errors import ConfigError
 
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
 PAD_MODES = ("constant", "reflect")
 HANG_ACTIONS = ("report", "abort")
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -173,8 +173,9 @@ class CheckpointConfig:
 class TrainConfig:
     """Everything one run of ``python -m trainkit.train`` needs.
 
-    ``model``, ``optim``, ``sched``, ``loss`` and ``dataset`` are ``_target_`` nodes: the edges
-    where users plug in their own classes.
+    ``model``, ``optim``, ``sched``, ``loss`` and ``dataset`` are ``_target_`` nodes, and
+    ``metrics`` a ``{name: _target_ node}`` mapping: the edges where users plug in their own
+    classes.
     """
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -184,6 +185,7 @@ class TrainConfig:
     optim: Any = None
     sched: Any = None
     loss: Any = None  # null: plain cross-entropy
+    metrics: Any = None  # {name: _target_ node}: evaluation metrics, reported as val/<name>
     dataset: Any = None  # null: the built-in data.name; else your reader(root, train) -> TensorData
 
 
