@@ -1,4 +1,4 @@
-"""The `+exp=mnist` recipe written by hand: the baseline `benchmarks.mnist_e2e` times trainkit against.
+"""The `+exp=mnist` recipe written by hand: what `benchmarks.mnist_e2e` times trainkit against.
 
     python -m benchmarks.hand_mnist --data-root /work/shared/data --seed 0
     python -m benchmarks.hand_mnist --data-root <fake> --steps 5 --precision 32   # a smoke run

@@ -85,6 +85,17 @@ def test_mnist_e2e_quick() -> None:
     _check_rows(result["rows"])
 
 
+def test_precision_quick() -> None:
+    result = _run("benchmarks.precision")
+    assert result["auto"] in ("32", "bf16-mixed") and result["auto_reason"]
+    assert set(result["models"]) == {"mnist", "cifar"}
+    for r in result["models"].values():
+        assert _positive(r["bf16/32"])
+        assert r["faster"] == ("bf16-mixed" if r["bf16/32"] < 1 else "32")
+        _check_samples(r["samples"], 1)
+    _check_rows(result["rows"])
+
+
 def test_checkpoint_quick() -> None:
     result = _run("benchmarks.checkpoint")
     assert 0.5 < result["state_mb"] < 2
