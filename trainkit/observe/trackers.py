@@ -66,15 +66,21 @@ class _Calls:
         self._queue.put((call, args))
 
     def close(self, timeout: float) -> None:
-        """Run what is queued (for up to ``timeout`` seconds), then end the thread."""
-        if self._thread is None:
+        """Run what is queued (for up to ``timeout`` seconds), then end the thread.
+
+        A later ``put`` (the sink's next fit) starts a new thread, errors forgotten.
+        """
+        thread, self._thread = self._thread, None
+        if thread is None:
             return
         self._queue.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive() and not self.failed:
-            self.failed = True
-            warn_failed(self.name, TimeoutError(f"its calls took over {timeout:g} s; the rest "
-                                                "are left behind"))
+        thread.join(timeout)
+        if thread.is_alive():
+            if not self.failed:
+                warn_failed(self.name, TimeoutError(f"its calls took over {timeout:g} s; the "
+                                                    "rest are left behind"))
+            self._queue = queue.SimpleQueue()  # the stuck thread keeps the old one
+        self.failed = False
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -132,9 +138,8 @@ class MLflowSink:
         self._calls.put(self._finish, status, dict(summary))
 
     def close(self) -> None:
-        if self._calls.failed:
-            return self._calls.close(0)
-        self._calls.put(self._end, "FAILED")  # nothing, after finish(); else the run failed
+        if not self._calls.failed:
+            self._calls.put(self._end, "FAILED")  # nothing, after finish(); else the run failed
         self._calls.close(self.close_timeout_s)
 
     # -- on the tracker's thread --------------------------------------------------------------
@@ -146,6 +151,7 @@ class MLflowSink:
         from mlflow.tracking import MlflowClient
 
         client = self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        self._seen, self._ended = {}, False  # a sink may serve several fits, one run each
         uri = self.tracking_uri or client.tracking_uri
         kept = tracker_runs(run_dir).get("mlflow", {})
         run = None
@@ -278,9 +284,8 @@ class WandbSink:
         self._calls.put(self._finish, status, dict(summary))
 
     def close(self) -> None:
-        if self._calls.failed:
-            return self._calls.close(0)
-        self._calls.put(self._end, 1)  # nothing, after finish(); else the run failed
+        if not self._calls.failed:
+            self._calls.put(self._end, 1)  # nothing, after finish(); else the run failed
         self._calls.close(self.close_timeout_s)
 
     # -- on the tracker's thread --------------------------------------------------------------
