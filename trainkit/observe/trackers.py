@@ -106,6 +106,8 @@ class MLflowSink:
         experiment: the experiment's name (made when missing).
         run_name: the run's name; None: the run directory's name.
         tags: more tags for the run.
+        send_every_s: the logging steps of this many seconds go to MLflow in one batch (the
+            end of the run sends what is left); 0: each at once.
         close_timeout_s: how long the end of the run waits for calls still queued.
 
     Example:
@@ -115,24 +117,41 @@ class MLflowSink:
 
     def __init__(self, tracking_uri: str | None = None, experiment: str = "trainkit",
                  run_name: str | None = None, tags: Mapping[str, str] | None = None,
-                 close_timeout_s: float = 30.0) -> None:
+                 send_every_s: float = 2.0, close_timeout_s: float = 30.0) -> None:
         _require("mlflow", "MLflowSink", "mlflow")
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.run_name = run_name
         self.tags = dict(tags or {})
+        self.send_every_s = send_every_s
         self.close_timeout_s = close_timeout_s
         self._calls = _Calls("MLflowSink")
         self.run_id: str | None = None  # once started
         self._client: Any = None
         self._seen: dict[str, int] = {}  # a resumed run: the last step of each metric logged
         self._ended = False
+        # logging steps not sent yet: few, large batches cost the training thread least (each
+        # call wakes this sink's thread, which then competes for the GIL)
+        self._pending: list[tuple[dict[str, float], int, int]] = []
+        self._lock = threading.Lock()
+        self._next_send = 0.0  # time.time() of the next send
+        self._queued = False  # a send is in the queue
 
     def start(self, run_dir: Path | None, config: Mapping[str, Any]) -> None:
+        with self._lock:  # a previous fit's, left by a tracker that failed
+            self._pending, self._queued, self._next_send = [], False, 0.0
         self._calls.put(self._start, run_dir, dict(config))
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self._calls.put(self._log, dict(metrics), step, int(time.time() * 1000))
+        if self._calls.failed:
+            return
+        now = time.time()
+        with self._lock:
+            self._pending.append((dict(metrics), step, int(now * 1000)))
+            if self._queued or now < self._next_send:
+                return  # a send queued already takes it, or a later one will
+            self._queued, self._next_send = True, now + self.send_every_s
+        self._calls.put(self._send)
 
     def finish(self, status: str, summary: Mapping[str, Any]) -> None:
         self._calls.put(self._finish, status, dict(summary))
@@ -210,14 +229,17 @@ class MLflowSink:
         for i in range(0, len(params), 100):  # MLflow's limit per batch
             self._client.log_batch(self.run_id, params=params[i:i + 100])
 
-    def _log(self, metrics: dict[str, float], step: int, timestamp: int) -> None:
+    def _send(self) -> None:
         from mlflow.entities import Metric
 
+        with self._lock:
+            pending, self._pending, self._queued = self._pending, [], False
         seen = self._seen
-        batch = [Metric(key, float(value), timestamp, step) for key, value in metrics.items()
+        batch = [Metric(key, float(value), timestamp, step)
+                 for metrics, step, timestamp in pending for key, value in metrics.items()
                  if not seen or step > seen.get(key, -1)]
-        if batch:
-            self._client.log_batch(self.run_id, metrics=batch)
+        for i in range(0, len(batch), 1000):  # MLflow's limit per batch
+            self._client.log_batch(self.run_id, metrics=batch[i:i + 1000])
 
     def _finish(self, status: str, summary: dict[str, Any]) -> None:
         client = self._client
@@ -227,6 +249,7 @@ class MLflowSink:
 
     def _end(self, mlflow_status: str) -> None:
         if self.run_id is not None and not self._ended:
+            self._send()  # what the send interval held back
             self._client.set_terminated(self.run_id, status=mlflow_status)
             self._ended = True
 
