@@ -67,17 +67,28 @@ def print_error(message: str, details: Iterable[str] = (), *, prefix: str = "tra
     return lines
 
 
+def command_name(module: str) -> str:
+    """How the running command names itself in its usage line: ``trainkit <command>`` when the
+    console command started it (which puts that in ``sys.argv[0]``), else ``python -m <module>``.
+    """
+    return sys.argv[0] if sys.argv[0].startswith("trainkit ") else f"python -m {module}"
+
+
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit - 30]}... ({len(text)} characters)"
 
 
 def chain_lines(err: BaseException, limit: int = 6) -> list[str]:
-    """``Type: message`` for ``err`` and the exceptions that caused it, outermost first."""
+    """``Type: message`` for ``err`` and the exceptions that caused it, outermost first; a
+    cause whose message the line before already says (``URLError: <urlopen error X>`` after
+    ``X``) is left out."""
     lines: list[str] = []
     seen: set[int] = set()
     current: BaseException | None = err
     while current is not None and id(current) not in seen and len(lines) < limit:
         seen.add(id(current))
-        lines.append(f"{type(current).__name__}: {one_line(current, 4 * _DETAIL_CHARS)}")
+        message = one_line(current, 4 * _DETAIL_CHARS)
+        if not (lines and message in lines[-1]):
+            lines.append(f"{type(current).__name__}: {message}")
         current = current.__cause__ or current.__context__
     return lines
