@@ -157,6 +157,9 @@ class Trainer:
         this). A second signal aborts at once. ``stop_at_step`` stops the same way after that
         step, as if a signal had come (``python -m trainkit.verify_resume`` uses it). After a
         preempted fit, exit with :data:`~trainkit.EXIT_PREEMPTED` (75), as the entry point does.
+        Resuming a run that already completed (its ``summary.json`` says so at the step it
+        resumes from) says so in one line and returns that summary: nothing is trained,
+        evaluated or written.
 
         Raises:
             NonFiniteLossError: ``trainer.nonfinite_patience`` NaN/inf losses in a row; the
