@@ -237,14 +237,16 @@ _MIRROR_TRIED = re.compile(r"Tried (\S+), got: (.*?)(?= Tried \S+, got: |$)")
 
 def download_error_lines(err: BaseException) -> list[str]:
     """``err`` and its causes as :func:`~trainkit.errors.chain_lines`, each error said once:
-    mirrors that all failed alike are named together with the one error."""
-    lines = []
+    mirrors that all failed alike are named together with the one error, and a cause the line
+    before already quotes (``URLError: <urlopen error X>`` of ``OSError: X``) is left out."""
+    lines: list[str] = []
     for line in chain_lines(err):
         tried = _MIRROR_TRIED.findall(line)
         if len(tried) > 1 and len({why for _, why in tried}) == 1:
             mirrors = ", ".join(mirror for mirror, _ in tried)
             line = f"{line[:line.index(' Tried ')]} every mirror ({mirrors}) failed: {tried[0][1]}"
-        lines.append(line)
+        if not (lines and line.split(": ", 1)[-1] in lines[-1]):
+            lines.append(line)
     return lines
 
 

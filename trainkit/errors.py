@@ -79,16 +79,12 @@ def _cut(text: str, limit: int) -> str:
 
 
 def chain_lines(err: BaseException, limit: int = 6) -> list[str]:
-    """``Type: message`` for ``err`` and the exceptions that caused it, outermost first; a
-    cause whose message the line before already says (``URLError: <urlopen error X>`` after
-    ``X``) is left out."""
+    """``Type: message`` for ``err`` and the exceptions that caused it, outermost first."""
     lines: list[str] = []
     seen: set[int] = set()
     current: BaseException | None = err
     while current is not None and id(current) not in seen and len(lines) < limit:
         seen.add(id(current))
-        message = one_line(current, 4 * _DETAIL_CHARS)
-        if not (lines and message in lines[-1]):
-            lines.append(f"{type(current).__name__}: {message}")
+        lines.append(f"{type(current).__name__}: {one_line(current, 4 * _DETAIL_CHARS)}")
         current = current.__cause__ or current.__context__
     return lines
