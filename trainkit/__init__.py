@@ -32,6 +32,7 @@ try:
     from trainkit.ema import EMA
     from trainkit.errors import ConfigError, TrainkitError
     from trainkit.fsdp import shard_model
+    from trainkit.observe.trackers import MLflowSink, WandbSink
     from trainkit.precision import Precision
     from trainkit.rng import seed_everything
     from trainkit.runtime import Runtime
@@ -56,6 +57,7 @@ __all__ = [
     "DataConfig",
     "DevicePrefetcher",
     "InMemoryLoader",
+    "MLflowSink",
     "NonFiniteLossError",
     "Precision",
     "Preemption",
@@ -69,6 +71,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "TrainkitError",
+    "WandbSink",
     "Watchdog",
     "WindowStep",
     "apply_activation_checkpointing",

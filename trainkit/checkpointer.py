@@ -46,6 +46,7 @@ from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
 from trainkit.runtime import Runtime
 from trainkit.sharded_checkpoint import FORMAT, ShardedCheckpoints
+from trainkit.sinks import tracker_runs
 from trainkit.train_state import TrainState
 from trainkit.watchdog import Watchdog, watched
 
@@ -78,8 +79,9 @@ class Checkpointer:
         self.config = config
         self.runtime = runtime
         self.run_config = dict(run_config or {})
-        self.manager = (CheckpointManager(Path(run_dir) / "checkpoints", config.keep_last)
-                        if run_dir is not None else None)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.manager = (CheckpointManager(self.run_dir / "checkpoints", config.keep_last)
+                        if self.run_dir is not None else None)
         if self.manager is not None and runtime.is_main:
             self.manager.check_writable()
         self._writer = (AsyncCheckpointWriter(self.manager)
@@ -117,7 +119,8 @@ class Checkpointer:
             "epoch": self.state.epoch,
             "rng": rng.get_rng_state(),
             "config": self.run_config,
-            "manifest": self._manifest,
+            # the experiment trackers' runs that this run logs to, once they have started
+            "manifest": {**self._manifest, "trackers": tracker_runs(self.run_dir)},
         }
 
     # -- where the run starts -----------------------------------------------------------------

@@ -173,8 +173,8 @@ class CheckpointConfig:
 class TrainConfig:
     """Everything one run of ``python -m trainkit.train`` needs.
 
-    ``model``, ``optim``, ``sched``, ``loss`` and ``dataset`` are ``_target_`` nodes: the edges
-    where users plug in their own classes.
+    ``model``, ``optim``, ``sched``, ``loss``, ``dataset`` and each of ``sinks`` are ``_target_``
+    nodes: the edges where users plug in their own classes.
     """
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -185,6 +185,9 @@ class TrainConfig:
     sched: Any = None
     loss: Any = None  # null: plain cross-entropy
     dataset: Any = None  # null: the built-in data.name; else your reader(root, train) -> TensorData
+    # more metrics sinks beside TensorBoard and metrics.jsonl, name -> `_target_` node, e.g.
+    # +sinks.mlflow._target_=trainkit.MLflowSink (docs/trackers.md); a null node is left out
+    sinks: dict[str, Any] = field(default_factory=dict)
 
 
 def _check_int(key: str, value: Any, *, minimum: int) -> None:

@@ -43,6 +43,8 @@ def errors_as_one_line() -> Iterator[None]:
             raise
         if isinstance(err, TrainkitError):
             _fail(hydra_words(str(err)), details=err.details)
+        if isinstance(err.__cause__, TrainkitError):  # a `_target_` that said what is wrong
+            _fail(hydra_words(str(err.__cause__)), details=err.__cause__.details)
         if isinstance(err, InstantiationException):  # a `_target_` that fails to import or build
             _fail(_instantiate_message(err), details=chain_lines(err.__cause__ or err))
         _fail(f"config error: {_fold_hydra_message(err)}")

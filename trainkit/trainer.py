@@ -83,8 +83,10 @@ class Trainer:
         checkpoint: when to save, what to resume from (or initialize the weights from).
         runtime: device and ranks; default from ``config.device`` and torchrun's environment.
         run_config: the resolved config of the whole run, stored in checkpoints.
-        sinks: more places for the logged metrics, each with ``log(metrics, step)``, beside
-            TensorBoard and metrics.jsonl in ``run_dir`` (rank 0 only).
+        sinks: more places for the logged metrics, each with ``log(metrics, step)`` (and,
+            optionally, ``start``, ``finish``, ``close``: see :mod:`trainkit.sinks`), beside
+            TensorBoard and metrics.jsonl in ``run_dir`` (rank 0 only), e.g.
+            :class:`~trainkit.MLflowSink`, :class:`~trainkit.WandbSink`.
 
     Example:
         >>> trainer = Trainer(TrainerConfig(max_epochs=2), run_dir="runs/demo")  # doctest: +SKIP
@@ -169,20 +171,25 @@ class Trainer:
                 train.log).
         """
         self._begun: tuple[Begun, StepMeter] | None = None  # once training is set up
+        self._run_sinks = Sinks()  # this fit's, once set up; closed however the fit ends
         started = time.perf_counter()
         try:
-            return self._fit(model, optimizer, train_data, criterion=criterion,
-                             scheduler=scheduler, val_data=val_data, metrics=metrics,
-                             forward=forward, preemption=preemption, stop_at_step=stop_at_step)
-        except torch.cuda.OutOfMemoryError as err:  # moving the model, resuming, a step, eval
-            oom.release(err, optimizer)
-            line, details = oom.report(err, self.runtime.device, step=self.state.global_step,
-                                       batch=getattr(train_data, "batch_size", "?"),
-                                       accumulate=self.config.accumulate_grad_batches,
-                                       precision=self.config.precision)
-        self._finish("oom", {}, *(self._begun or (self._begin(started),
-                                                  StepMeter(self.runtime.device))))
-        raise TrainkitError(line, details=details)
+            try:
+                return self._fit(model, optimizer, train_data, criterion=criterion,
+                                 scheduler=scheduler, val_data=val_data, metrics=metrics,
+                                 forward=forward, preemption=preemption,
+                                 stop_at_step=stop_at_step)
+            except torch.cuda.OutOfMemoryError as err:  # moving the model, resuming, a step, eval
+                oom.release(err, optimizer)
+                line, details = oom.report(err, self.runtime.device, step=self.state.global_step,
+                                           batch=getattr(train_data, "batch_size", "?"),
+                                           accumulate=self.config.accumulate_grad_batches,
+                                           precision=self.config.precision)
+            self._finish("oom", {}, *(self._begun or (self._begin(started),
+                                                      StepMeter(self.runtime.device))))
+            raise TrainkitError(line, details=details)
+        finally:  # after the summary went to the sinks: a tracker flushes before the exit
+            self._run_sinks.close()
 
     def evaluate(self, model: nn.Module, data: Iterable[Any], *,
                  criterion: Criterion = F.cross_entropy, metrics: Mapping[str, Any] | None = None,
@@ -227,6 +234,10 @@ class Trainer:
                    stop_at_step, default_sinks(self.run_dir, main, self._sinks),
                    StepMeter(self.runtime.device),
                    Progress(total_steps, self.state.global_step, enabled=None if main else False))
+        self._run_sinks = run.sinks
+        # the run as resumed (a tracker continues its run): the config of the whole run, or
+        # the trainer's own settings for a library user who passed none
+        run.sinks.start(self.run_dir, self.run_config or asdict(self.config))
         if val_data is not None:
             metrics = {name: m.to(self.runtime.device) for name, m in (metrics or {}).items()}
             run.evaluate = functools.partial(self._validate, run, val_data, metrics)
@@ -237,8 +248,7 @@ class Trainer:
     def _run(self, run: _Run, preemption: Preemption, begun: Begun,
              meter: StepMeter) -> dict[str, Any]:
         """Train, save the last checkpoint, write the summary -- also when the run fails."""
-        self._watchdog.on_abort = lambda hang: self._finish(  # hang_action=abort
-            "hung", {}, begun, meter, hang=hang)
+        self._watchdog.on_abort = functools.partial(self._abort_hung, begun, meter)
         try:
             with preemption, run.progress, self._watchdog:
                 status, results = self._train(run, preemption)
@@ -249,7 +259,6 @@ class Trainer:
             self._finish("diverged", {}, begun, meter)
             raise
         finally:
-            run.sinks.close()
             self.checkpointer.close()  # a write still in flight ends whole, however fit ends
         summary = self._finish(status, results, begun, meter)
         if results and self.runtime.is_main:
@@ -445,4 +454,10 @@ class Trainer:
                                 **extra)
         if self.run_dir is not None and self.runtime.is_main:
             write_summary(self.run_dir, summary)
+        self._run_sinks.finish(status, summary)  # rank 0's sinks; none elsewhere
         return summary
+
+    def _abort_hung(self, begun: Begun, meter: StepMeter, hang: Any) -> None:
+        """``hang_action=abort``: the summary, to the sinks too, before the process exits."""
+        self._finish("hung", {}, begun, meter, hang=hang)
+        self._run_sinks.close()
