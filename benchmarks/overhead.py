@@ -2,6 +2,7 @@
 
     python -m benchmarks.overhead            # ratios of steps per second, loop = 1.0
     python -m benchmarks.overhead --quick
+    python -m benchmarks.overhead --callback  # also trainkit with one callback that does nothing
 
 All three sides train the same tiny MLP (32-64-10) on the same in-memory batches with the same
 SGD (lr 0.01, momentum 0.9) for the same number of steps, fp32 on the CPU with one thread, where
@@ -22,6 +23,7 @@ Without lightning installed (``pip install -e '.[bench]'``) its column is report
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import time
 import warnings
@@ -67,12 +69,20 @@ def hand_written(batches: Batches) -> float:
     return len(batches) / (time.perf_counter() - start)
 
 
-def with_trainkit(batches: Batches) -> float:
+class NoOp:
+    """A callback called every step that does nothing: what dispatching one costs."""
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        pass
+
+
+def with_trainkit(batches: Batches, callbacks: tuple[Any, ...] = ()) -> float:
     """Steps/s of ``trainkit.Trainer.fit`` with nothing written (no run dir, no checkpoint)."""
     model = make_model()
     optimizer = make_optimizer(model)
     trainer = Trainer(TrainerConfig(device="cpu", max_epochs=1, log_every_n_steps=100),
-                      checkpoint=CheckpointConfig(resume=None, save_last=False))
+                      checkpoint=CheckpointConfig(resume=None, save_last=False),
+                      callbacks=callbacks)
     start = time.perf_counter()
     trainer.fit(model, optimizer, batches)
     return len(batches) / (time.perf_counter() - start)
@@ -138,23 +148,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads; 1 keeps thread-pool wake-ups out of a tiny model")
     parser.add_argument("--quick", action="store_true", help="a few steps: check it works")
+    parser.add_argument("--callback", action="store_true",
+                        help="also trainkit with one no-op on_step_end callback")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.rounds = 30, 1
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        result = _measure(args.steps, args.rounds, args.threads)
+        result = _measure(args.steps, args.rounds, args.threads, args.callback)
     finally:
         torch.set_num_threads(threads_before)  # `python -m benchmarks` runs others after us
     emit(result)
     return result
 
 
-def _measure(steps: int, rounds: int, threads: int) -> dict[str, Any]:
+def _measure(steps: int, rounds: int, threads: int, callback: bool = False) -> dict[str, Any]:
     batches = make_batches(steps)
     sides: dict[str, Callable[[Batches], float]] = {"loop": hand_written,
                                                      "trainkit": with_trainkit}
+    if callback:
+        sides["trainkit+callback"] = functools.partial(with_trainkit, callbacks=(NoOp(),))
     lightning = lightning_side()
     if lightning is not None:
         sides["lightning"] = lightning
@@ -173,6 +187,11 @@ def _measure(steps: int, rounds: int, threads: int) -> dict[str, Any]:
     ratios = result["ratios"]
     rows = [row("overhead: trainkit/loop steps/s", ratios["trainkit/loop"],
                 f">= {GOAL_VS_LOOP}", ratios["trainkit/loop"] >= GOAL_VS_LOOP)]
+    if callback:
+        ratios["trainkit+callback/loop"] = ratio(samples, "trainkit+callback", "loop")
+        rows.append(row("overhead: trainkit+no-op callback/loop steps/s",
+                        ratios["trainkit+callback/loop"], f">= {GOAL_VS_LOOP}",
+                        ratios["trainkit+callback/loop"] >= GOAL_VS_LOOP))
     if lightning is not None:
         ratios["lightning/loop"] = ratio(samples, "lightning", "loop")
         ratios["trainkit/lightning"] = ratio(samples, "trainkit", "lightning")

@@ -15,7 +15,7 @@ import math
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from trainkit.errors import TrainkitError, one_line
 from trainkit.logging import log_to_file
@@ -24,7 +24,6 @@ log = logging.getLogger("trainkit")
 EVENTS = ("on_fit_start", "on_step_end", "on_evaluation_end", "on_checkpoint", "on_fit_end")
 
 
-@runtime_checkable
 class Callback(Protocol):
     """The events a callback may handle; define any subset (the others are not called).
 
