@@ -66,3 +66,6 @@ def test_bad_input_is_one_line_exit_2_and_keeps_the_checkpoint(
     assert words in last, last
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
     assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 2
+    if "Boom" in words:  # the line and the bug's traceback are in train.log too
+        log = (run_dir / "train.log").read_text()
+        assert last in log and "Traceback" in log and "ValueError: boom at step 3" in log

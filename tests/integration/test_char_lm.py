@@ -77,22 +77,9 @@ def test_preempted_between_evaluations_then_rerun_matches_an_uninterrupted_run(
     assert "train/z_loss" in (whole / "metrics.jsonl").read_text()
 
 
-def test_rerunning_a_stopped_run_trains_no_further(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    finish(start(lm_command(run_dir, "t.StopOnRank(3, rank=0)")), 0)
-    before = last_checkpoint(run_dir)
-    assert before["trainer"]["stop_reason"] == "rank 0 asked at step 3"
-    out = finish(start(lm_command(run_dir)), 0)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "stopped" and summary["global_step"] == 3
-    assert summary["stop_reason"] == "rank 0 asked at step 3"
-    assert_same_weights(last_checkpoint(run_dir)["model"], before["model"])
-    assert "nothing more to train" in (run_dir / "train.log").read_text(), out
-
-
 def test_bad_input_is_one_line_exit_2_and_keeps_the_checkpoint(tmp_path: Path) -> None:
     """A preempted run, then re-runs that fail: a forward whose third item is no mapping, one
-    whose scalar is a vector, a callback that raises. The checkpoint stays as it was."""
+    whose scalar is a vector. The checkpoint stays as it was."""
     run_dir = tmp_path / "run"
     finish(start(lm_command(run_dir, "t.SigtermAt(2)")), 75)
     before = (run_dir / "checkpoints" / "last.pt").read_bytes()
@@ -105,13 +92,9 @@ def test_bad_input_is_one_line_exit_2_and_keeps_the_checkpoint(tmp_path: Path) -
     procs = [start(lm_command(run_dir, forward=f"(lambda f: {code})(char_lm.forward)"
                               .replace("char_lm.forward(m, b)", "f(m, b)")))
              for code in bad]
-    procs.append(start(lm_command(run_dir, "t.Boom()")))
-    expected = [*bad.values(), "callback Boom raised in on_step_end: ValueError: boom at step 3"]
-    for proc, words in zip(procs, expected):
+    for proc, words in zip(procs, bad.values()):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, (out[-2000:], err[-2000:])
         _, last = error_report(err)
         assert words in last and len(last) <= LINE_LIMIT, last
-    assert "ValueError: boom at step 3" in (run_dir / "train.log").read_text()
-    assert "Traceback" in (run_dir / "train.log").read_text()
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before

@@ -227,6 +227,8 @@ def test_request_stop_ends_the_run_with_one_checkpoint_and_a_rerun_trains_no_fur
     again = Trainer(TrainerConfig(device="cpu", max_steps=10), run_dir=tmp_path).fit(
         _model(), torch.optim.SGD(model.parameters(), lr=0.1), _loader())
     assert again["status"] == "stopped" and again["global_step"] == 3
+    assert "stopped at step 3 (enough at 3): nothing more to train" in (
+        tmp_path / "train.log").read_text()
 
 
 def test_early_stopping_counts_evaluations_without_improvement() -> None:
