@@ -47,7 +47,7 @@ from trainkit.runtime import Runtime
 from trainkit.signals import Preemption
 from trainkit.sinks import MetricsSink, Sinks, default_sinks
 from trainkit.step import Criterion, Forward, WindowStep, default_forward, steps_per_epoch, windows
-from trainkit.summary import Begun, build_summary, write_hparams, write_summary
+from trainkit.summary import Begun, build_summary, read_summary, write_hparams, write_summary
 from trainkit.train_state import TrainState
 from trainkit.watchdog import Watchdog, watched
 
@@ -169,6 +169,9 @@ class Trainer:
         this). A second signal aborts at once. ``stop_at_step`` stops the same way after that
         step, as if a signal had come (``python -m trainkit.verify_resume`` uses it). After a
         preempted fit, exit with :data:`~trainkit.EXIT_PREEMPTED` (75), as the entry point does.
+        Resuming a run that already completed (its ``summary.json`` says so at the step it
+        resumes from) says so in one line and returns that summary: nothing is trained,
+        evaluated or written.
 
         Raises:
             NonFiniteLossError: ``trainer.nonfinite_patience`` NaN/inf losses in a row; the
@@ -241,6 +244,9 @@ class Trainer:
             self.checkpointer.on_saved = functools.partial(callbacks.fire, "on_checkpoint", self)
         self.checkpointer.start(total_steps)
         distributed.check_same_start(self.state.global_step)
+        finished = self._finished_summary(total_steps)
+        if finished is not None:  # a re-run of a completed run: nothing to train or write
+            return finished
         log_start(type(unwrap(model)).__name__, self.runtime, total_steps,
                   steps_per_epoch(len(train_data), self.config.accumulate_grad_batches),
                   self.config, getattr(train_data, "batch_size", None), self._settings_text)
@@ -353,7 +359,7 @@ class Trainer:
             else:  # one process saving by steps: the signal or a request alone decides
                 stop = preemption.requested or self._stop_reason is not None
             if stop or step == stop_at:
-                self._stop(step)
+                self._save_and_stop(step)
                 return True
             if time_due or step == next_save:
                 # a save never follows NaN/inf steps the host has not counted
@@ -398,7 +404,7 @@ class Trainer:
         if step % cfg.log_every_n_steps == 0 or time.perf_counter() >= self._log_deadline:
             self._log_train(run)
 
-    def _stop(self, step: int) -> None:
+    def _save_and_stop(self, step: int) -> None:
         """Stop after step ``step`` on every rank (a signal, stop_at_step, or request_stop)."""
         self._guard.stop_if_diverged()  # counted before the save
         # the reason of whichever rank asked (a collective: all ranks stop at this step)
@@ -479,6 +485,26 @@ class Trainer:
         """When a log line is due by time (``log_every_n_seconds``), on ``perf_counter``'s clock."""
         seconds = self.config.log_every_n_seconds
         return time.perf_counter() + seconds if seconds else math.inf
+
+    def _finished_summary(self, total_steps: int) -> dict[str, Any] | None:
+        """The summary of the completed run this one resumed at its end, else None."""
+        state = self.state
+        stopped = state.stop_reason is not None  # by request_stop: over, however long planned
+        if not state.global_step or (not stopped and state.global_step < total_steps
+                                     and state.epoch < self.config.max_epochs):
+            return None
+        summary = read_summary(self.run_dir) if self.runtime.is_main else None
+        summary = distributed.all_gather(summary)[0]  # rank 0's: every rank decides alike
+        if (not summary or summary.get("status") != ("stopped" if stopped else "completed")
+                or summary.get("global_step") != state.global_step):
+            return None  # stopped at its last step: evaluate and complete it now
+        if stopped:
+            log.info("this run stopped at step %d (%s): nothing more to train",
+                     state.global_step, state.stop_reason)
+            return summary
+        log.info("the run is complete at step %d of %d: nothing to do (raise trainer.max_steps "
+                 "or trainer.max_epochs to train on)", state.global_step, total_steps)
+        return summary
 
     def _begin(self, started: float) -> Begun:
         return Begun(started, self.state.samples_seen, self.state.global_step)
