@@ -32,6 +32,7 @@ try:
     from trainkit.ema import EMA
     from trainkit.errors import ConfigError, TrainkitError
     from trainkit.fsdp import shard_model
+    from trainkit.loop.callbacks import Callback, EarlyStopping
     from trainkit.observe.trackers import MLflowSink, WandbSink
     from trainkit.precision import Precision
     from trainkit.rng import seed_everything
@@ -51,11 +52,13 @@ __all__ = [
     "EXIT_HUNG",
     "EXIT_PREEMPTED",
     "AsyncCheckpointWriter",
+    "Callback",
     "CheckpointConfig",
     "CheckpointManager",
     "ConfigError",
     "DataConfig",
     "DevicePrefetcher",
+    "EarlyStopping",
     "InMemoryLoader",
     "MLflowSink",
     "NonFiniteLossError",
