@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import sys
 from collections.abc import Iterator, Sequence
@@ -173,20 +174,37 @@ def float32_norms(model: nn.Module, blocks: Sequence[str] = ()) -> list[str]:
             and any(b.is_floating_point() for b in module.buffers(recurse=False))]
 
 
-def compile_units(model: nn.Module) -> list[str]:
-    """``torch.compile`` each FSDP unit's forward in place; returns the units' paths.
+def compile_units(model: nn.Module) -> tuple[list[str], list[str]]:
+    """``torch.compile`` each FSDP unit's forward in place: ``(compiled, left eager)`` paths.
 
     Compiling the sharded model as a whole compiles nothing: FSDP2's all-gather hooks are
     excluded from tracing (``torch._dynamo.disable``), and the graph break they leave in
     ``Module.__call__`` leaves every forward behind it eager. Compiled per unit (as torchtitan
-    compiles each block, before ``fully_shard``), the hooks run eagerly around each compiled
-    forward; a unit's forward breaks its graph where it calls an inner unit. The forward is
-    patched (as activation checkpointing patches it), so parameter names do not change.
+    compiles each block), the hooks run eagerly around each compiled forward; a unit's forward
+    breaks its graph where it calls an inner unit. A unit that is one layer (no submodules:
+    a Conv2d block, a float32 norm) is left eager: there is nothing to fuse in one op. The
+    forward is patched (as activation checkpointing patches it): parameter names do not change.
     """
-    units = [(name, module) for name, module in model.named_modules() if is_sharded(module)]
-    for _, module in units:
-        module.forward = torch.compile(module.forward)
-    return [name or "<root>" for name, _ in units]
+    compiled: dict[Any, Any] = {}
+    done, eager = [], []
+    for name, module in model.named_modules():
+        if not is_sharded(module):
+            continue
+        if not any(True for _ in module.children()):
+            eager.append(name)
+            continue
+        done.append(name or "<root>")
+        if "forward" in vars(module):  # patched already (activation checkpointing)
+            module.forward = torch.compile(module.forward)
+            continue
+        # One compiled function per class, the module an argument: a compiled bound method is
+        # guarded on its module's identity, and past dynamo's recompile_limit (8) units of
+        # one class would silently run eagerly.
+        forward = type(module).forward
+        if forward not in compiled:
+            compiled[forward] = torch.compile(forward)
+        module.forward = functools.partial(compiled[forward], module)
+    return done, eager
 
 
 def _fully_shard(module: nn.Module, name: str, **settings: Any) -> None:
@@ -198,8 +216,8 @@ def _fully_shard(module: nn.Module, name: str, **settings: Any) -> None:
     except (NotImplementedError, ValueError, TypeError, AssertionError) as err:
         where = f"{name} ({type(module).__name__})" if name else type(module).__name__
         raise TrainkitError(
-            f"trainer.strategy=fsdp cannot shard {where}: {type(err).__name__}: "
-            f"{one_line(err, 90)}; use trainer.strategy=ddp, or name other trainer.fsdp_blocks",
+            f"trainer.strategy=fsdp: fully_shard refuses {where} ({type(err).__name__}: "
+            f"{one_line(err, 60)}); use trainer.strategy=ddp or other trainer.fsdp_blocks",
             details=chain_lines(err)) from err
 
 

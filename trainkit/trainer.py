@@ -399,10 +399,11 @@ class Trainer:
         """``torch.compile``: the whole model, or under FSDP each unit's forward in place
         (compiling the sharded whole would compile nothing: :func:`fsdp.compile_units`)."""
         if fsdp.is_sharded(model):
-            units = fsdp.compile_units(model)
+            units, eager = fsdp.compile_units(model)
             shown = units if len(units) <= 4 else [*units[:2], "...", units[-1]]
-            log.info("compile: the forward of each of %d FSDP units (%s); FSDP's gathers run "
-                     "eagerly between them", len(units), ", ".join(shown))
+            log.info("compile: the forward of %d FSDP unit%s (%s), FSDP's gathers eager between "
+                     "them%s", len(units), "" if len(units) == 1 else "s", ", ".join(shown),
+                     f"; {len(eager)} one-layer units eager" if eager else "")
             return model
         log.info("compile: the whole model (torch.compile)")
         return torch.compile(model)

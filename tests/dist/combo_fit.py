@@ -69,7 +69,7 @@ def fit(row: dict[str, Any], root: str, run_dir: Path, runtime: Runtime,
     build, load = MODELS[row["model"]]
     seed_everything(0)
     model = build()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     batch, world = GLOBAL_BATCH // runtime.world_size, runtime.world_size
     loaders = [InMemoryLoader(load(root, train=train, verify=False, download=False), batch,
                               shuffle=train, rank=runtime.rank, world_size=world,
