@@ -111,9 +111,10 @@ def _launch(row: dict[str, Any], data_root: Path, tmp: Path) -> dict[str, Any]:
     return torch.load(out, weights_only=False)["row"]
 
 
-def _checkpoint_model(run_dir: str, step: int) -> dict[str, torch.Tensor]:
-    """The model a checkpoint of ``step`` holds: a file, or a sharded directory read whole."""
-    path = Path(run_dir) / "checkpoints" / f"step_{step:09d}"
+def _checkpoint_model(run_dir: str, name: str) -> dict[str, torch.Tensor]:
+    """The model checkpoint ``name`` holds (``last``, ``step_<N>``): a file, or a sharded
+    directory read whole."""
+    path = Path(run_dir) / "checkpoints" / name
     if path.is_dir():
         return sharded_resume.load_full(path)["model"]
     return torch.load(path.with_suffix(".pt"), map_location="cpu", weights_only=True)["model"]
@@ -152,10 +153,10 @@ def test_a_preempted_and_resumed_run_ends_as_the_uninterrupted_one(
         first, *others = fit["buffers_by_rank"]
         for other in others:
             _assert_close(other, first, 0.0, "buffers of another rank")
-    runs = {"whole": (whole, result["dirs"][0], whole["summary"]["global_step"]),
-            "preempted": (preempted, result["dirs"][1], result["stop_step"])}
-    for what, (fit, run_dir, step) in runs.items():
-        saved = _checkpoint_model(run_dir, step)
+    runs = {"whole": (whole, result["dirs"][0], "last"),
+            "preempted": (preempted, result["dirs"][1], f"step_{result['stop_step']:09d}")}
+    for what, (fit, run_dir, name) in runs.items():
+        saved = _checkpoint_model(run_dir, name)
         _assert_close({k: saved[k] for k in fit["buffers_by_rank"][0]}, fit["buffers_by_rank"][0],
                       0.0, f"{what} checkpoint's buffers")
     if row["compile"]:  # compiled, not silently eager (the fits after the first reuse graphs)
