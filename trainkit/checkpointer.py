@@ -353,6 +353,12 @@ class Checkpointer:
             return
         periodic = (self.due(step) if best
                     else bool(self.config.every_n_steps) or not last_step)
+        # Ranks' batch-norm statistics (buffers, and the EMA's averages of them) differ: the saved
+        # ones are rank 0's, as evaluate() uses. Broadcast rather than averaged: rank 0's are not
+        # changed by it, so a save (a preemption's) changes nothing a later evaluation reports,
+        # and the model saved is the one behind the metrics (FSDP would save any rank's copy).
+        ema = self.parts["ema"]
+        distributed.broadcast_buffers(self.parts["model"], *(ema.buffers() if ema else ()))
         # Every rank's RNG state (dropout, augmentation draws differ per rank), for exact resumes.
         rng_per_rank = distributed.gather_to_main(rng.get_rng_state())  # collective: all ranks
         if self._sharded is not None:

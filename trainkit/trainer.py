@@ -302,7 +302,7 @@ class Trainer:
         """Epochs of steps until done, preempted or stopped; returns the status and the last
         evaluation's results."""
         cfg, state = self.config, self.state
-        model = torch.compile(run.model) if cfg.compile else run.model
+        model = self._compiled(run.model) if cfg.compile else run.model
         self.callbacks.fire("on_fit_start", self)
         run.meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
@@ -464,12 +464,18 @@ class Trainer:
         """Device, layout, activation checkpointing, then DDP or FSDP (compile comes last)."""
         cfg = self.config
         model = model.to(self.runtime.device)
-        if cfg.channels_last:
+        sharded = fsdp.resolve_strategy(cfg.strategy, self.runtime.world_size) == "fsdp"
+        if cfg.channels_last and sharded:
+            # fully_shard takes contiguous parameters only; a convolution given NHWC inputs
+            # (the loaders make them) computes in NHWC whatever its weights' layout
+            log.info("channels_last: the inputs only (fully_shard takes contiguous weights; "
+                     "convolutions follow their inputs' layout)")
+        elif cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(model, cfg.activation_checkpointing)
         distributed.init_process_group(self.runtime)  # no-op in one process or when already up
-        if fsdp.resolve_strategy(cfg.strategy, self.runtime.world_size) == "fsdp":
+        if sharded:
             return fsdp.shard_model(model, optimizer, self.runtime, blocks=cfg.fsdp_blocks,
                                     reshard_after_forward=cfg.fsdp_reshard_after_forward,
                                     precision=cfg.precision)
@@ -477,6 +483,20 @@ class Trainer:
             log.warning("trainer.fsdp_blocks is ignored: trainer.strategy=%s does not shard "
                         "(set trainer.strategy=fsdp)", cfg.strategy)
         return distributed.wrap_ddp(model, self.runtime)  # auto or ddp; one process: as it is
+
+    @staticmethod
+    def _compiled(model: nn.Module) -> nn.Module:
+        """``torch.compile``: the whole model, or under FSDP each unit's forward in place
+        (compiling the sharded whole would compile nothing: :func:`fsdp.compile_units`)."""
+        if fsdp.is_sharded(model):
+            units, eager = fsdp.compile_units(model)
+            shown = units if len(units) <= 4 else [*units[:2], "...", units[-1]]
+            log.info("compile: the forward of %d FSDP unit%s (%s), FSDP's gathers eager between "
+                     "them%s", len(units), "" if len(units) == 1 else "s", ", ".join(shown),
+                     f"; {len(eager)} one-layer units eager" if eager else "")
+            return model
+        log.info("compile: the whole model (torch.compile)")
+        return torch.compile(model)
 
     def _log_train(self, run: _Run) -> None:
         """The window's figures to the sinks, the console and train.log."""
