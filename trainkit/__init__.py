@@ -23,6 +23,8 @@ from trainkit.device import available_devices, move_to_device, resolve_device
 from trainkit.ema import EMA
 from trainkit.errors import ConfigError, TrainkitError
 from trainkit.fsdp import shard_model
+from trainkit.loop.callbacks import Callback, EarlyStopping
+from trainkit.observe.trackers import MLflowSink, WandbSink
 from trainkit.precision import Precision
 from trainkit.rng import seed_everything
 from trainkit.runtime import Runtime
@@ -38,12 +40,15 @@ __all__ = [
     "EXIT_HUNG",
     "EXIT_PREEMPTED",
     "AsyncCheckpointWriter",
+    "Callback",
     "CheckpointConfig",
     "CheckpointManager",
     "ConfigError",
     "DataConfig",
     "DevicePrefetcher",
+    "EarlyStopping",
     "InMemoryLoader",
+    "MLflowSink",
     "NonFiniteLossError",
     "Precision",
     "Preemption",
@@ -57,6 +62,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "TrainkitError",
+    "WandbSink",
     "Watchdog",
     "WindowStep",
     "apply_activation_checkpointing",
