@@ -44,7 +44,6 @@ from trainkit import (
 from trainkit.distributed import sum_across_ranks
 from trainkit.errors import print_error
 from trainkit.logging import log_to_file
-from trainkit.optim import AdamW  # torch.optim.AdamW's update, without importing torch._dynamo
 
 # -- data ---------------------------------------------------------------------------------------
 
@@ -244,7 +243,7 @@ def train(args: argparse.Namespace, callbacks: Sequence[Any] = ()) -> dict[str, 
                            **{**loader, "num_workers": 0})
     seed_everything(args.seed)  # the same initial weights on every rank
     model = ByteGPT(args.block, args.dim, args.layers)
-    optimizer = AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     trainer = Trainer(
         TrainerConfig(max_epochs=1000, max_steps=args.steps, precision=args.precision,
                       device=str(runtime.device), seed=args.seed, gradient_clip_val=1.0,

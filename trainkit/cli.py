@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     # from sys.argv itself.
     argv_before, sys.argv = sys.argv, [f"trainkit {command}", *rest]
     if command == "train":
-        module.run()  # ends the process
+        module.main()  # Hydra exits with the run's status
+        return 0
     try:
         return int(module.main(rest) or 0)
     finally:

@@ -14,7 +14,7 @@ from typing import Any
 
 from trainkit.errors import ConfigError
 
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
 PAD_MODES = ("constant", "reflect")
 HANG_ACTIONS = ("report", "abort")
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -183,7 +183,8 @@ class TrainConfig:
     """Everything one run of ``python -m trainkit.train`` needs.
 
     ``model``, ``optim``, ``sched``, ``loss``, ``dataset`` and each of ``sinks`` are ``_target_``
-    nodes: the edges where users plug in their own classes; ``callbacks`` maps names to such nodes.
+    nodes: the edges where users plug in their own classes; ``callbacks`` and ``metrics`` map
+    names to such nodes.
     """
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -193,6 +194,7 @@ class TrainConfig:
     optim: Any = None
     sched: Any = None
     loss: Any = None  # null: plain cross-entropy
+    metrics: Any = None  # {name: _target_ node}: evaluation metrics, reported as val/<name>
     dataset: Any = None  # null: the built-in data.name; else your reader(root, train) -> TensorData
     # more metrics sinks beside TensorBoard and metrics.jsonl, name -> `_target_` node, e.g.
     # +sinks.mlflow._target_=trainkit.MLflowSink (docs/trackers.md); a null node is left out

@@ -24,6 +24,12 @@ def _this_process() -> psutil.Process:
     return _processes[pid]
 
 
+def seconds_since_process_start() -> float:
+    """Wall-clock seconds since this process started (the kernel's record, 10 ms resolution on
+    Linux): interpreter, imports and set-up included, as ``time`` would count them."""
+    return max(0.0, time.time() - _this_process().create_time())
+
+
 def rss_bytes() -> int:
     """This process's resident memory, the figure psutil's ``memory_info().rss`` gives.
 

@@ -22,7 +22,6 @@ Batch = Any
 Forward = Callable[[nn.Module, Batch], tuple[Any, ...]]
 Criterion = Callable[[Any, Any], torch.Tensor]
 _SYNC = contextlib.nullcontext()  # reused: entering a fresh one every micro-step shows up
-_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 _FLAT = (tuple, list)  # the common batch, (inputs, targets), is checked without a walk
 _new_tuple = tuple.__new__
 _TRAINKITS = ("loss", "lr")  # train/<name> tags trainkit logs itself
@@ -193,7 +192,7 @@ class WindowStep:
             if self.agree is not None:
                 nonfinite = self.agree(nonfinite)
             if nonfinite:
-                drop_gradients(optimizer)
+                optimizer.zero_grad(set_to_none=True)
                 return StepResult(loss, None, False, total, False, value)
         finite_flag = None
         if guard_finite and not check_finite:
@@ -206,7 +205,7 @@ class WindowStep:
             stepped = True
         else:
             stepped = precision.step(optimizer)
-        drop_gradients(optimizer)
+        optimizer.zero_grad(set_to_none=True)
         # tuple.__new__ directly: the NamedTuple's own __new__ is one more Python call a step
         return _new_tuple(StepResult, (loss, grad_norm, stepped, total, True, value, finite_flag))
 
@@ -280,23 +279,6 @@ def _scalar(name: Any, value: Any) -> float | torch.Tensor:
         return float(value)
     raise TrainkitError(f"forward's scalar {name!r} is a {type(value).__name__}: return a 0-d "
                         "tensor or a number")
-
-
-def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.zero_grad(set_to_none=True)`` without the cost of torch's wrappers.
-
-    ``torch.optim.Optimizer.zero_grad`` enters a profiler range and a wrapper that keeps
-    ``torch.compile`` out of it (and imports ``torch._dynamo``, ~1.5 s, on its first call):
-    10-20 µs a step, 5-8% of a small model's step on a CPU. With ``set_to_none=True`` all it
-    does is set each gradient to None, which is done here directly. An optimizer class that
-    defines its own ``zero_grad`` (one that keeps gradients elsewhere) runs its own.
-    """
-    if type(optimizer).zero_grad is not _TORCH_ZERO_GRAD:
-        optimizer.zero_grad(set_to_none=True)
-        return
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = None
 
 
 def _loss(model: nn.Module, batch: Batch, precision: Precision, criterion: Criterion,

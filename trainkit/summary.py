@@ -21,9 +21,13 @@ class Begun(NamedTuple):
 
 
 def build_summary(status: str, results: Mapping[str, float], state: TrainState, begun: Begun, *,
-                  world_size: int, peak_memory: Mapping[str, float], **extra: Any
-                  ) -> dict[str, Any]:
-    """The contents of ``summary.json`` (see the README's run-directory section)."""
+                  world_size: int, peak_memory: Mapping[str, float],
+                  startup_s: float | None = None, **extra: Any) -> dict[str, Any]:
+    """The contents of ``summary.json`` (see the README's run-directory section).
+
+    ``startup_s``: seconds from the process's start to its first training step (None when
+    training never began).
+    """
     wall = time.perf_counter() - begun.started
     return {
         "status": status,
@@ -39,6 +43,7 @@ def build_summary(status: str, results: Mapping[str, float], state: TrainState, 
         # wall time includes evaluation and checkpointing)
         "samples_per_s": (state.samples_seen - begun.samples) * world_size / wall if wall else 0.0,
         "steps_per_s": (state.global_step - begun.step) / wall if wall else 0.0,
+        "startup_s": startup_s,
         "world_size": world_size,
         "peak_memory": dict(peak_memory),
         **extra,

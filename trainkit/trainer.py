@@ -40,7 +40,7 @@ from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
 from trainkit.logging import Progress, log_start, log_window, setup_logging
 from trainkit.loop.callbacks import Callbacks
-from trainkit.metrics import StepMeter
+from trainkit.metrics import StepMeter, seconds_since_process_start
 from trainkit.nonfinite import NonFiniteGuard, NonFiniteLossError
 from trainkit.precision import Precision
 from trainkit.runtime import Runtime
@@ -183,6 +183,7 @@ class Trainer:
                 train.log).
         """
         self._begun: tuple[Begun, StepMeter] | None = None  # once training is set up
+        self._startup_s: float | None = None  # process start to the first step, once known
         self._run_sinks = Sinks()  # this fit's, once set up; closed however the fit ends
         started = time.perf_counter()
         try:
@@ -196,7 +197,7 @@ class Trainer:
                 line, details = oom.report(err, self.runtime.device, step=self.state.global_step,
                                            batch=getattr(train_data, "batch_size", "?"),
                                            accumulate=self.config.accumulate_grad_batches,
-                                           precision=self.config.precision)
+                                           precision=self.precision.mode)
             self._finish("oom", {}, *(self._begun or (self._begin(started),
                                                       StepMeter(self.runtime.device))))
             raise TrainkitError(line, details=details)
@@ -254,9 +255,6 @@ class Trainer:
         finished = self._finished_summary(total_steps)
         if finished is not None:  # a re-run of a completed run: nothing to train or write
             return finished
-        log_start(type(unwrap(model)).__name__, self.runtime, total_steps,
-                  steps_per_epoch(len(train_data), self.config.accumulate_grad_batches),
-                  self.config, getattr(train_data, "batch_size", None), self._settings_text)
         main = self.runtime.is_main
         run = _Run(model, optimizer, scheduler, ema, train_data, criterion, forward, total_steps,
                    stop_at_step, default_sinks(self.run_dir, main, self._sinks),
@@ -269,6 +267,13 @@ class Trainer:
         if val_data is not None:
             metrics = {name: m.to(self.runtime.device) for name, m in (metrics or {}).items()}
             run.evaluate = functools.partial(self._validate, run, val_data, metrics)
+        self._startup_s = seconds_since_process_start()  # all set up: the first step is next
+        log_start(type(unwrap(model)).__name__, self.runtime, total_steps,
+                  steps_per_epoch(len(train_data), self.config.accumulate_grad_batches),
+                  self.config, getattr(train_data, "batch_size", None), self._settings_text,
+                  precision=self.precision.describe(), startup_s=self._startup_s)
+        if self.precision.warning:
+            log.warning(self.precision.warning)
         # this process's share of the run, from where it resumed (also for a run out of memory)
         self._begun = (self._begin(started), run.meter)
         return self._run(run, preemption or Preemption(), *self._begun)
@@ -478,7 +483,7 @@ class Trainer:
         if sharded:
             return fsdp.shard_model(model, optimizer, self.runtime, blocks=cfg.fsdp_blocks,
                                     reshard_after_forward=cfg.fsdp_reshard_after_forward,
-                                    precision=cfg.precision)
+                                    precision=self.precision.mode)
         if cfg.fsdp_blocks:
             log.warning("trainer.fsdp_blocks is ignored: trainer.strategy=%s does not shard "
                         "(set trainer.strategy=fsdp)", cfg.strategy)
@@ -542,7 +547,7 @@ class Trainer:
                 **extra: Any) -> dict[str, Any]:
         summary = build_summary(status, results, self.state, begun,
                                 world_size=self.runtime.world_size, peak_memory=meter.peaks(),
-                                **extra)
+                                startup_s=self._startup_s, **extra)
         if self.run_dir is not None and self.runtime.is_main:
             write_summary(self.run_dir, summary)
         self._run_sinks.finish(status, summary)  # rank 0's sinks; none elsewhere

@@ -31,7 +31,7 @@ from trainkit import (
     load_mnist,
     seed_everything,
 )
-from trainkit.accuracy import Accuracy
+from torchmetrics.classification import MulticlassAccuracy
 from trainkit.models import CifarNet, MnistNet
 from trainkit.step import default_forward
 
@@ -88,7 +88,7 @@ def fit(row: dict[str, Any], root: str, run_dir: Path, runtime: Runtime,
         signal_at = stop_at_step * row["accumulate"]
     torch._dynamo.utils.counters.clear()
     summary = trainer.fit(model, optimizer, loaders[0], val_data=loaders[1],
-                          metrics={"acc": Accuracy(10)}, forward=SignalAt(signal_at))
+                          metrics={"acc": MulticlassAccuracy(10, average="micro")}, forward=SignalAt(signal_at))
     ema = trainer.checkpointer.parts["ema"]
     return {"summary": summary, "state": full(distributed.unwrap(model).state_dict()),
             "ema": full(ema.state_dict()["weights"]) if ema is not None else None,

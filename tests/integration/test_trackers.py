@@ -98,7 +98,7 @@ def test_mlflow_keeps_one_run_through_a_sigterm_and_its_resume(
     assert last_checkpoint(run_dir)["manifest"]["trackers"]["mlflow"] == kept
     assert run.data.tags["trainkit.run_dir"] == str(run_dir.resolve())
     assert run.data.params["trainer.max_steps"] == "48"
-    assert run.data.params["optim._target_"] == "trainkit.optim.AdamW"
+    assert run.data.params["optim._target_"] == "torch.optim.AdamW"
     assert run.data.params["sinks.mlflow._target_"] == "trainkit.MLflowSink"
     # every metric, step for step, as in metrics.jsonl (no step twice, none missing)
     records = _jsonl(run_dir)
