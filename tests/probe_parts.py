@@ -69,3 +69,12 @@ class HeavyNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+class ReadingNet(TinyNet):
+    """TinyNet that reads a value back to the host in every forward, as ``loss.item()`` would."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.last_mean = out.mean().item()  # a host sync on a GPU, every step
+        return out
