@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("probe.json"),
                         help="where the figures go (default: probe.json in this folder)")
     parser.add_argument("overrides", nargs="*", help="the overrides you pass to trainkit train")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options before, between or after overrides
     with errors_as_one_line():
         if not args.seconds > 0:
             raise TrainkitError(f"--seconds must be > 0, got {args.seconds}")

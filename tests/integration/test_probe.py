@@ -5,6 +5,7 @@ line and exit 2, and nothing but probe.json is written."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,23 @@ def test_bad_seconds_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert result.returncode == 2
     _, last = error_report(result.stderr)
     assert "--seconds must be > 0" in last
+
+
+def test_the_guides_command_runs_as_written(tmp_path: Path, cifar_root: Path) -> None:
+    """docs/gpu-idle.md's (and the README's) ``trainkit probe +exp=cifar``, on the fake CIFAR
+    files with a narrow net and short phases appended, in an empty folder: probe.json there."""
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "docs" / "gpu-idle.md").read_text(), re.S)
+    command = next(line for b in blocks for line in b.splitlines()
+                   if line.startswith("trainkit probe +exp=cifar")).split("#")[0].strip()
+    appended = (f" --seconds 0.3 data.root={cifar_root} data.verify=false data.download=false"
+                " trainer.precision=32 trainer.channels_last=false data.batch_size=32"
+                " 'model.widths=[8,8,16,16]'")
+    env = dict(ENV, PATH=f"{Path(sys.executable).parent}:{ENV['PATH']}", PYTHONPATH=str(REPO))
+    result = subprocess.run(command + appended, shell=True, cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "verdict: " in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.json"]  # no outputs/ folder
 
 
 def test_the_console_command_runs_it(tmp_path: Path) -> None:

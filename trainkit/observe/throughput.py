@@ -65,7 +65,7 @@ def cycle(data: Iterable[Any]) -> Iterator[Any]:
 
 
 def loader_phase(data: Iterable[Any], device: torch.device, *, seconds: float,
-                 name: str = "loader", warmup: int = 3) -> Phase:
+                 name: str = "loader", warmup: int = 2) -> Phase:
     """Batches per second from ``data``, each on ``device`` (trainkit's loaders put it there)."""
     batches = cycle(data)
 
@@ -77,7 +77,7 @@ def loader_phase(data: Iterable[Any], device: torch.device, *, seconds: float,
 
 
 def step_phase(step: WindowStep, batch: Any, *, seconds: float, guard_finite: bool,
-               warmup: int = 3) -> Phase:
+               warmup: int = 2) -> Phase:
     """Optimizer steps per second on one batch kept on the device: no loading at all."""
     window = (move_to_device(batch, step.device),)
 
@@ -89,7 +89,7 @@ def step_phase(step: WindowStep, batch: Any, *, seconds: float, guard_finite: bo
 
 
 def together_phase(step: WindowStep, data: Iterable[Any], *, accumulate: int, seconds: float,
-                   guard_finite: bool, warmup: int = 3) -> Phase:
+                   guard_finite: bool, warmup: int = 2) -> Phase:
     """Loading and stepping as ``Trainer.fit`` interleaves them, with its data-wait clock."""
     groups = windows(cycle(data), accumulate)
     clock = time.perf_counter
@@ -105,22 +105,25 @@ def together_phase(step: WindowStep, data: Iterable[Any], *, accumulate: int, se
 
 
 def timed(name: str, one: Callable[[StepMeter], None], device: torch.device, *,
-          seconds: float, warmup: int = 3, waits: bool = False) -> Phase:
+          seconds: float, warmup: int = 2, waits: bool = False) -> Phase:
     """Warm up, learn how long ``one`` takes, then time enough calls to fill ``seconds``.
 
     ``one(meter)`` does one call and adds it to the meter; ``waits``: it counts data wait too.
+    The first call pays the one-time costs (allocations, autotuning, workers starting); the
+    warm-up calls after it also tell how long one call takes.
     """
     meter = StepMeter(device)
-    for _ in range(warmup):
-        one(meter)
-    meter.read()  # waits for the device: the calibration starts from an empty queue
+    one(meter)
+    meter.read()  # waits for the device: the timing starts from an empty queue
     started, calls = time.perf_counter(), 0
-    while calls < 2 or time.perf_counter() - started < min(0.2 * seconds, 1.0):
+    # Every rank calls as often (a step all-reduces under DDP): go on while any rank wants to.
+    while any(distributed.any_rank(calls < max(1, warmup - 1) or time.perf_counter() - started
+                                   < min(0.2 * seconds, 1.0))):
         one(meter)
         calls += 1
     meter.read()
     per_call = (time.perf_counter() - started) / calls
-    # Every rank the same count: the slowest's (a step all-reduces under DDP).
+    # Every rank the same count: the slowest's.
     count = min(distributed.all_gather(max(2, round(seconds / per_call))))
     meter.restart()
     for _ in range(count):
