@@ -48,8 +48,8 @@ def test_the_hint_names_the_setting_of_the_loader_in_use() -> None:
     data = TensorData(torch.zeros(16, 1, 4, 4, dtype=torch.uint8), torch.zeros(16).long(),
                       (0.5,), (0.25,), 2)
     samples = torch.utils.data.TensorDataset(data.images, data.labels)
-    assert input_hint(make_loader(samples, 4, shuffle=False, num_workers=3)).startswith(
-        "data.num_workers=6 (now 3), or data.loader=memory")
+    assert input_hint(make_loader(samples, 4, shuffle=False, num_workers=1)).startswith(
+        "data.num_workers=2 (now 1), or data.loader=memory")
     assert input_hint(make_loader(samples, 4, shuffle=False, num_workers=0)).startswith(
         "data.num_workers=2 (now 0)")
     assert "data.batch_size" in input_hint(InMemoryLoader(data, 4, shuffle=False, device=CPU))
