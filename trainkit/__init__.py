@@ -32,6 +32,8 @@ try:
     from trainkit.ema import EMA
     from trainkit.errors import ConfigError, TrainkitError
     from trainkit.fsdp import shard_model
+    from trainkit.loop.callbacks import Callback, EarlyStopping
+    from trainkit.observe.trackers import MLflowSink, WandbSink
     from trainkit.precision import Precision
     from trainkit.rng import seed_everything
     from trainkit.runtime import Runtime
@@ -50,12 +52,15 @@ __all__ = [
     "EXIT_HUNG",
     "EXIT_PREEMPTED",
     "AsyncCheckpointWriter",
+    "Callback",
     "CheckpointConfig",
     "CheckpointManager",
     "ConfigError",
     "DataConfig",
     "DevicePrefetcher",
+    "EarlyStopping",
     "InMemoryLoader",
+    "MLflowSink",
     "NonFiniteLossError",
     "Precision",
     "Preemption",
@@ -69,6 +74,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "TrainkitError",
+    "WandbSink",
     "Watchdog",
     "WindowStep",
     "apply_activation_checkpointing",

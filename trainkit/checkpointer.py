@@ -46,6 +46,7 @@ from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
 from trainkit.runtime import Runtime
 from trainkit.sharded_checkpoint import FORMAT, ShardedCheckpoints
+from trainkit.sinks import tracker_runs
 from trainkit.train_state import TrainState
 from trainkit.watchdog import Watchdog, watched
 
@@ -78,8 +79,9 @@ class Checkpointer:
         self.config = config
         self.runtime = runtime
         self.run_config = dict(run_config or {})
-        self.manager = (CheckpointManager(Path(run_dir) / "checkpoints", config.keep_last)
-                        if run_dir is not None else None)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.manager = (CheckpointManager(self.run_dir / "checkpoints", config.keep_last)
+                        if self.run_dir is not None else None)
         if self.manager is not None and runtime.is_main:
             self.manager.check_writable()
         self._writer = (AsyncCheckpointWriter(self.manager)
@@ -89,11 +91,15 @@ class Checkpointer:
         self.state = TrainState()
         self.parts: dict[str, Any] = {}
         self._sharded: ShardedCheckpoints | None = None  # an FSDP2 run's directories
+        # told of every save, on every rank: (path, step) -> None (the callbacks' on_checkpoint)
+        self.on_saved: Callable[[Path | None, int], None] | None = None
 
     def register(self, state: TrainState, *, model: nn.Module, optimizer: Any,
                  precision: Any, scheduler: Any = None, ema: EMA | None = None,
-                 data: Any = None) -> None:
+                 data: Any = None, callbacks: Any = None) -> None:
         """The objects a checkpoint holds; None for a part this run has not.
+
+        ``callbacks``: the stateful callbacks (a :class:`~trainkit.loop.callbacks.Callbacks`).
 
         A model sharded by ``fully_shard`` (FSDP2) gets sharded checkpoints: directories every
         rank writes its part of (:mod:`trainkit.sharded_checkpoint`). A collective then: every
@@ -102,7 +108,8 @@ class Checkpointer:
         self.state = state
         self.parts = {"model": distributed.unwrap(model), "optimizer": optimizer,
                       "scheduler": scheduler, "precision": precision, "ema": ema,
-                      "data": data if isinstance(data, ResumableData) else None}
+                      "data": data if isinstance(data, ResumableData) else None,
+                      "callbacks": callbacks}
         if fsdp.is_sharded(self.parts["model"]) and self.manager is not None:
             self._sharded = ShardedCheckpoints(self.manager.directory, self.config.keep_last,
                                                async_save=self.config.async_save)
@@ -117,7 +124,8 @@ class Checkpointer:
             "epoch": self.state.epoch,
             "rng": rng.get_rng_state(),
             "config": self.run_config,
-            "manifest": self._manifest,
+            # the experiment trackers' runs that this run logs to, once they have started
+            "manifest": {**self._manifest, "trackers": tracker_runs(self.run_dir)},
         }
 
     # -- where the run starts -----------------------------------------------------------------
@@ -147,6 +155,8 @@ class Checkpointer:
         self._load_schedule(state, planned_steps)
         self.parts["precision"].load_state_dict(state["precision"])
         self._check_data(state.get("data"))
+        if self.parts.get("callbacks") is not None:
+            self.parts["callbacks"].load_state_dict(state.get("callbacks"))
         self.state.load_state_dict(state["trainer"])
         at, data = self.state, self.parts["data"]
         moved = ""
@@ -328,16 +338,27 @@ class Checkpointer:
         return False
 
     @watched("checkpoint")
-    def save(self, step: int, *, last_step: bool = False, best: bool = False) -> None:
+    def save(self, step: int, *, last_step: bool = False, best: bool = False,
+             again: bool = False) -> None:
         """Write a checkpoint of step ``step`` (every rank calls this; rank 0 writes).
 
         ``last_step``: the run completed (written when ``checkpoint.save_last``, as
-        ``step_<N>.pt`` too when saving every n steps); ``best``: ``best.pt`` too. A second save
-        of the same step is skipped (a periodic save on the last step, say), unless ``best``.
+        ``step_<N>.pt`` too when saving every n steps); ``best``: ``best.pt`` too (and
+        ``step_<N>.pt`` when ``every_n_steps`` saves this step: the evaluation comes first). A
+        second save of the same step is skipped (a periodic save on the last step, say), unless
+        ``best`` or ``again`` (the state changed since: the run stops by request).
         """
-        if (self.saved_step == step and not best) or (last_step and not self.config.save_last):
+        if ((self.saved_step == step and not (best or again))
+                or (last_step and not self.config.save_last)):
             return
-        periodic = not best and (bool(self.config.every_n_steps) or not last_step)
+        periodic = (self.due(step) if best
+                    else bool(self.config.every_n_steps) or not last_step)
+        # Ranks' batch-norm statistics (buffers, and the EMA's averages of them) differ: the saved
+        # ones are rank 0's, as evaluate() uses. Broadcast rather than averaged: rank 0's are not
+        # changed by it, so a save (a preemption's) changes nothing a later evaluation reports,
+        # and the model saved is the one behind the metrics (FSDP would save any rank's copy).
+        ema = self.parts["ema"]
+        distributed.broadcast_buffers(self.parts["model"], *(ema.buffers() if ema else ()))
         # Every rank's RNG state (dropout, augmentation draws differ per rank), for exact resumes.
         rng_per_rank = distributed.gather_to_main(rng.get_rng_state())  # collective: all ranks
         if self._sharded is not None:
@@ -352,6 +373,16 @@ class Checkpointer:
             (self._writer or self.manager).save(state, step, periodic=periodic, best=best)
         self.saved_step, self._saved_time = step, time.monotonic()
         distributed.barrier()  # no rank runs ahead of a checkpoint still being written (or copied)
+        if self.on_saved is not None:
+            self.on_saved(self._path_of(step, periodic), step)
+
+    def _path_of(self, step: int, periodic: bool) -> Path | None:
+        """Where the checkpoint of ``step`` just saved is (or is being written, when async)."""
+        if self.manager is None:
+            return None
+        if self._sharded is not None:
+            return self.manager.directory / f"step_{step:09d}"
+        return self.manager.directory / f"step_{step:09d}.pt" if periodic else self.manager.last
 
     def _save_sharded(self, step: int, rng_per_rank: list[Any] | None, *, again: bool,
                       best: bool) -> None:

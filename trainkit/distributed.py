@@ -175,11 +175,17 @@ def wrap_ddp(model: nn.Module, runtime: Runtime) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
-def broadcast_buffers(model: nn.Module) -> None:
-    """Give every rank rank 0's buffers (batch-norm statistics drift apart during training)."""
+def broadcast_buffers(model: nn.Module, *more: torch.Tensor) -> None:
+    """Give every rank rank 0's buffers (and ``more`` tensors), in place.
+
+    Buffers are never sharded nor averaged: each rank folds its own batches into its batch-norm
+    statistics (DDP broadcasts rank 0's at each forward, FSDP not at all), so ranks drift apart.
+    Called before every evaluation and save, so what is reported and saved is rank 0's.
+    Rank 0's own are left as they are: a save in between (a preemption) changes nothing there.
+    """
     if not is_distributed():
         return
-    for buffer in unwrap(model).buffers():
+    for buffer in (*unwrap(model).buffers(), *more):
         dist.broadcast(buffer, src=0)
 
 
@@ -268,11 +274,16 @@ class StepVote:
         self._agreed = (stop, save)
         return bad
 
-    def stop_and_save(self) -> tuple[bool, bool]:
-        """``(stop, save)`` as all ranks agreed for the step just taken."""
+    def stop_and_save(self, again: bool = False) -> tuple[bool, bool]:
+        """``(stop, save)`` as all ranks agreed for the step just taken.
+
+        ``again``: vote anew even when the step's NaN/inf check carried the vote, for a stop asked
+        for since (by a callback after the step); every rank must pass the same.
+        """
         if not self.active:  # one process: nothing to agree on
             return self._stop(), self._save_due()
-        if self._agreed is None:
+        if self._agreed is None or again:
+            self._agreed = None
             _, stop, save = any_rank(False, self._stop(), self._save_due())
             return stop, save
         agreed, self._agreed = self._agreed, None

@@ -54,11 +54,18 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
     use_device(runtime.device)  # current before anything touches CUDA (also cuda:1 alone)
     distributed.init_process_group(runtime)  # backend by device: gloo for cpu, NCCL for cuda
     log = setup_logging(run_dir, runtime.is_main)
+    # Experiment trackers and your own sinks, built first: a missing extra is said at once. They
+    # start, and import their libraries, when training does (rank 0 only; docs/trackers.md).
+    sinks = [instantiate(node, _convert_="all") for node in cfg.sinks.values() if node is not None]
     seed_everything(settings.trainer.seed)
 
     parts = build_parts(cfg, settings, runtime)
+    # Your callbacks: a `callbacks` node of name -> `_target_` (null drops one), on every rank.
+    callbacks = [instantiate(node, _convert_="all")
+                 for node in (cfg.get("callbacks") or {}).values() if node is not None]
     trainer = Trainer(settings.trainer, run_dir=run_dir, checkpoint=settings.checkpoint,
-                      runtime=runtime, run_config=OmegaConf.to_container(cfg, resolve=True))
+                      runtime=runtime, run_config=OmegaConf.to_container(cfg, resolve=True),
+                      sinks=sinks, callbacks=callbacks)
     scheduler = None
     if cfg.sched is not None:
         total_steps = trainer.planned_steps(len(parts.train_data))
@@ -71,6 +78,9 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
         val_data=parts.val_data, metrics={"acc": Accuracy(parts.num_classes)},
         stop_at_step=stop_at_step,
     )
+    if summary["status"] == "stopped":
+        log.info("done: stopped at step %d (%s); run dir %s", summary["global_step"],
+                 summary["stop_reason"], run_dir)
     if summary["status"] == "completed":
         log.info("done: test accuracy %.4f after %d steps in %.1f s; run dir %s",
                  summary["metrics"].get("val/acc", float("nan")), summary["global_step"],
