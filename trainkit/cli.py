@@ -18,6 +18,7 @@ COMMANDS = {
     "env": ("trainkit.env", "report devices, versions and the distributed environment"),
     "checkpoint": ("trainkit.checkpoint.__main__",
                    "consolidate a sharded checkpoint directory into one file"),
+    "probe": ("trainkit.probe", "measure loader, step and both; say what holds a run back"),
     "verify-resume": ("trainkit.verify_resume", "check that stopping and resuming is bit-exact"),
 }
 

@@ -53,6 +53,9 @@ class TrainerConfig:
     nonfinite_patience: int = 5  # stop after this many NaN/inf losses in a row; 0: no check
     hang_timeout_s: float | None = None  # no step this long: dump stacks; null: auto; 0: off
     hang_action: str = "report"  # or "abort": exit with status 124 (torchrun restarts)
+    # One train.log line (and summary.json `advice`) when the run waits on its data, nears the
+    # device's memory limit or reads the device every step (trainkit.observe.advice)
+    advice: bool = True
 
     def __post_init__(self) -> None:
         _check_int("trainer.max_epochs", self.max_epochs, minimum=1)
@@ -110,6 +113,7 @@ class TrainerConfig:
             raise ConfigError(f"trainer.fsdp_blocks must be a list of module class names or "
                               f"paths, got {self.fsdp_blocks!r}")
         _check_bool("trainer.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward)
+        _check_bool("trainer.advice", self.advice)
 
 
 @dataclass

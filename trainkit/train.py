@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import hydra
 import torch.nn.functional as F
@@ -55,37 +55,28 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
     sinks = [instantiate(node, _convert_="all") for node in cfg.sinks.values() if node is not None]
     seed_everything(settings.trainer.seed)
 
-    # Your own dataset (a `dataset._target_` node) replaces the built-in one named by data.name.
-    reader = instantiate(cfg.dataset, _partial_=True) if cfg.get("dataset") is not None else None
-    train_data, val_data, num_classes = build_loaders(
-        settings.data, runtime, seed=settings.trainer.seed,
-        channels_last=settings.trainer.channels_last, reader=reader,
-    )
-    model = instantiate(cfg.model, _convert_="all")
-    optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
+    parts = build_parts(cfg, settings, runtime)
     # Your callbacks: a `callbacks` node of name -> `_target_` (null drops one), on every rank.
     callbacks = [instantiate(node, _convert_="all")
                  for node in (cfg.get("callbacks") or {}).values() if node is not None]
     trainer = Trainer(settings.trainer, run_dir=run_dir, checkpoint=settings.checkpoint,
                       runtime=runtime, run_config=OmegaConf.to_container(cfg, resolve=True),
                       sinks=sinks, callbacks=callbacks)
-    # A criterion from the config (e.g. label smoothing); default: plain cross-entropy.
-    criterion = instantiate(cfg.loss) if cfg.get("loss") is not None else F.cross_entropy
     scheduler = None
     if cfg.sched is not None:
-        total_steps = trainer.planned_steps(len(train_data))
-        scheduler = instantiate(cfg.sched, optimizer=optimizer, total_steps=total_steps)
+        total_steps = trainer.planned_steps(len(parts.train_data))
+        scheduler = instantiate(cfg.sched, optimizer=parts.optimizer, total_steps=total_steps)
 
     metrics = {name: instantiate(node) for name, node in (cfg.get("metrics") or {}).items()}
     for name, metric in metrics.items():  # a class count of another dataset fails late, obscurely
         classes = getattr(metric, "num_classes", None)
-        if isinstance(classes, int) and classes != num_classes:
+        if isinstance(classes, int) and classes != parts.num_classes:
             raise ConfigError(f"metrics.{name}.num_classes={classes} but the data has "
-                              f"{num_classes} classes: set metrics.{name}.num_classes="
-                              f"{num_classes}")
+                              f"{parts.num_classes} classes: set metrics.{name}.num_classes="
+                              f"{parts.num_classes}")
     summary = trainer.fit(
-        model, optimizer, train_data, criterion=criterion, scheduler=scheduler, val_data=val_data,
-        metrics=metrics, stop_at_step=stop_at_step,
+        parts.model, parts.optimizer, parts.train_data, criterion=parts.criterion,
+        scheduler=scheduler, val_data=parts.val_data, metrics=metrics, stop_at_step=stop_at_step,
     )
     if summary["status"] == "stopped":
         log.info("done: stopped at step %d (%s); run dir %s", summary["global_step"],
@@ -95,6 +86,39 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
                  summary["metrics"].get("val/acc", float("nan")), summary["global_step"],
                  summary["wall_time_s"], run_dir)
     return summary
+
+
+class RunParts(NamedTuple):
+    """What a config builds for a run besides the Trainer (:func:`build_parts`)."""
+
+    train_data: Any
+    val_data: Any
+    num_classes: int
+    model: Any
+    optimizer: Any
+    criterion: Any
+
+
+def build_data(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> tuple[Any, Any, int]:
+    """The training and evaluation loaders ``cfg.data`` (and ``cfg.dataset``) describe."""
+    # Your own dataset (a `dataset._target_` node) replaces the built-in one named by data.name.
+    reader = instantiate(cfg.dataset, _partial_=True) if cfg.get("dataset") is not None else None
+    return build_loaders(settings.data, runtime, seed=settings.trainer.seed,
+                         channels_last=settings.trainer.channels_last, reader=reader)
+
+
+def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> RunParts:
+    """Data, model, optimizer and criterion as the config describes them, in that order.
+
+    ``train`` and ``trainkit probe`` both build a run this way, so the probe measures what a
+    run would train. Seed first (``seed_everything``) for the run's own initial weights.
+    """
+    train_data, val_data, num_classes = build_data(cfg, settings, runtime)
+    model = instantiate(cfg.model, _convert_="all")
+    optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
+    # A criterion from the config (e.g. label smoothing); default: plain cross-entropy.
+    criterion = instantiate(cfg.loss) if cfg.get("loss") is not None else F.cross_entropy
+    return RunParts(train_data, val_data, num_classes, model, optimizer, criterion)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")

@@ -42,6 +42,7 @@ from trainkit.logging import Progress, log_start, log_window, setup_logging
 from trainkit.loop.callbacks import Callbacks
 from trainkit.metrics import StepMeter, seconds_since_process_start
 from trainkit.nonfinite import NonFiniteGuard, NonFiniteLossError
+from trainkit.observe.advice import Advisor
 from trainkit.precision import Precision
 from trainkit.runtime import Runtime
 from trainkit.signals import Preemption
@@ -73,6 +74,7 @@ class _Run:
     progress: Progress
     evaluate: Callable[[], dict[str, float]] | None = None
     results: dict[str, float] | None = None  # of the last evaluation
+    step: WindowStep | None = None  # set as training starts
 
 
 class Trainer:
@@ -185,6 +187,8 @@ class Trainer:
         self._begun: tuple[Begun, StepMeter] | None = None  # once training is set up
         self._startup_s: float | None = None  # process start to the first step, once known
         self._run_sinks = Sinks()  # this fit's, once set up; closed however the fit ends
+        # what holds the run back, said once each (train.log, summary.json `advice`)
+        self._advisor = Advisor(self.runtime.device, train_data) if self.config.advice else None
         started = time.perf_counter()
         try:
             try:
@@ -236,7 +240,7 @@ class Trainer:
              metrics: Mapping[str, Any] | None, forward: Forward, preemption: Preemption | None,
              stop_at_step: int | None) -> dict[str, Any]:
         setup_logging(self.run_dir, self.runtime.is_main)  # this run's train.log, or none
-        model = self._prepare_model(model, optimizer)  # DDP/FSDP: rank 0's weights everywhere
+        model = self.prepare_model(model, optimizer)  # DDP/FSDP: rank 0's weights everywhere
         # Training's random draws (dropout, ...) follow from config.seed, each rank its own.
         rng.seed_rank(self.runtime.rank, self.config.seed, device=self.runtime.device)
         ema = EMA(model, self.config.ema_decay) if self.config.ema_decay else None
@@ -321,6 +325,7 @@ class Trainer:
             forward=run.forward, device=self.runtime.device, clip_val=cfg.gradient_clip_val,
             clip_algorithm=cfg.gradient_clip_algorithm,
             agree=vote.nonfinite if vote.active else None, scalars=run.meter.own)
+        run.step = train_step
         self._log_deadline = self._next_log_deadline()
         if state.stop_reason is not None:  # resumed a run that was stopped: it is over
             log.info("this run stopped at step %d (%s): nothing more to train",
@@ -465,8 +470,10 @@ class Trainer:
 
     # -- wiring and reports -------------------------------------------------------------------
 
-    def _prepare_model(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        """Device, layout, activation checkpointing, then DDP or FSDP (compile comes last)."""
+    def prepare_model(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+        """``model`` as fit trains it: on the device, in its memory layout, with activation
+        checkpointing, then in DDP or FSDP (compile comes last, in fit); ``trainkit probe``
+        prepares its model the same way."""
         cfg = self.config
         model = model.to(self.runtime.device)
         sharded = fsdp.resolve_strategy(cfg.strategy, self.runtime.world_size) == "fsdp"
@@ -513,6 +520,9 @@ class Trainer:
         run.sinks.log(scalars, self.state.global_step)
         run.progress.show(scalars["train/loss"], scalars["throughput/samples_per_s"])
         log_window(scalars, self.state.epoch_number, self.state.global_step, run.total_steps)
+        if self._advisor is not None:
+            for line in self._advisor.window(scalars, self.state.global_step, run.step):
+                (log.warning if self.runtime.is_main else log.info)(line)  # once per job
         self._log_deadline = self._next_log_deadline()
 
     def _next_log_deadline(self) -> float:
@@ -545,9 +555,11 @@ class Trainer:
 
     def _finish(self, status: str, results: dict[str, float], begun: Begun, meter: StepMeter,
                 **extra: Any) -> dict[str, Any]:
+        advisor = self._advisor  # set by fit before anything can finish
         summary = build_summary(status, results, self.state, begun,
                                 world_size=self.runtime.world_size, peak_memory=meter.peaks(),
-                                startup_s=self._startup_s, **extra)
+                                startup_s=self._startup_s,
+                                advice=list(advisor.lines) if advisor else [], **extra)
         if self.run_dir is not None and self.runtime.is_main:
             write_summary(self.run_dir, summary)
         self._run_sinks.finish(status, summary)  # rank 0's sinks; none elsewhere
