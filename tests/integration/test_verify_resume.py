@@ -20,7 +20,7 @@ CASES = {
     "mnist-dataloader": ("+exp=mnist", "data.loader=dataloader", "data.num_workers=2",
                          "data.random_crop_padding=2", "data.random_flip=true"),
     # batch augmentation on the device, label smoothing, SGD with Nesterov, one-cycle
-    "cifar": ("+exp=cifar",),
+    "cifar": ("+exp=cifar", "model.widths=[8,16,32,32]"),  # its recipe, a narrower net
 }
 
 
