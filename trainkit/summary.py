@@ -29,7 +29,9 @@ def build_summary(status: str, results: Mapping[str, float], state: TrainState, 
         "status": status,
         "metrics": dict(results),
         "global_step": state.global_step,
-        "epoch": state.epoch,
+        # the last step's epoch counted from 1, as train.log names it: the epochs completed
+        # when the run ended at an epoch's end, the epoch it stopped in otherwise
+        "epoch": state.epoch_number,
         "skipped_steps": state.skipped_steps,
         "nonfinite_steps": state.nonfinite_steps,
         "wall_time_s": wall,
@@ -62,3 +64,12 @@ def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> None:
     tmp = path.with_name(".summary.json.tmp")
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     tmp.replace(path)
+
+
+def read_summary(run_dir: str | Path | None) -> dict[str, Any] | None:
+    """``<run_dir>/summary.json`` as written, or None where there is none (or it is unreadable)."""
+    path = Path(run_dir) / "summary.json" if run_dir is not None else None
+    try:
+        return json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None

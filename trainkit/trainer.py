@@ -46,7 +46,7 @@ from trainkit.runtime import Runtime
 from trainkit.signals import Preemption
 from trainkit.sinks import MetricsSink, Sinks, default_sinks
 from trainkit.step import Criterion, Forward, WindowStep, default_forward, steps_per_epoch, windows
-from trainkit.summary import Begun, build_summary, write_hparams, write_summary
+from trainkit.summary import Begun, build_summary, read_summary, write_hparams, write_summary
 from trainkit.train_state import TrainState
 from trainkit.watchdog import Watchdog, watched
 
@@ -157,6 +157,9 @@ class Trainer:
         this). A second signal aborts at once. ``stop_at_step`` stops the same way after that
         step, as if a signal had come (``python -m trainkit.verify_resume`` uses it). After a
         preempted fit, exit with :data:`~trainkit.EXIT_PREEMPTED` (75), as the entry point does.
+        Resuming a run that already completed (its ``summary.json`` says so at the step it
+        resumes from) says so in one line and returns that summary: nothing is trained,
+        evaluated or written.
 
         Raises:
             NonFiniteLossError: ``trainer.nonfinite_patience`` NaN/inf losses in a row; the
@@ -213,6 +216,9 @@ class Trainer:
                                    data=train_data)
         self.checkpointer.start(total_steps)
         distributed.check_same_start(self.state.global_step)
+        finished = self._finished_summary(total_steps)
+        if finished is not None:  # a re-run of a completed run: nothing to train or write
+            return finished
         log_start(type(unwrap(model)).__name__, self.runtime, total_steps,
                   steps_per_epoch(len(train_data), self.config.accumulate_grad_batches),
                   self.config, getattr(train_data, "batch_size", None), self._settings_text)
@@ -279,6 +285,11 @@ class Trainer:
             if run.evaluate and (done or (end_of_epoch
                                           and state.epoch % cfg.eval_every_n_epochs == 0)):
                 results = run.evaluate()
+                # a signal during the evaluation stops the run here, before another step
+                if not done and (vote.stop_and_save()[0] if vote.needed
+                                 else preemption.requested):
+                    self._save_and_stop(state.global_step)
+                    return "preempted", results
         if run.evaluate and not results:  # resumed a finished run: report it again
             results = run.evaluate()
         # none pending after a last step; some with a loader shorter than its len()
@@ -306,10 +317,7 @@ class Trainer:
             else:  # one process saving by steps: the signal alone decides
                 stop = preemption.requested
             if stop or step == stop_at:
-                self._guard.stop_if_diverged()  # counted before the save
-                checkpointer.save(step)
-                say = log.warning if self.runtime.is_main else log.info  # once per job
-                say("stopped at step %d; re-run the same command to resume", step)
+                self._save_and_stop(step)
                 return True
             if time_due or step == next_save:
                 # a save never follows NaN/inf steps the host has not counted
@@ -319,6 +327,13 @@ class Trainer:
                 break
             fetched = clock()
         return False
+
+    def _save_and_stop(self, step: int) -> None:
+        """Stop after step ``step`` (a signal, ``stop_at_step``): save it, say how to go on."""
+        self._guard.stop_if_diverged()  # counted before the save
+        self.checkpointer.save(step)
+        say = log.warning if self.runtime.is_main else log.info  # once per job
+        say("stopped at step %d; re-run the same command to resume", step)
 
     def _step(self, run: _Run, train_step: WindowStep, window: list[Any],
               batches_per_epoch: int) -> None:
@@ -404,6 +419,21 @@ class Trainer:
         """When a log line is due by time (``log_every_n_seconds``), on ``perf_counter``'s clock."""
         seconds = self.config.log_every_n_seconds
         return time.perf_counter() + seconds if seconds else math.inf
+
+    def _finished_summary(self, total_steps: int) -> dict[str, Any] | None:
+        """The summary of the completed run this one resumed at its end, else None."""
+        state = self.state
+        if not state.global_step or (state.global_step < total_steps
+                                     and state.epoch < self.config.max_epochs):
+            return None
+        summary = read_summary(self.run_dir) if self.runtime.is_main else None
+        summary = distributed.all_gather(summary)[0]  # rank 0's: every rank decides alike
+        if (not summary or summary.get("status") != "completed"
+                or summary.get("global_step") != state.global_step):
+            return None  # stopped at its last step: evaluate and complete it now
+        log.info("the run is complete at step %d of %d: nothing to do (raise trainer.max_steps "
+                 "or trainer.max_epochs to train on)", state.global_step, total_steps)
+        return summary
 
     def _begin(self, started: float) -> Begun:
         return Begun(started, self.state.samples_seen, self.state.global_step)
