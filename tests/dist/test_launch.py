@@ -34,7 +34,8 @@ def test_launch_module_starts_torchrun_with_one_process_on_cpu(tmp_path: Path) -
     proc = subprocess.run(
         [sys.executable, "-m", "trainkit.launch", "+exp=mnist", f"hydra.run.dir={run_dir}",
          f"data.root={root}", "data.verify=false", "data.download=false",
-         "data.batch_size=32", "trainer.max_steps=2", "trainer.device=cpu"],
+         "data.batch_size=32", "trainer.max_steps=2", "trainer.device=cpu",
+         "trainer.precision=32"],
         cwd=REPO, env=offline_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
         timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -58,7 +59,8 @@ def _launch_two(tmp_path: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "trainkit.launch", "--nproc-per-node=2", "+exp=mnist",
             f"hydra.run.dir={tmp_path / 'run'}", f"data.root={root}", "data.verify=false",
             "data.download=false", "data.batch_size=16", "trainer.log_every_n_steps=1",
-            "model._target_=tests.dist.nets.FlatNet", "~model.widths", *extra]
+            "trainer.precision=32", "model._target_=tests.dist.nets.FlatNet", "~model.widths",
+            *extra]
 
 
 @pytest.mark.dist
