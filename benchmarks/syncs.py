@@ -84,7 +84,7 @@ def _batches(n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Ten
 def gpu_path_on_the_cpu() -> Iterator[None]:
     """The NaN/inf check as on a GPU (read only where the loop waits anyway), on the CPU too,
     where trainkit otherwise reads every step because reading costs nothing there."""
-    from trainkit import nonfinite
+    from trainkit.loop import nonfinite
 
     free, nonfinite.HOST_READS_FREE = nonfinite.HOST_READS_FREE, frozenset()
     try:
@@ -99,7 +99,7 @@ def fit_reads(steps: int, log_every: int, device: torch.device | str, precision:
     host reads counted; on CUDA also the syncs ``set_sync_debug_mode("warn")`` reports. On the
     CPU it runs the GPU's path (:func:`gpu_path_on_the_cpu`), which is what it is there to check."""
     from trainkit import Trainer, TrainerConfig
-    from trainkit.step import default_forward
+    from trainkit.loop.step import default_forward
 
     device = torch.device(device)
     model = _model()

@@ -13,9 +13,8 @@ import gc as _gc
 _collecting = _gc.isenabled()
 _gc.disable()
 try:
-    from trainkit.activations import apply_activation_checkpointing
-    from trainkit.async_checkpoint import AsyncCheckpointWriter
-    from trainkit.checkpoint import CheckpointManager, load_checkpoint, save_atomic
+    from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
+    from trainkit.checkpoint.files import CheckpointManager, load_checkpoint, save_atomic
     from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
     from trainkit.data import (
         DevicePrefetcher,
@@ -27,18 +26,19 @@ try:
         default_num_workers,
         make_loader,
     )
-    from trainkit.datasets import TensorData, load_cifar10, load_mnist
+    from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
     from trainkit.device import available_devices, move_to_device, resolve_device
-    from trainkit.ema import EMA
+    from trainkit.distributed.fsdp import shard_model
+    from trainkit.distributed.watchdog import EXIT_HUNG, Watchdog
     from trainkit.errors import ConfigError, TrainkitError
-    from trainkit.fsdp import shard_model
-    from trainkit.precision import Precision
+    from trainkit.loop.activations import apply_activation_checkpointing
+    from trainkit.loop.ema import EMA
+    from trainkit.loop.precision import Precision
+    from trainkit.loop.step import StepResult, WindowStep, train_window, windows
+    from trainkit.loop.trainer import NonFiniteLossError, Trainer, TrainState
     from trainkit.rng import seed_everything
     from trainkit.runtime import Runtime
     from trainkit.signals import EXIT_PREEMPTED, Preemption
-    from trainkit.step import StepResult, WindowStep, train_window, windows
-    from trainkit.trainer import NonFiniteLossError, Trainer, TrainState
-    from trainkit.watchdog import EXIT_HUNG, Watchdog
 finally:
     if _collecting:
         _gc.enable()

@@ -42,7 +42,7 @@ def test_run_skips_the_heavy_imports_it_does_not_use(finished_run: Path) -> None
     # and dynamo) cost seconds of a short run: the default AdamW and accuracy are trainkit's own
     lines = (finished_run.parent / f"{finished_run.name}-imports.txt").read_text().splitlines()
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time")}
-    assert "torch" in imported and "trainkit.trainer" in imported  # the listing is complete
+    assert "torch" in imported and "trainkit.loop.trainer" in imported  # the listing is complete
     assert not imported & {"torch._dynamo", "torchmetrics", "torchvision", "sympy"}
 
 

@@ -1,4 +1,4 @@
-"""trainkit.accuracy.Accuracy: top-1 accuracy as torchmetrics computes it."""
+"""trainkit.loop.accuracy.Accuracy: top-1 accuracy as torchmetrics computes it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchmetrics.classification import MulticlassAccuracy
 
-from trainkit.accuracy import Accuracy
+from trainkit.loop.accuracy import Accuracy
 
 
 def test_equals_torchmetrics_micro_accuracy_over_batches() -> None:

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainkit.activations import apply_activation_checkpointing
 from trainkit.errors import ConfigError
+from trainkit.loop.activations import apply_activation_checkpointing
 from trainkit.models.mnist import MnistNet
 
 

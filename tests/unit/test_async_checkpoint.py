@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from trainkit.async_checkpoint import AsyncCheckpointWriter, snapshot
-from trainkit.checkpoint import CheckpointManager, load_checkpoint
+from trainkit.checkpoint.async_writer import AsyncCheckpointWriter, snapshot
+from trainkit.checkpoint.files import CheckpointManager, load_checkpoint
 from trainkit.errors import TrainkitError
 
 

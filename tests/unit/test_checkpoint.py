@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainkit.checkpoint import CheckpointManager, load_checkpoint, save_atomic
+from trainkit.checkpoint.files import CheckpointManager, load_checkpoint, save_atomic
 from trainkit.errors import TrainkitError
 
 

@@ -1,4 +1,4 @@
-"""md5 checks remembered per file version (trainkit.checksums)."""
+"""md5 checks remembered per file version (trainkit.data.checksums)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainkit.checksums import cache_dir, check_md5
+from trainkit.data.checksums import cache_dir, check_md5
 from trainkit.errors import TrainkitError
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.fakes import fake_cifar_arrays, py2_pickle, write_py2_pickle
-from trainkit.datasets import load_cifar10
+from trainkit.data.datasets import load_cifar10
+from trainkit.data.safe_pickle import load_restricted
 from trainkit.errors import LINE_LIMIT, TrainkitError
-from trainkit.safe_pickle import load_restricted
 
 FOLDER = "cifar-10-batches-py"
 

@@ -1,4 +1,4 @@
-"""The allocator setting CPU runs get (trainkit.cpu_settings)."""
+"""The allocator setting CPU runs get (trainkit.loop.cpu_settings)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ FAULTS = """
 import resource, sys, torch
 torch.manual_seed(0)
 if sys.argv[1] == "keep":
-    from trainkit.cpu_settings import keep_freed_memory
+    from trainkit.loop.cpu_settings import keep_freed_memory
     assert keep_freed_memory() == "freed memory kept for reuse"
 from trainkit.models import MnistNet
 model = MnistNet()

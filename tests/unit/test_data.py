@@ -5,7 +5,7 @@ import torch
 
 from trainkit.config import DataConfig
 from trainkit.data import InMemoryLoader, build_loaders
-from trainkit.datasets import TensorData
+from trainkit.data.datasets import TensorData
 from trainkit.errors import ConfigError
 from trainkit.runtime import Runtime
 

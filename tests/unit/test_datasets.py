@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.fakes import fake_mnist_arrays, write_fake_mnist
-from trainkit.datasets import MNIST_MD5, load_mnist
+from trainkit.data.datasets import MNIST_MD5, load_mnist
 from trainkit.errors import LINE_LIMIT, TrainkitError
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainkit.ema import EMA
 from trainkit.errors import TrainkitError
+from trainkit.loop.ema import EMA
 
 
 def _model() -> nn.Module:

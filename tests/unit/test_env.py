@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import error_report
-from trainkit import env
+from trainkit.observe import env
 
 
 def _env(*args: str) -> subprocess.CompletedProcess[str]:

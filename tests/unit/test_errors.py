@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainkit import cli
+from trainkit.entry import cli
 from trainkit.errors import LINE_LIMIT, TrainkitError, chain_lines, error_lines
 
 
@@ -63,7 +63,7 @@ def test_console_command_runs_the_module_with_its_arguments(
 
 
 def test_the_entry_point_names_hydras_override_where_the_library_says_run_dir() -> None:
-    from trainkit.entry_errors import hydra_words
+    from trainkit.entry.errors import hydra_words
 
     assert hydra_words("use another run_dir, or checkpoint.resume=null") == (
         "use another hydra.run.dir, or checkpoint.resume=null")

@@ -16,11 +16,10 @@ from trainkit import (
     Runtime,
     Trainer,
     TrainerConfig,
-    distributed,
-    fsdp,
     load_mnist,
     seed_everything,
 )
+from trainkit.distributed import fsdp, group
 
 
 @pytest.mark.parametrize(("strategy", "world", "expected"), [
@@ -85,7 +84,7 @@ def test_fsdp_blocks_naming_nothing_is_one_line_listing_the_model() -> None:
 def one_rank_group() -> Iterator[None]:
     """fsdp in one process joins a 1-rank group; it is left again after the test."""
     yield
-    distributed.shutdown()
+    group.shutdown()
 
 
 def _fit(root: object, **settings: object) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from torch import nn
 from benchmarks.syncs import fit_reads, gpu_path_on_the_cpu
 from tests.conftest import sgd_without
 from trainkit import CheckpointConfig, Trainer, TrainerConfig, load_checkpoint
-from trainkit.trainer import NonFiniteLossError
+from trainkit.loop.trainer import NonFiniteLossError
 
 
 @pytest.fixture(autouse=True)

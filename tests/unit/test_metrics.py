@@ -10,7 +10,7 @@ import psutil
 import pytest
 import torch
 
-from trainkit.metrics import StepMeter, rss_bytes
+from trainkit.observe.metrics import StepMeter, rss_bytes
 
 MIB = 2**20
 

@@ -83,7 +83,7 @@ def test_out_of_memory_ends_with_one_line_and_status_oom(tmp_path: Path, model: 
 def test_release_drops_what_the_failed_frames_hold_while_the_error_is_still_alive() -> None:
     import weakref
 
-    from trainkit.oom import release
+    from trainkit.loop.oom import release
 
     held: list[weakref.ref] = []
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from trainkit import CheckpointConfig, Trainer, TrainerConfig
-from trainkit.logging import LOGGER_NAME, bar_kind
+from trainkit.observe.logging import LOGGER_NAME, bar_kind
 
 
 def _fit(run_dir: Path | None) -> dict:

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainkit.errors import TrainkitError
-from trainkit.sharded_checkpoint import (
+from trainkit.checkpoint.sharded import (
     FORMAT,
     META_FILE,
     ShardedCheckpoints,
     latest_meta,
     read_meta,
 )
+from trainkit.errors import TrainkitError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

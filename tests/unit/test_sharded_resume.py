@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trainkit import rng
-from trainkit.sharded_resume import carry_over
-from trainkit.train_state import TrainState
+from trainkit.checkpoint.reshard import carry_over
+from trainkit.loop.train_state import TrainState
 
 
 @pytest.fixture(autouse=True)

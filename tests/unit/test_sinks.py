@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 from trainkit import CheckpointConfig, Trainer, TrainerConfig
-from trainkit.sinks import JsonlSink, Sinks
+from trainkit.observe.sinks import JsonlSink, Sinks
 
 
 class ListSink:

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainkit.errors import TrainkitError
-from trainkit.precision import Precision
-from trainkit.step import batch_size, default_forward, train_window, windows
+from trainkit.loop.precision import Precision
+from trainkit.loop.step import batch_size, default_forward, train_window, windows
 
 CPU = torch.device("cpu")
 
@@ -175,7 +175,7 @@ def test_one_cycle_survives_short_runs(total: int) -> None:
 
 
 def test_device_mean_folds_and_resets() -> None:
-    from trainkit.metrics import DeviceMean
+    from trainkit.observe.metrics import DeviceMean
 
     meter = DeviceMean(fold_every=4)
     for v in range(10):

@@ -22,9 +22,9 @@ from trainkit import (
     seed_everything,
 )
 from trainkit.data import InMemoryLoader
-from trainkit.datasets import TensorData
+from trainkit.data.datasets import TensorData
 from trainkit.errors import TrainkitError
-from trainkit.trainer import NonFiniteLossError
+from trainkit.loop.trainer import NonFiniteLossError
 
 
 def _model() -> nn.Module:

@@ -20,8 +20,8 @@ from torch.distributed import TCPStore
 from torch.utils.data import DataLoader, Dataset
 
 from trainkit import CheckpointConfig, ConfigError, Trainer, TrainerConfig
-from trainkit.heartbeats import Board, behind_ranks, hang_line
-from trainkit.watchdog import Watchdog
+from trainkit.distributed.heartbeats import Board, behind_ranks, hang_line
+from trainkit.distributed.watchdog import Watchdog
 
 BLOCK_AT = 8  # the first sample of the third batch of 4: steps 1 and 2 complete first
 
@@ -112,7 +112,7 @@ def test_watchdogs_share_one_thread_that_never_looks_at_one_exited(tmp_path: Pat
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_process_forked_mid_fit_watches_only_its_own_watchdogs(tmp_path: Path) -> None:
-    from trainkit import watchdog as module
+    from trainkit.distributed import watchdog as module
 
     read, write = os.pipe()
     with Watchdog(timeout_s=60, run_dir=tmp_path) as parents:  # a fit that forks a worker

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from trainkit.checksums import check_md5
-from trainkit.datasets import CIFAR10_FOLDER, MNIST_MD5, cifar10_files
+from trainkit.data.checksums import check_md5
+from trainkit.data.datasets import CIFAR10_FOLDER, MNIST_MD5, cifar10_files
 from trainkit.errors import TrainkitError, chain_lines, print_error
 
 
@@ -35,7 +35,7 @@ def _download_mnist(root: Path) -> None:
 
 
 def _download_cifar10(root: Path) -> None:
-    from trainkit.datasets import download_cifar10
+    from trainkit.data.datasets import download_cifar10
 
     download_cifar10(root)
 

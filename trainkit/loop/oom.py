@@ -11,7 +11,7 @@ import torch
 
 from trainkit.device import GIB, memory_stats
 from trainkit.errors import one_line
-from trainkit.step import drop_gradients
+from trainkit.loop.step import drop_gradients
 
 log = logging.getLogger("trainkit")
 

@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit import distributed, fsdp
 from trainkit.device import move_to_device
+from trainkit.distributed import ddp, fsdp, group
 from trainkit.errors import TrainkitError
-from trainkit.precision import Precision
-from trainkit.step import Criterion, Forward, batch_size
+from trainkit.loop.precision import Precision
+from trainkit.loop.step import Criterion, Forward, batch_size
 
 
 @torch.no_grad()
@@ -23,8 +23,8 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     # Not through DDP: it broadcasts buffers before every forward, a collective that ranks
     # with different numbers of val batches would not match. Rank 0's buffers (batch-norm
     # statistics drift per rank) make the result that of the checkpointed weights.
-    model = distributed.unwrap(model)
-    distributed.broadcast_buffers(model)
+    model = ddp.unwrap(model)
+    ddp.broadcast_buffers(model)
     was_training = model.training
     model.eval()
     for metric in metrics.values():
@@ -44,8 +44,8 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
         count += n
     if extra is not None:
         _match_forwards(model, extra, batch, precision, forward)
-    if distributed.is_distributed():  # each rank saw its own shard: sum over all of them
-        total, count = distributed.sum_across_ranks(loss_sum, count)
+    if group.is_distributed():  # each rank saw its own shard: sum over all of them
+        total, count = group.sum_across_ranks(loss_sum, count)
         results = {"val/loss": total / max(count, 1)}
     else:
         results = {"val/loss": loss_sum.item() / max(count, 1)}
@@ -57,10 +57,10 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
 
 def _missing_forwards(data: Iterable[Any]) -> int:
     """How many batches fewer than the rank with the most this rank has (an uneven split)."""
-    if not distributed.is_distributed():
+    if not group.is_distributed():
         return 0
     mine = len(data)  # type: ignore[arg-type]
-    counts = distributed.all_gather(mine)
+    counts = group.all_gather(mine)
     if min(counts) == 0 < max(counts):  # all ranks know: all stop, none waits for the others
         raise TrainkitError(f"FSDP evaluation: a rank has no validation batch while others have "
                             f"some ({counts} by rank); use fewer ranks or more validation data")

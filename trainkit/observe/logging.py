@@ -1,4 +1,4 @@
-"""Console and ``train.log`` lines, and the progress bar (metrics go to :mod:`trainkit.sinks`)."""
+"""Console and ``train.log`` lines, and the progress bar (metrics go to ``observe.sinks``)."""
 
 from __future__ import annotations
 

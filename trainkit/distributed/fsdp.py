@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainkit.activations import match_modules
 from trainkit.errors import TrainkitError
 from trainkit.runtime import Runtime
+from trainkit.submodules import match_modules
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy

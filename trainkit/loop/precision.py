@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from trainkit.device import bf16_native
 from trainkit.errors import TrainkitError
 
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -90,20 +91,6 @@ class Precision:
             )
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-
-
-def bf16_native(capability: tuple[int, int], *, hip: bool = False) -> bool:
-    """Whether a GPU of this compute capability runs bfloat16 natively: Ampere (8.0) and newer.
-
-    Not ``torch.cuda.is_bf16_supported()``: it also counts emulation, so pre-Ampere cards (V100
-    7.0, T4 7.5) would silently run a slow emulated bf16, and it asks the current device rather
-    than the run's. ROCm GPUs that torch supports (``hip``) run bf16 natively.
-
-    Example:
-        >>> bf16_native((7, 5)), bf16_native((8, 0))
-        (False, True)
-    """
-    return hip or tuple(capability) >= (8, 0)
 
 
 def _check_supported(mode: str, device: torch.device) -> None:

@@ -33,9 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from trainkit import distributed
-from trainkit.errors import one_line
-from trainkit.heartbeats import (
+from trainkit.distributed import group
+from trainkit.distributed.heartbeats import (
     Board,
     Record,
     Records,
@@ -44,6 +43,7 @@ from trainkit.heartbeats import (
     rank_text,
     seconds_text,
 )
+from trainkit.errors import one_line
 
 log = logging.getLogger("trainkit")
 
@@ -142,7 +142,7 @@ class Watchdog:
             return self
         self._reset()
         self._first = self._progress() if self._progress is not None else None
-        store = distributed.attempt_store("hang")
+        store = group.attempt_store("hang")
         self._board = Board(store, self.world_size) if store is not None else None
         self._owner = threading.get_ident()  # the thread whose steps are watched
         _LOOKS.add(self)
@@ -238,7 +238,7 @@ class Watchdog:
         """This rank's heartbeat as the others see it."""
         hang = self._hang or {}
         return {"step": step, "idle_s": round(idle, 1), "busy": busy, "hung": bool(hang),
-                "where": hang.get("where"), "seq": distributed.collectives_issued()}
+                "where": hang.get("where"), "seq": group.collectives_issued()}
 
     def _records(self, own: Record) -> Records | None:
         """Every rank's record; None when the store did not answer this time."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainkit import distributed
+from trainkit.distributed import group
 from trainkit.runtime import Runtime
 
 
@@ -21,11 +21,11 @@ def join_ranks() -> list[str]:
     Returns the Hydra overrides that make this rank use the shared folder (none in one process).
     """
     runtime = Runtime.from_env("cpu")  # ranks only: the device is the config's to say
-    if not distributed.connect_store(runtime):
+    if not group.connect_store(runtime):
         return []
-    run_dir = distributed.published_run_dir()  # set when this is an elastic restart
+    run_dir = group.published_run_dir()  # set when this is an elastic restart
     if run_dir is None and not runtime.is_main:
-        run_dir = distributed.shared_run_dir()  # waits until rank 0's Hydra has made it
+        run_dir = group.shared_run_dir()  # waits until rank 0's Hydra has made it
     overrides = [] if run_dir is None else [f"hydra.run.dir={_quoted(run_dir)}"]
     if not runtime.is_main:
         overrides.append("hydra.output_subdir=null")

@@ -5,10 +5,10 @@ its ``state_dict()`` at every save. Afterwards the loop only says what happened 
 was done (:meth:`~Checkpointer.step_done`), an evaluation gave results
 (:meth:`~Checkpointer.evaluated`), the run stops or ends (:meth:`~Checkpointer.save`) -- and
 the Checkpointer decides whether to write, through
-:class:`~trainkit.checkpoint.CheckpointManager` (atomic files, rotation) or, with
+:class:`~trainkit.checkpoint.files.CheckpointManager` (atomic files, rotation) or, with
 ``checkpoint.async_save``, its background writer. A model sharded by FSDP2 gets directories
-instead, written by every rank (:class:`~trainkit.sharded_checkpoint.ShardedCheckpoints`) and
-read onto any number of ranks (:mod:`trainkit.sharded_resume`).
+instead, written by every rank (:class:`~trainkit.checkpoint.sharded.ShardedCheckpoints`) and
+read onto any number of ranks (:mod:`trainkit.checkpoint.reshard`).
 
 Where a run starts (:meth:`~Checkpointer.start`):
 
@@ -27,30 +27,44 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 
-from trainkit import distributed, fsdp, rng, schedules, sharded_checkpoint, sharded_resume
-from trainkit.async_checkpoint import AsyncCheckpointWriter
-from trainkit.checkpoint import (
-    CheckpointManager,
-    check_config,
-    check_weights_fit,
-    load_checkpoint,
-    manifest,
-)
+from trainkit import rng, schedules
+from trainkit.checkpoint import reshard, sharded
+from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
+from trainkit.checkpoint.contents import check_config, check_weights_fit, manifest
+from trainkit.checkpoint.files import CheckpointManager, load_checkpoint
+from trainkit.checkpoint.sharded import FORMAT, ShardedCheckpoints
 from trainkit.config import CheckpointConfig
 from trainkit.data.resumable import ResumableData
-from trainkit.ema import EMA
+from trainkit.distributed import ddp, fsdp, group
+from trainkit.distributed.watchdog import Watchdog, watched
 from trainkit.errors import TrainkitError
 from trainkit.runtime import Runtime
-from trainkit.sharded_checkpoint import FORMAT, ShardedCheckpoints
-from trainkit.train_state import TrainState
-from trainkit.watchdog import Watchdog, watched
 
 log = logging.getLogger("trainkit")
 _POSITION = ("epoch", "batch")  # a loader's state beyond these is its settings (seed, ...)
+
+
+class LoopState(Protocol):
+    """The loop's counters as a checkpoint uses them (:class:`~trainkit.loop.train_state.TrainState`
+    is one): saved and restored whole through ``state_dict``, read for log lines and the best
+    metric, and moved to another data position when a run resumes on another number of ranks."""
+
+    global_step: int
+    epoch: int
+    batch_in_epoch: int
+    best_metric: float | None
+    planned_steps: int
+
+    @property
+    def epoch_number(self) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 class Checkpointer:
@@ -86,21 +100,21 @@ class Checkpointer:
                         if self.manager is not None and config.async_save else None)
         self._watchdog = watchdog or Watchdog(0)
         self.saved_step, self._saved_time = -1, time.monotonic()
-        self.state = TrainState()
+        self.state: LoopState | None = None  # given by register()
         self.parts: dict[str, Any] = {}
         self._sharded: ShardedCheckpoints | None = None  # an FSDP2 run's directories
 
-    def register(self, state: TrainState, *, model: nn.Module, optimizer: Any,
-                 precision: Any, scheduler: Any = None, ema: EMA | None = None,
+    def register(self, state: LoopState, *, model: nn.Module, optimizer: Any,
+                 precision: Any, scheduler: Any = None, ema: Any = None,
                  data: Any = None) -> None:
         """The objects a checkpoint holds; None for a part this run has not.
 
         A model sharded by ``fully_shard`` (FSDP2) gets sharded checkpoints: directories every
-        rank writes its part of (:mod:`trainkit.sharded_checkpoint`). A collective then: every
+        rank writes its part of (:mod:`trainkit.checkpoint.sharded`). A collective then: every
         rank registers at the same point.
         """
         self.state = state
-        self.parts = {"model": distributed.unwrap(model), "optimizer": optimizer,
+        self.parts = {"model": ddp.unwrap(model), "optimizer": optimizer,
                       "scheduler": scheduler, "precision": precision, "ema": ema,
                       "data": data if isinstance(data, ResumableData) else None}
         if fsdp.is_sharded(self.parts["model"]) and self.manager is not None:
@@ -151,7 +165,7 @@ class Checkpointer:
         at, data = self.state, self.parts["data"]
         moved = ""
         if sharded:  # may have been saved on another number of ranks
-            moved = sharded_resume.carry_over(
+            moved = reshard.carry_over(
                 state, at, rank=self.runtime.rank, world_size=self.runtime.world_size,
                 batch_size=getattr(data, "batch_size", None),
                 batches_per_epoch=len(data) if data is not None else None)
@@ -168,7 +182,7 @@ class Checkpointer:
         """Model, optimizer and EMA weights from a directory, resharded onto this run."""
         ema = self.parts["ema"]
         group = self._sharded.group if self._sharded is not None else None
-        if sharded_resume.load_tensors(state, self.parts["model"], self.parts["optimizer"],
+        if reshard.load_tensors(state, self.parts["model"], self.parts["optimizer"],
                                        ema, group) and state.get("ema"):
             ema.updates = int(state["ema"]["updates"])  # the weights are in place; the count
         else:
@@ -181,7 +195,7 @@ class Checkpointer:
         if str(resume) == "auto":
             return self._latest()
         if Path(resume).is_dir():
-            return sharded_checkpoint.read_meta(resume)
+            return sharded.read_meta(resume)
         return load_checkpoint(resume)
 
     def _latest(self) -> dict[str, Any] | None:
@@ -190,9 +204,9 @@ class Checkpointer:
         if self.manager is None:
             return None
         if self._sharded is not None:
-            return sharded_checkpoint.latest_meta(self.manager.directory)
+            return sharded.latest_meta(self.manager.directory)
         return (self.manager.load_latest()
-                or sharded_checkpoint.latest_meta(self.manager.directory))
+                or sharded.latest_meta(self.manager.directory))
 
     def _load_weights(self, state: Mapping[str, Any], key: str, optimizer: bool = False) -> None:
         model = self.parts["model"]
@@ -205,7 +219,7 @@ class Checkpointer:
         check_weights_fit(model.state_dict(), state["model"], key=key,
                           path=state.get("_path", "?"))
         if fsdp.is_sharded(model):  # each rank keeps its shard of the full weights
-            sharded_resume.load_full_weights(model, state["model"])
+            reshard.load_full_weights(model, state["model"])
         else:
             model.load_state_dict(state["model"])
 
@@ -252,17 +266,17 @@ class Checkpointer:
                                 "the same settings (trainer.seed)")
 
     def _init_from(self, path: str) -> None:
-        ema, sharded = self.parts["ema"], fsdp.is_sharded(self.parts["model"])
+        ema, into_sharded = self.parts["ema"], fsdp.is_sharded(self.parts["model"])
         if Path(path).is_dir():  # a sharded checkpoint: its weights, resharded onto this model
-            state = sharded_checkpoint.read_meta(path, key="checkpoint.init_from")
-            has_ema = sharded_resume.load_weights(state, self.parts["model"], ema)
+            state = sharded.read_meta(path, key="checkpoint.init_from")
+            has_ema = reshard.load_weights(state, self.parts["model"], ema)
             if has_ema and state.get("ema"):  # the weights are in place; now the count
                 ema.updates = int(state["ema"]["updates"])
         else:
             state = load_checkpoint(path, key="checkpoint.init_from")
             state["_path"] = path
             self._load_weights(state, "checkpoint.init_from")
-            has_ema = ema is not None and state.get("ema") is not None and not sharded
+            has_ema = ema is not None and state.get("ema") is not None and not into_sharded
             if has_ema:
                 ema.load_state_dict(state["ema"])
         if ema is not None and not has_ema:
@@ -339,7 +353,7 @@ class Checkpointer:
             return
         periodic = not best and (bool(self.config.every_n_steps) or not last_step)
         # Every rank's RNG state (dropout, augmentation draws differ per rank), for exact resumes.
-        rng_per_rank = distributed.gather_to_main(rng.get_rng_state())  # collective: all ranks
+        rng_per_rank = group.gather_to_main(rng.get_rng_state())  # collective: all ranks
         if self._sharded is not None:
             # the same step again (now the best): its directory was written by this run
             again = self._sharded.written_step == step
@@ -351,7 +365,7 @@ class Checkpointer:
             # async: returns once the state is copied
             (self._writer or self.manager).save(state, step, periodic=periodic, best=best)
         self.saved_step, self._saved_time = step, time.monotonic()
-        distributed.barrier()  # no rank runs ahead of a checkpoint still being written (or copied)
+        group.barrier()  # no rank runs ahead of a checkpoint still being written (or copied)
 
     def _save_sharded(self, step: int, rng_per_rank: list[Any] | None, *, again: bool,
                       best: bool) -> None:
@@ -366,7 +380,7 @@ class Checkpointer:
         if again:  # the same step (now the best): same weights, only trainkit.pt changed
             self._sharded.update_meta(meta, step, best=best)
             return
-        tensors = sharded_resume.tensor_state(self.parts["model"], self.parts["optimizer"],
+        tensors = reshard.tensor_state(self.parts["model"], self.parts["optimizer"],
                                               self.parts["ema"])
         self._sharded.save(tensors, meta, step, best=best)
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from trainkit.config import flatten
-from trainkit.train_state import TrainState
 
 
 class Begun(NamedTuple):
@@ -20,23 +19,26 @@ class Begun(NamedTuple):
     step: int
 
 
-def build_summary(status: str, results: Mapping[str, float], state: TrainState, begun: Begun, *,
+def build_summary(status: str, results: Mapping[str, float], counters: Mapping[str, Any],
+                  begun: Begun, *,
                   world_size: int, peak_memory: Mapping[str, float], **extra: Any
                   ) -> dict[str, Any]:
-    """The contents of ``summary.json`` (see the README's run-directory section)."""
+    """The contents of ``summary.json`` (see the README's run-directory section); ``counters``:
+    the loop state's ``state_dict()`` (``global_step``, ``epoch``, ``samples_seen``, ...)."""
     wall = time.perf_counter() - begun.started
     return {
         "status": status,
         "metrics": dict(results),
-        "global_step": state.global_step,
-        "epoch": state.epoch,
-        "skipped_steps": state.skipped_steps,
-        "nonfinite_steps": state.nonfinite_steps,
+        "global_step": counters["global_step"],
+        "epoch": counters["epoch"],
+        "skipped_steps": counters["skipped_steps"],
+        "nonfinite_steps": counters["nonfinite_steps"],
         "wall_time_s": wall,
         # this process's own work: a resumed run does not count what came before (and the
         # wall time includes evaluation and checkpointing)
-        "samples_per_s": (state.samples_seen - begun.samples) * world_size / wall if wall else 0.0,
-        "steps_per_s": (state.global_step - begun.step) / wall if wall else 0.0,
+        "samples_per_s": ((counters["samples_seen"] - begun.samples) * world_size / wall
+                          if wall else 0.0),
+        "steps_per_s": (counters["global_step"] - begun.step) / wall if wall else 0.0,
         "world_size": world_size,
         "peak_memory": dict(peak_memory),
         **extra,

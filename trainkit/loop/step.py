@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from trainkit.device import move_to_device
-from trainkit.distributed import sync_gradients
-from trainkit.precision import Precision
+from trainkit.distributed.ddp import sync_gradients
+from trainkit.loop.precision import Precision
 from trainkit.tree import tensors
 
 Batch = Any
@@ -103,7 +103,7 @@ def train_window(
     reads the loss on the host: free on the CPU, one sync per step on a GPU (fp16 syncs on its
     overflow flag every step anyway). Under DDP pass ``agree``: given this rank's "loss is NaN/inf",
     it returns whether any rank's is, so all ranks skip together (the all-reduce already mixed the
-    bad gradients into every rank's); :class:`~trainkit.distributed.StepVote` provides one.
+    bad gradients into every rank's); :class:`~trainkit.distributed.group.StepVote` provides one.
 
     ``guard_finite`` is the same check without the host read: on a NaN or inf loss the window's
     gradients are set to zero on the device and the optimizer step runs on them (plain SGD: no

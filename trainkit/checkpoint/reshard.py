@@ -1,5 +1,5 @@
-"""Reading sharded checkpoints: into a sharded or a plain model, on any number of ranks, or
-whole into one process (``consolidate``, ``verify_resume``).
+"""Reading sharded checkpoints into a sharded or a plain model, on any number of ranks (whole
+into one process: :mod:`trainkit.checkpoint.consolidate`).
 
 DCP reshards on load: each rank asks for the parts of each tensor its own shards cover, by
 parameter name, so a directory written by 4 ranks loads onto 2, onto 1 sharded process, or
@@ -10,10 +10,7 @@ streams -- carries over by the rule of :func:`carry_over` (docs/distributed.md).
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Mapping
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,16 +21,14 @@ from torch import nn
 # torch.distributed.checkpoint is imported where used: with FSDP and sympy it costs ~0.8 s,
 # which a run without sharded checkpoints should not pay at start-up.
 from trainkit import rng
-from trainkit.checkpoint import check_weights_fit, save_atomic
-from trainkit.ema import EMA
+from trainkit.checkpoint.contents import check_weights_fit
+from trainkit.checkpoint.sharded import _quiet_single_process
 from trainkit.errors import TrainkitError, one_line
-from trainkit.sharded_checkpoint import _quiet_single_process, read_meta
-from trainkit.train_state import TrainState
 
 log = logging.getLogger("trainkit")
 
 
-def tensor_state(model: nn.Module, optimizer: Any, ema: EMA | None) -> dict[str, Any]:
+def tensor_state(model: nn.Module, optimizer: Any, ema: Any) -> dict[str, Any]:
     """What DCP writes, and loads in place: the model's and optimizer's state keyed by
     parameter name (DTensor shards under FSDP, plain tensors otherwise), and the EMA weights."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -45,7 +40,7 @@ def tensor_state(model: nn.Module, optimizer: Any, ema: EMA | None) -> dict[str,
     return state
 
 
-def load_tensors(meta: Mapping[str, Any], model: nn.Module, optimizer: Any, ema: EMA | None,
+def load_tensors(meta: Mapping[str, Any], model: nn.Module, optimizer: Any, ema: Any,
                  group: Any = None, *, key: str = "checkpoint.resume") -> bool:
     """Load a directory's model, optimizer and EMA weights (as :func:`read_meta` found it).
 
@@ -67,7 +62,7 @@ def load_tensors(meta: Mapping[str, Any], model: nn.Module, optimizer: Any, ema:
     return "ema" in state
 
 
-def load_weights(meta: Mapping[str, Any], model: nn.Module, ema: EMA | None) -> bool:
+def load_weights(meta: Mapping[str, Any], model: nn.Module, ema: Any) -> bool:
     """Only the model's (and the EMA's) weights from a directory (``checkpoint.init_from``);
     returns whether EMA weights were loaded."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -111,7 +106,7 @@ def _check_fits(path: str, here: Mapping[str, Any], saved: Mapping[str, Any], ke
     check_weights_fit(here, shapes, key=key, path=path)
 
 
-def carry_over(meta: Mapping[str, Any], state: TrainState, *, rank: int, world_size: int,
+def carry_over(meta: Mapping[str, Any], state: Any, *, rank: int, world_size: int,
                batch_size: int | None, batches_per_epoch: int | None) -> str:
     """Restore the RNG and fix the data position for this world size; words for the log line.
 
@@ -136,53 +131,3 @@ def carry_over(meta: Mapping[str, Any], state: TrainState, *, rank: int, world_s
     return (f"; saved on {saved} ranks, now {world_size}: the data resumes at sample "
             f"{samples} of the epoch (batch {batch}) and each rank's RNG is reseeded from "
             "its seed and the step")
-
-
-def load_full(path: str | Path, *, key: str = "checkpoint") -> dict[str, Any]:
-    """A whole sharded checkpoint in this process (no process group): ``trainkit.pt``'s state
-    with ``model``, ``optimizer`` and ``ema["weights"]`` filled in as plain tensors."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    meta = read_meta(path, key=key)
-    fd, raw = tempfile.mkstemp(prefix=".consolidate-", suffix=".tmp")
-    os.close(fd)
-    try:
-        with _quiet_single_process():
-            dcp_to_torch_save(path, raw)
-        tensors = torch.load(raw, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise TrainkitError(f"checkpoint {path} cannot be read ({one_line(err, 80)})") from None
-    finally:
-        os.unlink(raw)
-    meta.pop("_tensors")
-    meta["model"], meta["optimizer"] = tensors["model"], tensors["optimizer"]
-    if meta.get("ema") is not None and "ema" in tensors:
-        meta["ema"] = {**meta["ema"], "weights": tensors["ema"]}
-    return meta
-
-
-def consolidate(src: str | Path, out: str | Path, *, optimizer: bool = False) -> Path:
-    """Write a sharded checkpoint as one plain file: ``model`` (the unwrapped model's
-    state_dict), ``global_step``, ``epoch``, and with ``optimizer`` the optimizer's state
-    (keyed by parameter name, as ``get_optimizer_state_dict`` gives it).
-
-    The file loads with ``torch.load(out, weights_only=True)``, and its ``model`` with
-    ``model.load_state_dict(..., strict=True)``. Nothing is written when ``src`` is not a
-    complete checkpoint directory.
-
-    Raises:
-        TrainkitError: ``src`` is missing, incomplete or not a checkpoint; ``out`` is not writable.
-    """
-    out = Path(out)
-    if not out.parent.is_dir():
-        raise TrainkitError(f"cannot write {out}: folder {out.parent} does not exist")
-    if out.is_dir():
-        raise TrainkitError(f"{out} is a folder: give the file to write, e.g. {out}/model.pt")
-    full = load_full(src, key="consolidate's source")
-    plain = {"model": full["model"], "global_step": full["global_step"], "epoch": full["epoch"]}
-    if optimizer:
-        plain["optimizer"] = full["optimizer"]
-    try:
-        return save_atomic(plain, out)
-    except OSError as err:
-        raise TrainkitError(f"cannot write {out} ({err.strerror or one_line(err, 60)})") from None

@@ -3,7 +3,7 @@
 Per-sample PIL decoding costs tens of microseconds a sample; holding the set as one tensor and
 gathering batches by index costs next to nothing, which is most of what makes MNIST train in
 seconds on a CPU. CIFAR-10's files are pickles: they are read with a restricted unpickler
-(:mod:`trainkit.safe_pickle`), never with ``pickle.load``.
+(:mod:`trainkit.data.safe_pickle`), never with ``pickle.load``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainkit.checksums import check_md5
+from trainkit.data.checksums import check_md5
+from trainkit.data.safe_pickle import load_restricted
 from trainkit.errors import TrainkitError, chain_lines
-from trainkit.safe_pickle import load_restricted
 
 # md5 of the uncompressed files torchvision leaves in <root>/MNIST/raw.
 MNIST_MD5 = {

@@ -3,7 +3,7 @@
 Reading a loss on the host (``loss.item()``) makes the CPU wait for the GPU to finish the step,
 so it cannot queue the next one meanwhile; on short steps that wait is a large share of the time.
 The trainer therefore reads the finite-check only at steps where it waits anyway (logging and
-checkpoint steps, the last step) and, in between, lets :func:`~trainkit.step.train_window` drop
+checkpoint steps, the last step) and, in between, lets :func:`~trainkit.loop.step.train_window` drop
 a bad window's gradients on the device and this counter tally the bad windows there. On the CPU
 there is nothing to wait for: every step reads its check, and a bad step is skipped exactly.
 """

@@ -21,7 +21,7 @@ from hydra.errors import HydraException, InstantiationException
 from omegaconf.errors import OmegaConfBaseException
 
 from trainkit.errors import TrainkitError, chain_lines, one_line, print_error
-from trainkit.logging import log_to_file
+from trainkit.observe.logging import log_to_file
 from trainkit.signals import EXIT_PREEMPTED, StoppedOutsideTraining
 
 # Users who set HYDRA_FULL_ERROR=1 get full tracebacks; read before main() sets it for itself.

@@ -2,7 +2,7 @@
 
 A save first copies every tensor of the state to CPU memory of its own (the snapshot: the loop
 may change the weights the moment it goes on), then a thread writes the copy through
-:class:`~trainkit.checkpoint.CheckpointManager`, with the same atomic, fsynced steps as a
+:class:`~trainkit.checkpoint.files.CheckpointManager`, with the same atomic, fsynced steps as a
 synchronous save. One write is in flight at a time: the next save waits for the previous one.
 A failed write is reported by the next :meth:`AsyncCheckpointWriter.save` or
 :meth:`~AsyncCheckpointWriter.wait`, and, like a failed synchronous save, leaves every earlier
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from trainkit.checkpoint import CheckpointManager
+from trainkit.checkpoint.files import CheckpointManager
 from trainkit.errors import one_line
 from trainkit.tree import tree_leaves, tree_map
 

@@ -2,7 +2,7 @@
 
 ``import torchmetrics`` imports torchvision and, through it, ``torch._dynamo``: about 2 s of a
 run that only counts correct predictions. :class:`Accuracy` does that with two counters on the
-device; it has the metric interface :func:`trainkit.evaluation.evaluate` uses (``reset``,
+device; it has the metric interface :func:`trainkit.loop.evaluation.evaluate` uses (``reset``,
 ``update``, ``compute``, ``to``), as torchmetrics' metrics do, and sums over ranks the same way.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from trainkit import distributed
+from trainkit.distributed import group
 
 
 class Accuracy:
@@ -59,5 +59,5 @@ class Accuracy:
 
     def compute(self) -> torch.Tensor:
         """Correct / counted, over all ranks (0 when nothing was counted)."""
-        correct, count = distributed.sum_across_ranks(self._correct, self._count)
+        correct, count = group.sum_across_ranks(self._correct, self._count)
         return torch.tensor(correct / count if count else 0.0)

@@ -1,4 +1,5 @@
-"""torch.distributed helpers that degrade to no-ops in a single process.
+"""The process group, the job's store and the votes: torch.distributed helpers that degrade to
+no-ops in a single process (DDP wrapping is :mod:`trainkit.distributed.ddp`).
 
 trainkit invents no launcher and no process group: torchrun (or SLURM's ``srun`` setting the same
 variables) starts the processes, :func:`init_process_group` joins them through torchrun's
@@ -19,9 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from trainkit import fsdp
 from trainkit.errors import TrainkitError
 
 if TYPE_CHECKING:
@@ -33,34 +32,6 @@ TIMEOUT_ENV = "TRAINKIT_DIST_TIMEOUT_S"
 _RUN_DIR_KEY = "trainkit/run_dir"
 _job_stores: list[Any] = []  # the store init_process_group joined (one at most)
 _cpu_group_cache: list[Any] = []  # [group] once made: a gloo group when the default has none
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module inside DDP and ``torch.compile`` wrappers (for clean state_dict keys)."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        else:
-            return model
-
-
-def sync_gradients(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
-    """Context for one micro-step's backward: skip DDP's all-reduce (FSDP's reduce-scatter and
-    resharding) unless ``sync``.
-
-    Accumulating k micro-batches only needs gradients averaged across ranks once, on the last one.
-    Without DDP or FSDP this is a no-op.
-    """
-    if sync:  # checked first: this runs every step, and Module attribute misses are slow
-        return contextlib.nullcontext()
-    inner = model._modules.get("_orig_mod", model)  # through torch.compile's wrapper
-    if isinstance(inner, nn.parallel.DistributedDataParallel):
-        return inner.no_sync()
-    if fsdp.is_sharded(inner):
-        return fsdp.no_sync(inner)
-    return contextlib.nullcontext()
 
 
 def is_distributed() -> bool:
@@ -93,7 +64,7 @@ def init_process_group(runtime: Runtime, *, timeout_s: float | None = None) -> b
     Example:
         >>> runtime = Runtime.from_env()  # doctest: +SKIP
         >>> init_process_group(runtime)
-        >>> model = wrap_ddp(model.to(runtime.device), runtime)
+        >>> model = ddp.wrap_ddp(model.to(runtime.device), runtime)
     """
     if runtime.world_size <= 1 or not dist.is_available() or dist.is_initialized():
         return False
@@ -162,25 +133,6 @@ def shutdown() -> None:
         dist.barrier(group=_cpu_group())
         dist.destroy_process_group()
     _cpu_group_cache.clear()
-
-
-def wrap_ddp(model: nn.Module, runtime: Runtime) -> nn.Module:
-    """``model`` in ``DistributedDataParallel`` when a multi-rank group is up, else unchanged.
-
-    DDP broadcasts rank 0's parameters and buffers at construction, so every replica starts equal.
-    """
-    if not is_distributed():
-        return model
-    device_ids = [runtime.device] if runtime.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-
-
-def broadcast_buffers(model: nn.Module) -> None:
-    """Give every rank rank 0's buffers (batch-norm statistics drift apart during training)."""
-    if not is_distributed():
-        return
-    for buffer in unwrap(model).buffers():
-        dist.broadcast(buffer, src=0)
 
 
 def sum_across_ranks(*values: torch.Tensor | float) -> list[float]:

@@ -7,9 +7,9 @@ EMA. ``trainer.max_steps`` therefore bounds the data consumed, and a checkpoint'
 always names the same position in the data.
 
 The loop runs the steps and says what happened: the
-:class:`~trainkit.checkpointer.Checkpointer` decides about checkpoints (and where the run
-starts), the :class:`~trainkit.nonfinite.NonFiniteGuard` about NaN/inf losses, and the metrics
-go to the sinks (:mod:`trainkit.sinks`).
+:class:`~trainkit.checkpoint.checkpointer.Checkpointer` decides about checkpoints (and where the run
+starts), the :class:`~trainkit.loop.nonfinite.NonFiniteGuard` about NaN/inf losses, and the metrics
+go to the sinks (:mod:`trainkit.observe.sinks`).
 """
 
 from __future__ import annotations
@@ -28,27 +28,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainkit import distributed, evaluation, fsdp, oom, rng
-from trainkit.activations import apply_activation_checkpointing
-from trainkit.checkpointer import Checkpointer
+from trainkit import rng
+from trainkit.checkpoint.checkpointer import Checkpointer
 from trainkit.config import CheckpointConfig, TrainerConfig
-from trainkit.cpu_settings import keep_freed_memory
-from trainkit.cuda_settings import apply_cuda_settings
 from trainkit.data.resumable import set_epoch
-from trainkit.distributed import StepVote, unwrap
-from trainkit.ema import EMA
+from trainkit.distributed import ddp, fsdp, group
+from trainkit.distributed.ddp import unwrap
+from trainkit.distributed.group import StepVote
+from trainkit.distributed.watchdog import Watchdog, watched
 from trainkit.errors import TrainkitError
-from trainkit.logging import Progress, log_start, log_window, setup_logging
-from trainkit.metrics import StepMeter
-from trainkit.nonfinite import NonFiniteGuard, NonFiniteLossError
-from trainkit.precision import Precision
+from trainkit.loop import evaluation, oom
+from trainkit.loop.activations import apply_activation_checkpointing
+from trainkit.loop.cpu_settings import keep_freed_memory
+from trainkit.loop.cuda_settings import apply_cuda_settings
+from trainkit.loop.ema import EMA
+from trainkit.loop.nonfinite import NonFiniteGuard, NonFiniteLossError
+from trainkit.loop.precision import Precision
+from trainkit.loop.step import (
+    Criterion,
+    Forward,
+    WindowStep,
+    default_forward,
+    steps_per_epoch,
+    windows,
+)
+from trainkit.loop.train_state import TrainState
+from trainkit.observe.logging import Progress, log_start, log_window, setup_logging
+from trainkit.observe.metrics import StepMeter
+from trainkit.observe.sinks import MetricsSink, Sinks, default_sinks
+from trainkit.observe.summary import Begun, build_summary, write_hparams, write_summary
 from trainkit.runtime import Runtime
 from trainkit.signals import Preemption
-from trainkit.sinks import MetricsSink, Sinks, default_sinks
-from trainkit.step import Criterion, Forward, WindowStep, default_forward, steps_per_epoch, windows
-from trainkit.summary import Begun, build_summary, write_hparams, write_summary
-from trainkit.train_state import TrainState
-from trainkit.watchdog import Watchdog, watched
 
 __all__ = ["NonFiniteLossError", "TrainState", "Trainer"]
 log = logging.getLogger("trainkit")
@@ -212,7 +222,7 @@ class Trainer:
                                    precision=self.precision, scheduler=scheduler, ema=ema,
                                    data=train_data)
         self.checkpointer.start(total_steps)
-        distributed.check_same_start(self.state.global_step)
+        group.check_same_start(self.state.global_step)
         log_start(type(unwrap(model)).__name__, self.runtime, total_steps,
                   steps_per_epoch(len(train_data), self.config.accumulate_grad_batches),
                   self.config, getattr(train_data, "batch_size", None), self._settings_text)
@@ -378,7 +388,7 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(model, cfg.activation_checkpointing)
-        distributed.init_process_group(self.runtime)  # no-op in one process or when already up
+        group.init_process_group(self.runtime)  # no-op in one process or when already up
         if fsdp.resolve_strategy(cfg.strategy, self.runtime.world_size) == "fsdp":
             return fsdp.shard_model(model, optimizer, self.runtime, blocks=cfg.fsdp_blocks,
                                     reshard_after_forward=cfg.fsdp_reshard_after_forward,
@@ -386,7 +396,7 @@ class Trainer:
         if cfg.fsdp_blocks:
             log.warning("trainer.fsdp_blocks is ignored: trainer.strategy=%s does not shard "
                         "(set trainer.strategy=fsdp)", cfg.strategy)
-        return distributed.wrap_ddp(model, self.runtime)  # auto or ddp; one process: as it is
+        return ddp.wrap_ddp(model, self.runtime)  # auto or ddp; one process: as it is
 
     def _log_train(self, run: _Run) -> None:
         """The window's figures to the sinks, the console and train.log."""
@@ -410,7 +420,7 @@ class Trainer:
 
     def _finish(self, status: str, results: dict[str, float], begun: Begun, meter: StepMeter,
                 **extra: Any) -> dict[str, Any]:
-        summary = build_summary(status, results, self.state, begun,
+        summary = build_summary(status, results, self.state.state_dict(), begun,
                                 world_size=self.runtime.world_size, peak_memory=meter.peaks(),
                                 **extra)
         if self.run_dir is not None and self.runtime.is_main:

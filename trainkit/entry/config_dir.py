@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[1]  # trainkit/, above entry/
 
 
 def config_dir() -> Path:

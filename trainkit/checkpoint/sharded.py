@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from trainkit.checkpoint import _fsync_dir, save_atomic
+from trainkit.checkpoint.files import _fsync_dir, save_atomic
 from trainkit.errors import TrainkitError, one_line
 
 if TYPE_CHECKING:  # imported where used: with FSDP and sympy it costs ~0.8 s at start-up
@@ -263,7 +263,7 @@ def _group(distributed: bool, async_save: bool) -> Any:
         return None
     if async_save:
         return dist.new_group(backend="gloo")
-    from trainkit.distributed import _cpu_group
+    from trainkit.distributed.group import _cpu_group
 
     return _cpu_group()
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit import fsdp
-from trainkit.distributed import unwrap
+from trainkit.distributed import fsdp
+from trainkit.distributed.ddp import unwrap
 from trainkit.errors import TrainkitError
 
 

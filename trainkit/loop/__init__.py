@@ -1,0 +1,1 @@
+"""The training loop: Trainer, step, precision, NaN/inf guard, EMA, evaluation, callbacks."""

@@ -1,0 +1,1 @@
+"""What a run reports: console and train.log, meters, sinks, summary.json, environment."""
