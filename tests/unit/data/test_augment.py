@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.unit.test_data import _data
+from tests.unit.data.test_data import _data
 from trainkit.data import InMemoryLoader, crop_flip, mix_seed
 from trainkit.data.datasets import TensorData
 
