@@ -4,11 +4,10 @@ The loop registers the stateful parts once (:meth:`Checkpointer.register`); each
 its ``state_dict()`` at every save. Afterwards the loop only says what happened -- a step
 was done (:meth:`~Checkpointer.step_done`), an evaluation gave results
 (:meth:`~Checkpointer.evaluated`), the run stops or ends (:meth:`~Checkpointer.save`) -- and
-the Checkpointer decides whether to write, through
-:class:`~trainkit.checkpoint.files.CheckpointManager` (atomic files, rotation) or, with
-``checkpoint.async_save``, its background writer. A model sharded by FSDP2 gets directories
-instead, written by every rank (:class:`~trainkit.checkpoint.sharded.ShardedCheckpoints`) and
-read onto any number of ranks (:mod:`trainkit.checkpoint.reshard`).
+the Checkpointer decides whether to write. How and where is its storage's business
+(:mod:`~trainkit.checkpoint.storages`), chosen when the parts are registered: ``.pt`` files
+(atomic, rotated, with ``checkpoint.async_save`` written on a background thread), or for a
+model sharded by FSDP2 directories written by every rank and read onto any number of ranks.
 
 Where a run starts (:meth:`~Checkpointer.start`):
 
@@ -32,14 +31,12 @@ from typing import Any, Protocol
 from torch import nn
 
 from trainkit import rng, schedules
-from trainkit.checkpoint import reshard, sharded
-from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
-from trainkit.checkpoint.contents import check_config, check_weights_fit, manifest
-from trainkit.checkpoint.files import CheckpointManager, load_checkpoint
-from trainkit.checkpoint.sharded import FORMAT, ShardedCheckpoints
+from trainkit.checkpoint.contents import check_config, manifest
+from trainkit.checkpoint.files import CheckpointManager
+from trainkit.checkpoint.storages import Content, Storage, storages_for
 from trainkit.config import CheckpointConfig
 from trainkit.data.resumable import ResumableData
-from trainkit.distributed import ddp, fsdp, group
+from trainkit.distributed import ddp, group
 from trainkit.distributed.watchdog import Watchdog, watched
 from trainkit.errors import TrainkitError
 from trainkit.runtime import Runtime
@@ -92,34 +89,36 @@ class Checkpointer:
         self.config = config
         self.runtime = runtime
         self.run_config = dict(run_config or {})
-        self.manager = (CheckpointManager(Path(run_dir) / "checkpoints", config.keep_last)
-                        if run_dir is not None else None)
-        if self.manager is not None and runtime.is_main:
-            self.manager.check_writable()
-        self._writer = (AsyncCheckpointWriter(self.manager)
-                        if self.manager is not None and config.async_save else None)
+        self.directory = Path(run_dir) / "checkpoints" if run_dir is not None else None
+        if self.directory is not None and runtime.is_main:
+            CheckpointManager(self.directory).check_writable()  # now, not hours into a run
         self._watchdog = watchdog or Watchdog(0)
         self.saved_step, self._saved_time = -1, time.monotonic()
         self.state: LoopState | None = None  # given by register()
         self.parts: dict[str, Any] = {}
-        self._sharded: ShardedCheckpoints | None = None  # an FSDP2 run's directories
+        # the storage this run writes with first, then those it can also read (register())
+        self.storages: tuple[Storage, ...] = ()
 
     def register(self, state: LoopState, *, model: nn.Module, optimizer: Any,
                  precision: Any, scheduler: Any = None, ema: Any = None,
                  data: Any = None) -> None:
         """The objects a checkpoint holds; None for a part this run has not.
 
-        A model sharded by ``fully_shard`` (FSDP2) gets sharded checkpoints: directories every
-        rank writes its part of (:mod:`trainkit.checkpoint.sharded`). A collective then: every
-        rank registers at the same point.
+        The model chooses the storage (:func:`~trainkit.checkpoint.storages.storages_for`): one
+        sharded by ``fully_shard`` (FSDP2) gets directories every rank writes its part of. A
+        collective: every rank registers at the same point.
         """
         self.state = state
         self.parts = {"model": ddp.unwrap(model), "optimizer": optimizer,
                       "scheduler": scheduler, "precision": precision, "ema": ema,
                       "data": data if isinstance(data, ResumableData) else None}
-        if fsdp.is_sharded(self.parts["model"]) and self.manager is not None:
-            self._sharded = ShardedCheckpoints(self.manager.directory, self.config.keep_last,
-                                               async_save=self.config.async_save)
+        self.storages = storages_for(self.parts["model"], self.directory, self.config,
+                                     self.runtime)
+
+    @property
+    def storage(self) -> Storage:
+        """The storage this run's checkpoints are written with."""
+        return self.storages[0]
 
     def state_dict(self, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
         """Everything a checkpoint holds, each part asked for its own state (but ``exclude``)."""
@@ -151,26 +150,15 @@ class Checkpointer:
     def load_state_dict(self, state: Mapping[str, Any], planned_steps: int | None = None) -> None:
         """Restore a checkpoint made by :meth:`state_dict` into the registered parts."""
         check_config(state, self.run_config)
-        sharded = state.get("format") == FORMAT  # a directory (read_meta), not a .pt file
-        if sharded:
-            self._load_sharded(state)
-        else:
-            self._load_weights(state, "checkpoint.resume", optimizer=True)
-            self.parts["optimizer"].load_state_dict(state["optimizer"])
-            self._load_ema(state.get("ema"))
+        storage = next(s for s in self.storages if s.owns(state))  # of the checkpoint's format
+        if not storage.load(state, self.parts, key="checkpoint.resume", optimizer=True):
+            self._restart_ema("checkpoint has no EMA weights: the average starts from here")
         self._load_schedule(state, planned_steps)
         self.parts["precision"].load_state_dict(state["precision"])
         self._check_data(state.get("data"))
         self.state.load_state_dict(state["trainer"])
         at, data = self.state, self.parts["data"]
-        moved = ""
-        if sharded:  # may have been saved on another number of ranks
-            moved = reshard.carry_over(
-                state, at, rank=self.runtime.rank, world_size=self.runtime.world_size,
-                batch_size=getattr(data, "batch_size", None),
-                batches_per_epoch=len(data) if data is not None else None)
-        else:
-            rng.set_rng_state(rng.rng_of_rank(state, self.runtime.rank))
+        moved = storage.carry_over(state, at, data)  # may have been saved on another world size
         self.saved_step, self._saved_time = self.state.global_step, time.monotonic()
         # named as step N's log line names it: its epoch (from 1), its batch in that epoch
         batch = at.batch_in_epoch or (len(data) if at.epoch and data is not None else 0)
@@ -178,50 +166,24 @@ class Checkpointer:
                  state.get("_path", self.config.resume), at.global_step, at.epoch_number, batch,
                  moved)
 
-    def _load_sharded(self, state: Mapping[str, Any]) -> None:
-        """Model, optimizer and EMA weights from a directory, resharded onto this run."""
-        ema = self.parts["ema"]
-        group = self._sharded.group if self._sharded is not None else None
-        if reshard.load_tensors(state, self.parts["model"], self.parts["optimizer"],
-                                       ema, group) and state.get("ema"):
-            ema.updates = int(state["ema"]["updates"])  # the weights are in place; the count
-        else:
-            self._load_ema(None)
-
     def _checkpoint_to_resume(self) -> dict[str, Any] | None:
         resume = self.config.resume
         if resume is None or str(resume).lower() in ("null", "none", ""):
             return None
         if str(resume) == "auto":
             return self._latest()
-        if Path(resume).is_dir():
-            return sharded.read_meta(resume)
-        return load_checkpoint(resume)
+        return self._read(Path(resume), "checkpoint.resume")
 
     def _latest(self) -> dict[str, Any] | None:
-        """A sharded run resumes from directories; another from files, else from directories
-        (a run saved sharded can go on in one process)."""
-        if self.manager is None:
-            return None
-        if self._sharded is not None:
-            return sharded.latest_meta(self.manager.directory)
-        return (self.manager.load_latest()
-                or sharded.latest_meta(self.manager.directory))
-
-    def _load_weights(self, state: Mapping[str, Any], key: str, optimizer: bool = False) -> None:
+        """The newest checkpoint of this run dir, from the storages this run can resume from
+        (its own first: a run saved sharded can go on in one process, not the reverse)."""
         model = self.parts["model"]
-        if optimizer and fsdp.is_sharded(model):
-            raise TrainkitError(
-                f"{state.get('_path', self.config.resume)} is a single-file checkpoint: a "
-                "sharded (fsdp) run resumes from a checkpoint directory; start from its weights "
-                "with checkpoint.init_from and checkpoint.resume=null")
-        # torch would list the same differences, as a traceback
-        check_weights_fit(model.state_dict(), state["model"], key=key,
-                          path=state.get("_path", "?"))
-        if fsdp.is_sharded(model):  # each rank keeps its shard of the full weights
-            reshard.load_full_weights(model, state["model"])
-        else:
-            model.load_state_dict(state["model"])
+        return next((state for storage in self.storages if storage.resumes(model)
+                     if (state := storage.latest()) is not None), None)
+
+    def _read(self, path: Path, key: str) -> dict[str, Any]:
+        """The checkpoint at ``path``, read by the storage of its format."""
+        return next(s for s in self.storages if s.holds(path)).read(path, key)
 
     def _load_schedule(self, state: Mapping[str, Any], planned_steps: int | None) -> None:
         """The saved schedule as it was; re-planned when the run got longer than it was."""
@@ -242,15 +204,13 @@ class Checkpointer:
                     planned_steps, was, planned_steps, state["global_step"], before,
                     optimizer.param_groups[0]["lr"])
 
-    def _load_ema(self, saved: Mapping[str, Any] | None) -> None:
-        ema = self.parts["ema"]
-        if ema is None:
+    def _restart_ema(self, why: str | None) -> None:
+        """Restart the EMA (if any) from the weights now in the model, saying ``why``."""
+        if self.parts["ema"] is None:
             return
-        if saved is not None:
-            ema.load_state_dict(saved)
-        else:
-            ema.restart()
-            log.warning("checkpoint has no EMA weights: the average starts from here")
+        self.parts["ema"].restart()
+        if why:
+            log.warning(why)
 
     def _check_data(self, saved: Mapping[str, Any] | None) -> None:
         """The position comes from the loop's state; the loader's settings must be the saved."""
@@ -266,21 +226,11 @@ class Checkpointer:
                                 "the same settings (trainer.seed)")
 
     def _init_from(self, path: str) -> None:
-        ema, into_sharded = self.parts["ema"], fsdp.is_sharded(self.parts["model"])
-        if Path(path).is_dir():  # a sharded checkpoint: its weights, resharded onto this model
-            state = sharded.read_meta(path, key="checkpoint.init_from")
-            has_ema = reshard.load_weights(state, self.parts["model"], ema)
-            if has_ema and state.get("ema"):  # the weights are in place; now the count
-                ema.updates = int(state["ema"]["updates"])
-        else:
-            state = load_checkpoint(path, key="checkpoint.init_from")
-            state["_path"] = path
-            self._load_weights(state, "checkpoint.init_from")
-            has_ema = ema is not None and state.get("ema") is not None and not into_sharded
-            if has_ema:
-                ema.load_state_dict(state["ema"])
-        if ema is not None and not has_ema:
-            ema.restart()  # the average of the loaded weights, not of the random ones
+        state = self._read(Path(path), "checkpoint.init_from")
+        storage = next(s for s in self.storages if s.owns(state))
+        has_ema = storage.load(state, self.parts, key="checkpoint.init_from", optimizer=False)
+        if not has_ema:
+            self._restart_ema(None)  # the average of the loaded weights, not of the random ones
         log.info("initialized the weights from %s (step %d of its run%s); optimizer, LR "
                  "schedule and counters start fresh", path, state["global_step"],
                  ", and its EMA" if has_ema else "")
@@ -293,8 +243,8 @@ class Checkpointer:
         ``may_save()`` agrees (the loop's NaN/inf guard: no streak running)."""
         if self.due(step, time_due) and may_save():
             self.save(step)
-        elif self._sharded is not None:
-            self._sharded.poll()  # an async save that ended gets its name and `last` now
+        else:
+            self.storage.poll()  # an async save that ended gets its name and `last` now
 
     def due(self, step: int, time_due: bool = False) -> bool:
         """Whether step ``step`` gets a periodic checkpoint (``time_due``: agreed by all ranks)."""
@@ -304,9 +254,9 @@ class Checkpointer:
     def next_due(self, step: int) -> int:
         """The first step after ``step`` that ``checkpoint.every_n_steps`` saves at; 0 when none
         does. The loop compares each step with it: one comparison instead of a call per step.
-        While an async sharded save awaits its publication, the next step: :meth:`step_done`
-        then polls it, so ``last`` points at it as soon as it is on disk."""
-        if self._sharded is not None and self._sharded.in_flight:
+        While an async save awaits its publication (a sharded one does), the next step:
+        :meth:`step_done` then polls it, so ``last`` points at it as soon as it is on disk."""
+        if self.storage.in_flight:
             return step + 1
         every = self.config.every_n_steps
         return (step // every + 1) * every if every else 0
@@ -354,54 +304,27 @@ class Checkpointer:
         periodic = not best and (bool(self.config.every_n_steps) or not last_step)
         # Every rank's RNG state (dropout, augmentation draws differ per rank), for exact resumes.
         rng_per_rank = group.gather_to_main(rng.get_rng_state())  # collective: all ranks
-        if self._sharded is not None:
-            # the same step again (now the best): its directory was written by this run
-            again = self._sharded.written_step == step
-            self._save_sharded(step, rng_per_rank, again=again, best=best)
-        elif self.manager is not None and self.runtime.is_main:
-            state = self.state_dict()
-            if self.runtime.distributed:
-                state["rng_per_rank"] = rng_per_rank
-            # async: returns once the state is copied
-            (self._writer or self.manager).save(state, step, periodic=periodic, best=best)
+        self.storage.save(step, Content(self.parts, self.state_dict, rng_per_rank),
+                          periodic=periodic, best=best)  # async: returns once the state is copied
         self.saved_step, self._saved_time = step, time.monotonic()
         group.barrier()  # no rank runs ahead of a checkpoint still being written (or copied)
 
-    def _save_sharded(self, step: int, rng_per_rank: list[Any] | None, *, again: bool,
-                      best: bool) -> None:
-        """Every rank writes its part of ``step_<step>/``; rank 0 adds ``trainkit.pt``."""
-        meta = None
-        if self.runtime.is_main:
-            ema = self.parts["ema"]
-            meta = {**self.state_dict(exclude=("model", "optimizer", "ema")), "format": FORMAT,
-                    "world_size": self.runtime.world_size, "rng_per_rank": rng_per_rank,
-                    "batch_size": getattr(self.parts["data"], "batch_size", None),
-                    "ema": {"decay": ema.decay, "updates": ema.updates} if ema else None}
-        if again:  # the same step (now the best): same weights, only trainkit.pt changed
-            self._sharded.update_meta(meta, step, best=best)
-            return
-        tensors = reshard.tensor_state(self.parts["model"], self.parts["optimizer"],
-                                              self.parts["ema"])
-        self._sharded.save(tensors, meta, step, best=best)
-
     def wait(self) -> None:
         """Block until the last checkpoint is on disk (raise its write's error)."""
-        for writer in (self._writer, self._sharded):
-            if writer is not None:
-                writer.wait()
+        if self.storages:
+            self.storage.wait()
 
     def close(self) -> None:
         """Let a write still in flight end whole, however the run ends."""
-        for writer in (self._writer, self._sharded):
-            if writer is not None:
-                writer.close()
+        if self.storages:
+            self.storage.close()
 
     def last_saved(self) -> str:
         """Which checkpoint a run that stops on an error leaves, as words for its message."""
-        if self.manager is None or self.saved_step < 0:
+        if self.directory is None or self.saved_step < 0:
             return "no checkpoint was written"
-        last = self._sharded.last if self._sharded is not None else self.manager.last
-        return f"the last checkpoint, {last}, is from step {self.saved_step} and intact"
+        return (f"the last checkpoint, {self.storage.last}, is from step {self.saved_step} and "
+                "intact")
 
     @functools.cached_property
     def _manifest(self) -> dict[str, Any]:
