@@ -43,6 +43,8 @@ from trainkit.distributed.heartbeats import (
     rank_text,
     seconds_text,
 )
+from trainkit.distributed.looks import LOOKS
+from trainkit.distributed.stacks import dump_stacks, stacks_place, where
 from trainkit.errors import one_line
 
 log = logging.getLogger("trainkit")
@@ -50,7 +52,6 @@ log = logging.getLogger("trainkit")
 # The exit status of a process the watchdog ended (hang_action=abort): what timeout(1) returns
 # when its command timed out. torchrun restarts the group on it like on any failure.
 EXIT_HUNG = 124
-HANG_DIR = "hangs"
 AUTO_FLOOR_S = 300.0  # the automatic limit never goes below 5 minutes...
 AUTO_FACTOR = 10.0  # ...and is 10 times the slowest step (or evaluation, or save) seen
 FIRST_STEP_S = 900.0  # the first step of a fit may compile, autotune and start loader workers
@@ -90,7 +91,7 @@ class Watchdog:
         # writes summary.json through it.
         self.on_abort: Callable[[dict[str, Any]], None] | None = None
         self._slowest: dict[str, float] = {}  # kind -> longest one seen, seconds
-        self._poll_s = MAX_POLL_S if not timeout_s else min(MAX_POLL_S, max(0.1, timeout_s / 4))
+        self.poll_s = MAX_POLL_S if not timeout_s else min(MAX_POLL_S, max(0.1, timeout_s / 4))
         self._entered = False
         self._progress: Callable[[], int] | None = None  # follow()'s counter
         self._reset()
@@ -145,14 +146,14 @@ class Watchdog:
         store = group.attempt_store("hang")
         self._board = Board(store, self.world_size) if store is not None else None
         self._owner = threading.get_ident()  # the thread whose steps are watched
-        _LOOKS.add(self)
+        LOOKS.add(self)
         self._entered = True
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         if not self._entered:
             return
-        _LOOKS.remove(self)  # no look of this watchdog runs from here on
+        LOOKS.remove(self)  # no look of this watchdog runs from here on
         self._entered = False
         if kind is None and (self._reported or self._hang):  # it ended before the next look
             self._recovered(self._completed())
@@ -186,14 +187,14 @@ class Watchdog:
         self._store_failed = False  # warned once that the job's store did not answer
         self._armed = False  # faulthandler's timer is ours and running
 
-    def _look_or_stop(self, now: float) -> bool:
+    def look_or_stop(self, now: float) -> bool:
         """One look; False when it failed and this watchdog stops watching."""
         try:
             self._look(now)
             return True
         except Exception as err:  # never take training down; say that watching stopped
             log.warning("hang watchdog stopped: %s", one_line(err))
-            self._arm_fallback(None)  # a timer nobody re-arms would report a false hang
+            self.arm_fallback(None)  # a timer nobody re-arms would report a false hang
             return False
 
     def _look(self, now: float) -> None:
@@ -214,16 +215,16 @@ class Watchdog:
         idle, limit = now - since, self.limit(kind)
         started = idle > limit and self._hang is None
         if started:
-            self._hang = {"where": _where(self._owner)}
+            self._hang = {"where": where(self._owner)}
         elif idle <= limit and self._hang is not None:
             self._hang = None
             if self.rank != 0:
                 self._recovered(step)
-        self._arm_fallback(limit - idle)
+        self.arm_fallback(limit - idle)
         record = self._record(step, idle, kind if busy else None)
         if started:
-            stacks = self._dump(f"{_doing(kind, step)} for {seconds_text(idle)} (limit "
-                                f"{seconds_text(limit)})")
+            stacks = dump_stacks(self.run_dir, self.rank, f"{_doing(kind, step)} for "
+                                 f"{seconds_text(idle)} (limit {seconds_text(limit)})")
             if self.rank != 0:  # rank 0 speaks for every rank below
                 log.warning("hang: no progress for %s on %s; stacks in %s", seconds_text(idle),
                             rank_text(self.rank, record), stacks)
@@ -262,46 +263,13 @@ class Watchdog:
         """Rank 0: one line when some rank hangs, one when all move again."""
         hung = any(rec and rec["hung"] for rec in records.values())
         if hung and not self._reported:
-            log.warning(hang_line(records, self._stacks_text()))
+            log.warning(hang_line(records, stacks_place(self.run_dir, self.rank, self.world_size)))
             self._reported = True
         elif not hung and self._reported:
             steps = [rec["step"] for rec in records.values() if rec and rec["step"] is not None]
             self._recovered(min(steps, default=None))
 
-    def _dump(self, what: str) -> str:
-        """Append every thread's Python stack to hangs/rank<R>.txt; returns where they went.
-
-        faulthandler walks the threads' frames without running their code, so it also shows a
-        thread stuck in C code (a collective, a lock, a read from a dead disk).
-        """
-        header = (f"trainkit hang watchdog, {time.strftime('%Y-%m-%d %H:%M:%S')}: rank "
-                  f"{self.rank}, {what}\n")
-        if self.run_dir is not None:
-            path = self.run_dir / HANG_DIR / f"rank{self.rank}.txt"
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with open(path, "a") as file:
-                    file.write(header)
-                    file.flush()
-                    faulthandler.dump_traceback(file, all_threads=True)
-                    file.write("\n")
-                return str(path)
-            except OSError as err:  # a full or read-only disk may be the very cause
-                header += f"(could not write {path}: {one_line(err)})\n"
-        if sys.__stderr__ is None:  # no stderr at all (pythonw, some daemons)
-            return "nowhere (no run dir, no stderr)"
-        sys.__stderr__.write(header)
-        sys.__stderr__.flush()
-        faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
-        return "stderr"
-
-    def _stacks_text(self) -> str:
-        if self.run_dir is None:
-            return "each process's stderr"
-        return str(self.run_dir / HANG_DIR / ("rank<R>.txt" if self.world_size > 1 else
-                                              f"rank{self.rank}.txt"))
-
-    def _arm_fallback(self, remaining: float | None) -> None:
+    def arm_fallback(self, remaining: float | None) -> None:
         """A C timer that dumps to stderr should this thread itself never run again (a C call
         that holds the GIL): re-armed at every look, so it fires only if the looks stop.
 
@@ -312,7 +280,7 @@ class Watchdog:
         if remaining is not None and sys.__stderr__ is not None and (
                 self._hang is None or self.action == "abort"):
             if self._hang is None:
-                faulthandler.dump_traceback_later(max(remaining, 0.0) + 3 * self._poll_s + 5,
+                faulthandler.dump_traceback_later(max(remaining, 0.0) + 3 * self.poll_s + 5,
                                                   file=sys.__stderr__)
             else:
                 faulthandler.dump_traceback_later(2 * self._abort_grace_s + 30, exit=True,
@@ -325,7 +293,7 @@ class Watchdog:
     @property
     def _abort_grace_s(self) -> float:
         """How long an abort waits for the other ranks' stacks (rank 0) or for rank 0 (twice)."""
-        return 3 * self._poll_s + 10
+        return 3 * self.poll_s + 10
 
     def _abort(self, own: Record) -> None:
         """Write the summary (rank 0), then exit so that torchrun can restart the group."""
@@ -336,13 +304,13 @@ class Watchdog:
             # the others stall at about the same moment: give them time to dump their stacks
             while board is not None and time.monotonic() < deadline and not all(
                     rec and rec["hung"] for rec in records.values()):
-                time.sleep(self._poll_s)
+                time.sleep(self.poll_s)
                 records = self._records(own) or records
             behind = behind_ranks(records)
             steps = [records[r]["step"] for r in behind if records[r] is not None]
             hang = {"ranks": behind, "step": min(steps, default=None),
                     "idle_s": max(rec["idle_s"] for rec in records.values() if rec),
-                    "stacks": self._stacks_text()}
+                    "stacks": stacks_place(self.run_dir, self.rank, self.world_size)}
             if self.on_abort is not None:
                 try:
                     self.on_abort(hang)
@@ -359,52 +327,6 @@ class Watchdog:
             handler.flush()
         sys.stdout.flush()
         os._exit(EXIT_HUNG)  # the stuck main thread cannot raise; sys.exit here ends a thread
-
-
-class _Looks:
-    """The one thread of a process that looks at the entered watchdogs, each at its own interval.
-
-    It starts with the first watchdog entered and then waits while none is: a thread started and
-    joined per fit would cost ~0.3 ms of every fit. Looks run under the lock, so once
-    :meth:`remove` returns no look of that watchdog runs.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._due: dict[Watchdog, float] = {}  # entered watchdog -> when its next look is due
-        self._thread: threading.Thread | None = None
-
-    def add(self, watchdog: Watchdog) -> None:
-        with self._cond:
-            self._due[watchdog] = time.monotonic() + watchdog._poll_s
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="trainkit-watchdog",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify()  # its interval may be shorter than the current wait
-
-    def remove(self, watchdog: Watchdog) -> None:
-        with self._cond:  # waits for a look in progress
-            self._due.pop(watchdog, None)
-            watchdog._arm_fallback(None)
-
-    def _run(self) -> None:
-        with self._cond:
-            while True:
-                for watchdog, due in list(self._due.items()):
-                    now = time.monotonic()
-                    if due <= now:
-                        if watchdog._look_or_stop(now):
-                            self._due[watchdog] = now + watchdog._poll_s
-                        else:
-                            del self._due[watchdog]
-                wake = min(self._due.values(), default=None)
-                self._cond.wait(None if wake is None else max(wake - time.monotonic(), 0.0))
-
-
-_LOOKS = _Looks()
-if hasattr(os, "register_at_fork"):  # a forked child has no watching thread, nor its lock held
-    os.register_at_fork(after_in_child=_LOOKS.__init__)
 
 
 def watched(kind: str) -> Callable[[_T], _T]:
@@ -425,11 +347,3 @@ def _doing(kind: str, step: int | None) -> str:
     if kind in ("step", "first step"):
         return f"no step after step {step}" if step is not None else "no first step"
     return f"in {kind} after step {step}"
-
-
-def _where(thread_id: int) -> str | None:
-    """The innermost Python frame of a thread, as ``function (file:line)``."""
-    frame = sys._current_frames().get(thread_id)
-    if frame is None:
-        return None
-    return f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})"

@@ -112,16 +112,16 @@ def test_watchdogs_share_one_thread_that_never_looks_at_one_exited(tmp_path: Pat
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_process_forked_mid_fit_watches_only_its_own_watchdogs(tmp_path: Path) -> None:
-    from trainkit.distributed import watchdog as module
+    from trainkit.distributed.looks import LOOKS
 
     read, write = os.pipe()
     with Watchdog(timeout_s=60, run_dir=tmp_path) as parents:  # a fit that forks a worker
         pid = os.fork()
         if pid == 0:
             try:
-                inherited = parents in module._LOOKS._due
+                inherited = parents in LOOKS._due
                 with Watchdog(timeout_s=60, run_dir=tmp_path) as own:
-                    mine = own in module._LOOKS._due
+                    mine = own in LOOKS._due
                 os.write(write, json.dumps([inherited, mine]).encode())
             finally:
                 os._exit(0)
@@ -157,7 +157,7 @@ def test_the_automatic_limit_grows_with_the_slowest_step_seen() -> None:
         watchdog.beat(2)
         watchdog._look(start + 42)
     finally:
-        watchdog._arm_fallback(None)  # each look armed faulthandler's timer in this process
+        watchdog.arm_fallback(None)  # each look armed faulthandler's timer in this process
     assert watchdog.limit("step") == pytest.approx(400)
     assert Watchdog(timeout_s=7).limit("step") == 7  # an explicit limit is kept
 
