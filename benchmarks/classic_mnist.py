@@ -11,8 +11,9 @@ does; torch's thread settings are left at their defaults, as for trainkit's run.
 uses a loader worker on CUDA; here ``--num-workers`` (default 1, the example's CUDA value) lets
 decoding overlap compute, which helps the baseline on a 2-core CPU.
 
-``benchmarks.mnist_e2e`` runs this file as a whole process, alternated with trainkit's run. It
-prints one JSON line: test accuracy and test loss.
+It prints one JSON line: test accuracy and test loss. (``benchmarks.mnist_e2e`` timed trainkit
+against it until 2026-12-02; it now times the same recipe as trainkit's written by hand,
+``benchmarks/hand_mnist.py``.)
 """
 
 from __future__ import annotations

@@ -63,9 +63,11 @@ class Context:
         write_fake_cifar10(data, n_train=10_000 if self.cuda else 512, n_test=1_000 if self.cuda
                            else 128)
         common = [f"data.root={data}", "data.verify=false", "data.download=false"]
-        # CIFAR on a GPU (bf16, channels_last, the in-memory loader); the small MNIST net on a CPU
+        # CIFAR on a GPU (bf16, channels_last, the in-memory loader); on a CPU (the tests) the
+        # small MNIST net in fp32, whatever the CPU's bf16
         self.exp = (["+exp=cifar", *common] if self.cuda else
-                    ["+exp=mnist", *common, "data.batch_size=32", "trainer.device=cpu"])
+                    ["+exp=mnist", *common, "data.batch_size=32", "trainer.device=cpu",
+                     "trainer.precision=32"])
         self.mnist = ["+exp=mnist", *common, "data.batch_size=32"]
 
     def run_dir(self, name: str) -> Path:

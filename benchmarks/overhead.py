@@ -2,6 +2,8 @@
 
     python -m benchmarks.overhead            # ratios of steps per second, loop = 1.0
     python -m benchmarks.overhead --quick
+    python -m benchmarks.overhead --mlflow file:/tmp/mlruns   # trainkit side logs to MLflow too
+    python -m benchmarks.overhead --callback  # also trainkit with one callback that does nothing
 
 All three sides train the same tiny MLP (32-64-10) on the same in-memory batches with the same
 SGD (lr 0.01, momentum 0.9) for the same number of steps, fp32 on the CPU with one thread, where
@@ -22,6 +24,7 @@ Without lightning installed (``pip install -e '.[bench]'``) its column is report
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import time
 import warnings
@@ -33,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.common import alternate, emit, median, ratio, row
-from trainkit import CheckpointConfig, Trainer, TrainerConfig
+from trainkit import CheckpointConfig, MLflowSink, Trainer, TrainerConfig
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 GOAL_VS_LOOP = 0.98
@@ -67,12 +70,27 @@ def hand_written(batches: Batches) -> float:
     return len(batches) / (time.perf_counter() - start)
 
 
-def with_trainkit(batches: Batches) -> float:
-    """Steps/s of ``trainkit.Trainer.fit`` with nothing written (no run dir, no checkpoint)."""
+class NoOp:
+    """A callback called every step that does nothing: what dispatching one costs."""
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        pass
+
+
+def with_trainkit(batches: Batches, mlflow_uri: str | None = None,
+                  callbacks: tuple[Any, ...] = ()) -> float:
+    """Steps/s of ``trainkit.Trainer.fit`` with nothing written (no run dir, no checkpoint).
+
+    ``mlflow_uri``: also log to MLflow there (a new MLflow run each fit), every 50 steps (the
+    default interval) instead of 100.
+    """
     model = make_model()
     optimizer = make_optimizer(model)
-    trainer = Trainer(TrainerConfig(device="cpu", max_epochs=1, log_every_n_steps=100),
-                      checkpoint=CheckpointConfig(resume=None, save_last=False))
+    sinks = [MLflowSink(mlflow_uri)] if mlflow_uri else []
+    every = TrainerConfig.log_every_n_steps if mlflow_uri else 100
+    trainer = Trainer(TrainerConfig(device="cpu", max_epochs=1, log_every_n_steps=every),
+                      checkpoint=CheckpointConfig(resume=None, save_last=False), sinks=sinks,
+                      callbacks=callbacks)
     start = time.perf_counter()
     trainer.fit(model, optimizer, batches)
     return len(batches) / (time.perf_counter() - start)
@@ -138,23 +156,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads; 1 keeps thread-pool wake-ups out of a tiny model")
     parser.add_argument("--quick", action="store_true", help="a few steps: check it works")
+    parser.add_argument("--mlflow", metavar="URI", default=None,
+                        help="the trainkit side also logs to this MLflow store (trainkit[mlflow])")
+    parser.add_argument("--callback", action="store_true",
+                        help="also trainkit with one no-op on_step_end callback")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.rounds = 30, 1
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        result = _measure(args.steps, args.rounds, args.threads)
+        result = _measure(args.steps, args.rounds, args.threads, args.mlflow, args.callback)
     finally:
         torch.set_num_threads(threads_before)  # `python -m benchmarks` runs others after us
     emit(result)
     return result
 
 
-def _measure(steps: int, rounds: int, threads: int) -> dict[str, Any]:
+def _measure(steps: int, rounds: int, threads: int, mlflow_uri: str | None = None,
+             callback: bool = False) -> dict[str, Any]:
     batches = make_batches(steps)
-    sides: dict[str, Callable[[Batches], float]] = {"loop": hand_written,
-                                                     "trainkit": with_trainkit}
+    sides: dict[str, Callable[[Batches], float]] = {
+        "loop": hand_written, "trainkit": lambda b: with_trainkit(b, mlflow_uri)}
+    if callback:
+        sides["trainkit+callback"] = functools.partial(with_trainkit, mlflow_uri=mlflow_uri,
+                                                       callbacks=(NoOp(),))
     lightning = lightning_side()
     if lightning is not None:
         sides["lightning"] = lightning
@@ -167,12 +193,17 @@ def _measure(steps: int, rounds: int, threads: int) -> dict[str, Any]:
         "steps_per_s": {name: median(samples, name) for name in samples},
         "ratios": {"trainkit/loop": ratio(samples, "trainkit", "loop")},
         "samples": samples,
-        "steps": steps, "rounds": rounds, "threads": threads,
+        "steps": steps, "rounds": rounds, "threads": threads, "mlflow": mlflow_uri,
         "lightning": "measured" if lightning else "skipped: lightning not installed",
     }
     ratios = result["ratios"]
     rows = [row("overhead: trainkit/loop steps/s", ratios["trainkit/loop"],
                 f">= {GOAL_VS_LOOP}", ratios["trainkit/loop"] >= GOAL_VS_LOOP)]
+    if callback:
+        ratios["trainkit+callback/loop"] = ratio(samples, "trainkit+callback", "loop")
+        rows.append(row("overhead: trainkit+no-op callback/loop steps/s",
+                        ratios["trainkit+callback/loop"], f">= {GOAL_VS_LOOP}",
+                        ratios["trainkit+callback/loop"] >= GOAL_VS_LOOP))
     if lightning is not None:
         ratios["lightning/loop"] = ratio(samples, "lightning", "loop")
         ratios["trainkit/lightning"] = ratio(samples, "trainkit", "lightning")

@@ -93,13 +93,20 @@ def gpu_path_on_the_cpu() -> Iterator[None]:
         nonfinite.HOST_READS_FREE = free
 
 
+def with_own_scalar(model: nn.Module, batch: Any) -> tuple[Any, ...]:
+    """The default forward plus a scalar of its own (logged as train/aux, kept on the device)."""
+    inputs, targets = batch
+    outputs = model(inputs)
+    return outputs, targets, {"aux": outputs.detach().pow(2).mean()}
+
+
 def fit_reads(steps: int, log_every: int, device: torch.device | str, precision: str = "32",
               forward: Any = None) -> dict[str, Any]:
-    """One ``Trainer.fit`` of ``steps`` steps (clipping, momentum, the NaN/inf check on) with its
-    host reads counted; on CUDA also the syncs ``set_sync_debug_mode("warn")`` reports. On the
-    CPU it runs the GPU's path (:func:`gpu_path_on_the_cpu`), which is what it is there to check."""
+    """One ``Trainer.fit`` of ``steps`` steps (clipping, momentum, the NaN/inf check on, a
+    forward with a scalar of its own) with its host reads counted; on CUDA also the syncs
+    ``set_sync_debug_mode("warn")`` reports. On the CPU it runs the GPU's path
+    (:func:`gpu_path_on_the_cpu`), which is what it is there to check."""
     from trainkit import Trainer, TrainerConfig
-    from trainkit.loop.step import default_forward
 
     device = torch.device(device)
     model = _model()
@@ -116,7 +123,7 @@ def fit_reads(steps: int, log_every: int, device: torch.device | str, precision:
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            summary = trainer.fit(model, optimizer, data, forward=forward or default_forward)
+            summary = trainer.fit(model, optimizer, data, forward=forward or with_own_scalar)
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
@@ -137,8 +144,7 @@ def strict_window(device: torch.device, precision: str = "32") -> dict[str, Any]
         calls += 1
         if calls in (12, 19):  # from the start of step 12 to the start of step 19
             torch.cuda.set_sync_debug_mode("error" if calls == 12 else "default")
-        inputs, targets = batch
-        return model(inputs), targets
+        return with_own_scalar(model, batch)
 
     try:
         fit_reads(30, 10, device, precision, forward=forward)

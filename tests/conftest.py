@@ -129,11 +129,12 @@ def run_train(*overrides: str, env: dict[str, str] | None = None,
 
 
 def tiny_run(run_dir: Path, data_root: Path, *extra: str) -> list[str]:
-    """Overrides for a few-step MNIST run on the fake files."""
+    """Overrides for a few-step MNIST run on the fake files, in precision 32 unless ``extra``
+    sets another (the later of two values of a key wins)."""
     return [
         "+exp=mnist", f"hydra.run.dir={run_dir}", f"data.root={data_root}",
         "data.verify=false", "data.download=false", "data.batch_size=32",
-        "data.eval_batch_size=64", "trainer.log_every_n_steps=2", *extra,
+        "data.eval_batch_size=64", "trainer.log_every_n_steps=2", "trainer.precision=32", *extra,
     ]
 
 

@@ -4,44 +4,34 @@ Use it whole (``Trainer(...).fit(...)``, or ``python -m trainkit.train +exp=mnis
 piece: devices, data loaders, mixed precision, the step, EMA, checkpoints, preemption, logging.
 """
 
-import gc as _gc
-
-# Importing torch (first, through the imports below) makes ~200 k long-lived objects, and the
-# allocations trigger full collections that walk all of them: three during `import trainkit`,
-# 0.3-0.8 s of a 2-core machine's time, freeing nothing (modules, classes and functions are not
-# garbage). The collector is paused for the imports only and its state restored after.
-_collecting = _gc.isenabled()
-_gc.disable()
-try:
-    from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
-    from trainkit.checkpoint.files import CheckpointManager, load_checkpoint, save_atomic
-    from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
-    from trainkit.data import (
-        DevicePrefetcher,
-        InMemoryLoader,
-        ResumableData,
-        ResumableLoader,
-        build_loaders,
-        crop_flip,
-        default_num_workers,
-        make_loader,
-    )
-    from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
-    from trainkit.device import available_devices, move_to_device, resolve_device
-    from trainkit.distributed.fsdp import shard_model
-    from trainkit.distributed.watchdog import EXIT_HUNG, Watchdog
-    from trainkit.errors import ConfigError, TrainkitError
-    from trainkit.loop.activations import apply_activation_checkpointing
-    from trainkit.loop.ema import EMA
-    from trainkit.loop.precision import Precision
-    from trainkit.loop.step import StepResult, WindowStep, train_window, windows
-    from trainkit.loop.trainer import NonFiniteLossError, Trainer, TrainState
-    from trainkit.rng import seed_everything
-    from trainkit.runtime import Runtime
-    from trainkit.signals import EXIT_PREEMPTED, Preemption
-finally:
-    if _collecting:
-        _gc.enable()
+from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
+from trainkit.checkpoint.files import CheckpointManager, load_checkpoint, save_atomic
+from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
+from trainkit.data import (
+    DevicePrefetcher,
+    InMemoryLoader,
+    ResumableData,
+    ResumableLoader,
+    build_loaders,
+    crop_flip,
+    default_num_workers,
+    make_loader,
+)
+from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
+from trainkit.device import available_devices, move_to_device, resolve_device
+from trainkit.distributed.fsdp import shard_model
+from trainkit.distributed.watchdog import EXIT_HUNG, Watchdog
+from trainkit.errors import ConfigError, TrainkitError
+from trainkit.loop.activations import apply_activation_checkpointing
+from trainkit.loop.callbacks import Callback, EarlyStopping
+from trainkit.loop.ema import EMA
+from trainkit.loop.precision import Precision
+from trainkit.loop.step import StepResult, WindowStep, train_window, windows
+from trainkit.loop.trainer import NonFiniteLossError, Trainer, TrainState
+from trainkit.observe.trackers import MLflowSink, WandbSink
+from trainkit.rng import seed_everything
+from trainkit.runtime import Runtime
+from trainkit.signals import EXIT_PREEMPTED, Preemption
 
 __version__ = "0.1.0"
 
@@ -50,12 +40,15 @@ __all__ = [
     "EXIT_HUNG",
     "EXIT_PREEMPTED",
     "AsyncCheckpointWriter",
+    "Callback",
     "CheckpointConfig",
     "CheckpointManager",
     "ConfigError",
     "DataConfig",
     "DevicePrefetcher",
+    "EarlyStopping",
     "InMemoryLoader",
+    "MLflowSink",
     "NonFiniteLossError",
     "Precision",
     "Preemption",
@@ -69,6 +62,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "TrainkitError",
+    "WandbSink",
     "Watchdog",
     "WindowStep",
     "apply_activation_checkpointing",

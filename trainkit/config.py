@@ -14,7 +14,7 @@ from typing import Any
 
 from trainkit.errors import ConfigError
 
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
 PAD_MODES = ("constant", "reflect")
 HANG_ACTIONS = ("report", "abort")
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -47,10 +47,15 @@ class TrainerConfig:
     log_every_n_steps: int = 50
     log_every_n_seconds: float = 60.0  # also log when this long passed (slow steps); 0: off
     eval_every_n_epochs: int = 1
+    eval_every_n_steps: int | None = None  # also evaluate every n optimizer steps; null: off
+    eval_max_batches: int | None = None  # evaluate on the first n validation batches; null: all
     ema_decay: float | None = None  # e.g. 0.999: evaluate (and checkpoint) an EMA of the weights
     nonfinite_patience: int = 5  # stop after this many NaN/inf losses in a row; 0: no check
     hang_timeout_s: float | None = None  # no step this long: dump stacks; null: auto; 0: off
     hang_action: str = "report"  # or "abort": exit with status 124 (torchrun restarts)
+    # One train.log line (and summary.json `advice`) when the run waits on its data, nears the
+    # device's memory limit or reads the device every step (trainkit.observe.advice)
+    advice: bool = True
 
     def __post_init__(self) -> None:
         _check_int("trainer.max_epochs", self.max_epochs, minimum=1)
@@ -75,6 +80,13 @@ class TrainerConfig:
         _check_int("trainer.seed", self.seed, minimum=0)
         _check_int("trainer.log_every_n_steps", self.log_every_n_steps, minimum=1)
         _check_int("trainer.eval_every_n_epochs", self.eval_every_n_epochs, minimum=1)
+        if self.eval_every_n_steps is not None:
+            _check_int("trainer.eval_every_n_steps", self.eval_every_n_steps, minimum=1)
+        if self.eval_max_batches is not None:
+            _check_int("trainer.eval_max_batches", self.eval_max_batches, minimum=0)
+            if self.eval_max_batches == 0:
+                raise ConfigError("trainer.eval_max_batches=0 evaluates nothing: use a positive "
+                                  "number of batches, or null for all")
         if isinstance(self.log_every_n_seconds, bool) or not self.log_every_n_seconds >= 0:
             raise ConfigError(
                 f"trainer.log_every_n_seconds must be >= 0, got {self.log_every_n_seconds!r}"
@@ -101,6 +113,7 @@ class TrainerConfig:
             raise ConfigError(f"trainer.fsdp_blocks must be a list of module class names or "
                               f"paths, got {self.fsdp_blocks!r}")
         _check_bool("trainer.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward)
+        _check_bool("trainer.advice", self.advice)
 
 
 @dataclass
@@ -173,8 +186,9 @@ class CheckpointConfig:
 class TrainConfig:
     """Everything one run of ``python -m trainkit.train`` needs.
 
-    ``model``, ``optim``, ``sched``, ``loss`` and ``dataset`` are ``_target_`` nodes: the edges
-    where users plug in their own classes.
+    ``model``, ``optim``, ``sched``, ``loss``, ``dataset`` and each of ``sinks`` are ``_target_``
+    nodes: the edges where users plug in their own classes; ``callbacks`` and ``metrics`` map
+    names to such nodes.
     """
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -184,7 +198,12 @@ class TrainConfig:
     optim: Any = None
     sched: Any = None
     loss: Any = None  # null: plain cross-entropy
+    metrics: Any = None  # {name: _target_ node}: evaluation metrics, reported as val/<name>
     dataset: Any = None  # null: the built-in data.name; else your reader(root, train) -> TensorData
+    # more metrics sinks beside TensorBoard and metrics.jsonl, name -> `_target_` node, e.g.
+    # +sinks.mlflow._target_=trainkit.MLflowSink (docs/trackers.md); a null node is left out
+    sinks: dict[str, Any] = field(default_factory=dict)
+    callbacks: dict[str, Any] = field(default_factory=dict)  # name -> a `_target_` node
 
 
 def _check_int(key: str, value: Any, *, minimum: int) -> None:

@@ -67,6 +67,13 @@ def print_error(message: str, details: Iterable[str] = (), *, prefix: str = "tra
     return lines
 
 
+def command_name(module: str) -> str:
+    """How the running command names itself in its usage line: ``trainkit <command>`` when the
+    console command started it (which puts that in ``sys.argv[0]``), else ``python -m <module>``.
+    """
+    return sys.argv[0] if sys.argv[0].startswith("trainkit ") else f"python -m {module}"
+
+
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit - 30]}... ({len(text)} characters)"
 

@@ -26,7 +26,7 @@ from hydra import compose, initialize_config_dir
 
 from trainkit.checkpoint.files import load_checkpoint
 from trainkit.entry.errors import errors_as_one_line
-from trainkit.errors import TrainkitError
+from trainkit.errors import TrainkitError, command_name
 from trainkit.loop.cuda_settings import deterministic_algorithms
 from trainkit.train import CONFIG_DIR, train
 from trainkit.tree import tree_leaves
@@ -37,7 +37,7 @@ _IGNORED = ("manifest", "_path", "config")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m trainkit.verify_resume",
+        prog=command_name("trainkit.verify_resume"),
         description="Check that stopping and resuming your run changes nothing, bit for bit.")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     parser.add_argument("--stop-at", type=int, default=None,

@@ -45,7 +45,7 @@ def overrides(run_dir: Path, data_root: Path, *extra: str, batch: int = 16) -> l
         "trainer.log_every_n_steps=1", f"trainer.max_steps={STEPS}", "trainer.max_epochs=1",
         "trainer.strategy=fsdp", "trainer.ema_decay=0.9", "checkpoint.every_n_steps=2",
         "checkpoint.keep_last=2", "model._target_=tests.dist.nets.FlatNet", "~model.widths",
-        *extra,
+        "trainer.precision=32", *extra,
     ]
 
 

@@ -52,7 +52,7 @@ def overrides(outputs: Path, data_root: Path, *extra: str, batch: int = 16,
         "+exp=mnist", f"hydra.run.dir={run_dir or f'{outputs}/${{now:%H-%M-%S-%f}}'}",
         f"data.root={data_root}", "data.verify=false", "data.download=false",
         f"data.batch_size={batch}", "data.eval_batch_size=64", "trainer.log_every_n_steps=1",
-        f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=2",
+        f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=2", "trainer.precision=32",
         "model._target_=tests.dist.nets.FlatNet", "~model.widths", *extra,
     ]
 

@@ -73,13 +73,26 @@ def test_overhead_without_lightning_reports_skipped(monkeypatch: pytest.MonkeyPa
 def test_mnist_e2e_quick() -> None:
     result = _run("benchmarks.mnist_e2e")
     assert result["quick"] is True
-    for side in ("trainkit", "classic"):
+    for side in ("trainkit", "hand"):
         (first, second) = result["runs"][side]  # one round: each side ran twice
         for run in (first, second):
-            assert _positive(run["process_s"])
+            assert run["process_s"] > run["train_s"] > 0
             assert 0.0 <= run["val_acc"] <= 1.0
-    assert all(r["process_s"] > r["train_s"] > 0 for r in result["runs"]["trainkit"])
-    assert _positive(result["speedup"])
+    assert all(r["process_s"] > r["startup_s"] > 0 for r in result["runs"]["trainkit"])
+    assert result["precision"] in ("32", "bf16-mixed")
+    assert _positive(result["ratio"])
+    _check_samples(result["samples"], 1)
+    _check_rows(result["rows"])
+
+
+def test_precision_quick() -> None:
+    result = _run("benchmarks.precision")
+    assert result["auto"] in ("32", "bf16-mixed") and result["auto_reason"]
+    assert set(result["models"]) == {"mnist", "cifar"}
+    for r in result["models"].values():
+        assert _positive(r["bf16/32"])
+        assert r["faster"] == ("bf16-mixed" if r["bf16/32"] < 1 else "32")
+        _check_samples(r["samples"], 1)
     _check_rows(result["rows"])
 
 

@@ -2,6 +2,7 @@
 
 Only what a CPU can run changes: the fake data and a few steps are appended to the command, and
 a shell function stands in for `python` where a recipe's logic, not training, is under test.
+Every command of the README's ```bash blocks is listed below with the test that runs it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import pytest
 from tests.conftest import REPO, offline_env
 
 LONG_RUNNING = REPO / "docs" / "long-running-jobs.md"
+README = REPO / "README.md"
 
 
 def bash_block(doc: Path, marker: str) -> str:
@@ -83,7 +86,7 @@ def test_nohup_recipe_on_a_fresh_folder(tmp_path: Path, mnist_root: Path) -> Non
     block = bash_block(LONG_RUNNING, "nohup python")
     fast = (f"hydra.run.dir=runs/mnist data.root={mnist_root} data.verify=false "
             "data.download=false data.batch_size=64 trainer.max_steps=6 "
-            "trainer.log_every_n_steps=2")
+            "trainer.log_every_n_steps=2 trainer.precision=32")
     script = block.replace("hydra.run.dir=runs/mnist", fast, 1)
     assert script != block
     env = offline_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
@@ -111,3 +114,124 @@ def test_nohup_recipe_on_a_fresh_folder(tmp_path: Path, mnist_root: Path) -> Non
     assert " step 6/6 " in text, text
     assert (tmp_path / "runs" / "mnist" / "summary.json").is_file()
     assert "training " in out.read_text()
+
+
+def readme_commands() -> set[str]:
+    """Every command of the README's ```bash blocks: comments dropped, continued lines joined,
+    spaces normalised."""
+    commands = set()
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = " ".join(re.sub(r"(^|\s)#.*$", "", line).split())
+            if command:
+                commands.add(command)
+    return commands
+
+
+_ENTRY = "tests/integration/test_train_entry.py::"
+_HERE = "tests/integration/test_doc_recipes.py::"
+# Each command the README shows -> the test that runs it (on fake data, a few steps: the rest of
+# the command as written) and a string that test's file holds where it builds the command.
+README_RUN_BY = {
+    "make train": (_HERE + "test_make_targets_run_what_the_readme_says", "train"),
+    "make test": (_HERE + "test_make_targets_run_what_the_readme_says", "test"),
+    "make bench": (_HERE + "test_make_targets_run_what_the_readme_says", "bench"),
+    '.venv/bin/pytest -m "not slow"': (_HERE + "test_make_targets_run_what_the_readme_says",
+                                       "slow"),
+    "python -m trainkit.data download mnist cifar10 --root /data": (
+        "tests/integration/test_cifar_exp.py::test_data_command_verify_reports_bad_and_missing",
+        '"download"'),
+    "python -m trainkit.data verify --root /data": (
+        "tests/integration/test_cifar_exp.py::test_data_command_verify_reports_bad_and_missing",
+        '"verify"'),
+    # a wheel, built from a clean copy and installed: what `pip install .` does
+    "pip install .": ("tests/integration/test_install.py::test_installed_wheel_trains_from_an_"
+                      "empty_folder", '"install"'),
+    "pip install -e .": ("Makefile::install", "pip install --quiet -e"),
+    "pip wheel --no-deps . -w dist && pip install dist/trainkit-*.whl": (
+        "tests/integration/test_install.py::test_wheel_holds_every_module_and_config", '"wheel"'),
+    "cd /anywhere": ("tests/integration/test_install.py::test_installed_wheel_trains_from_an_"
+                     "empty_folder", '"anywhere"'),
+    "python -m trainkit.train +exp=mnist --info searchpath": (
+        _HERE + "test_readme_info_searchpath_from_another_folder", "--info"),
+    "python -m trainkit.train +exp=mnist": (_ENTRY + "test_summary_follows_the_contract",
+                                            '"+exp=mnist"'),
+    "python -m trainkit.train +exp=cifar": (
+        "tests/integration/test_cifar_exp.py::test_cifar_experiment_trains_on_cifar_format_files",
+        '"+exp=cifar"'),
+    # every test's tiny run sets the precision (and its batch size) so
+    "python -m trainkit.train +exp=mnist trainer.precision=32 data.batch_size=256": (
+        "tests/conftest.py::tiny_run", "trainer.precision=32"),
+    "python -m trainkit.train -m +exp=mnist optim.lr=0.01,0.05": (
+        _ENTRY + "test_multirun_sweeps_learning_rates", "optim.lr=0.01,0.05"),
+    "python -m trainkit.train +exp=mnist hydra.run.dir=runs/a": (
+        _ENTRY + "test_rerun_in_same_dir_resumes_and_matches_an_uninterrupted_run",
+        "hydra.run.dir"),
+    "python -m trainkit.train +exp=mnist --cfg job": (
+        "tests/integration/test_install.py::test_installed_wheel_trains_from_an_empty_folder",
+        '"--cfg", "job"'),
+    "cd examples/own_configs": (
+        "tests/integration/test_own_configs.py::test_own_experiment_trains_its_own_model_on_its_"
+        "own_dataset", '"own_configs"'),
+    "python -m trainkit.train +exp=mine 'hydra.searchpath=[file://my_configs]'": (
+        "tests/integration/test_own_configs.py::test_own_experiment_trains_its_own_model_on_its_"
+        "own_dataset", "hydra.searchpath=[file://my_configs]"),
+    # on 2 CPU processes; several nodes need several machines: one node runs the same job
+    "torchrun --standalone --nproc-per-node=4 -m trainkit.train +exp=cifar": (
+        "tests/dist/test_torchrun.py::test_two_ranks_write_one_run_and_train_like_one_process_"
+        "with_twice_the_batch", '"--standalone"'),
+    "torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=host0:29500 -m "
+    "trainkit.train +exp=cifar hydra.run.dir=/shared/runs/c1": (
+        "tests/dist/test_torchrun.py::test_two_ranks_write_one_run_and_train_like_one_process_"
+        "with_twice_the_batch", '"torch.distributed.run"'),
+    "python -m trainkit.launch +exp=cifar": (
+        "tests/dist/test_launch.py::test_launch_module_starts_torchrun_with_one_process_on_cpu",
+        '"trainkit.launch"'),
+    "python -m trainkit.env": (
+        "tests/unit/observe/test_env.py::test_report_lists_versions_and_passes_sanity_check",
+        '"trainkit.env"'),
+    "python -m trainkit.env --device cuda": (
+        "tests/unit/observe/test_env.py::test_unavailable_device_is_one_line_and_nonzero",
+        '"cuda"'),
+    ".venv/bin/python -m benchmarks --quick": (
+        "tests/integration/test_benchmarks.py::test_runner_quick_writes_json_and_table",
+        '"--quick"'),
+}
+
+
+def test_every_readme_command_is_run_by_a_test() -> None:
+    shown = readme_commands()
+    assert shown == set(README_RUN_BY), (
+        f"README commands without a test here: {sorted(shown - set(README_RUN_BY))}; "
+        f"listed but no longer shown: {sorted(set(README_RUN_BY) - shown)}")
+    for command, (where, holds) in README_RUN_BY.items():
+        path, name = where.split("::")
+        text = (REPO / path).read_text()
+        defines = f"def {name}(" if path.endswith(".py") else f"\n{name}:"
+        assert defines in text, f"{command!r}: {where} not found"
+        assert holds in text, f"{command!r}: {path} does not hold {holds!r}"
+
+
+def test_make_targets_run_what_the_readme_says() -> None:
+    """`make train ARGS=...`, `make test` and `make bench` run the commands the README names, and
+    `pytest -m "not slow"` selects by a registered marker."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    shown = subprocess.run(["make", "-n", "train", "test", "bench", "ARGS=data.batch_size=256"],
+                           cwd=REPO, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "-m trainkit.train +exp=mnist data.batch_size=256" in shown, shown
+    assert "-m ruff check ." in shown and "-m pytest" in shown, shown
+    assert "-m benchmarks" in shown and ".[bench]" in shown, shown
+    assert '"slow: ' in (REPO / "pyproject.toml").read_text()
+
+
+def test_readme_info_searchpath_from_another_folder(tmp_path: Path) -> None:
+    """The README's command, as written, from a folder that is not the clone: trainkit's own
+    configs are on the search path."""
+    command = next(c for c in readme_commands() if c.endswith("--info searchpath"))
+    env = offline_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                      PYTHONPATH=str(REPO))
+    shown = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert f"file://{REPO / 'configs'}" in shown.stdout, shown.stdout

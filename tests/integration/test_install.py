@@ -95,6 +95,7 @@ def test_installed_wheel_trains_from_an_empty_folder(builds: dict[str, Path],
     write_fake_mnist(work / "data")
     env = offline_env(PYTHONPATH=str(target))  # the installed copy, not this checkout
     result = _run(sys.executable, "-m", "trainkit.train", "+exp=mnist", "trainer.max_steps=5",
+                  "trainer.precision=32",
                   "data.verify=false", "data.download=false", "data.batch_size=32",
                   "hydra.run.dir=run", cwd=work, env=env)
     assert "done: test accuracy" in result.stdout

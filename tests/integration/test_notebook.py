@@ -139,10 +139,11 @@ def test_quickstart_runs_top_to_bottom_and_a_rerun_resumes(tmp_path: Path, kerne
     assert "rank 1: completed at step 3, world size 2" in ddp
 
     again = _text(kernel.run(train))  # re-running the cell: the finished run reports again
-    assert again.count("resumed from") == 1 and again.count("training MnistNet") == 1
+    assert again.count("resumed from") == 1 and "training MnistNet" not in again
+    assert "the run is complete at step 8 of 8" in again  # and trains nor evaluates again
     assert "status: completed, step 8," in again
     log = (run_dir / "train.log").read_text()
-    assert log.count("training MnistNet") == 2 and log.count("resumed from") == 1
+    assert log.count("training MnistNet") == 1 and log.count("resumed from") == 1
     assert "rank" not in log and not (run_dir.parent / "train.log").exists()
     state = _text(kernel.run_code(STATE_AFTER))
     assert "changed signals: []" in state

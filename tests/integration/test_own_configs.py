@@ -21,7 +21,8 @@ EXAMPLE = REPO / "examples" / "own_configs"
 def _train_here(*overrides: str) -> subprocess.CompletedProcess[str]:
     """``python -m trainkit.train`` started in the example's folder, as its user would."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "trainkit.train", *overrides], cwd=EXAMPLE,
+    return subprocess.run([sys.executable, "-m", "trainkit.train", "trainer.precision=32",
+                           *overrides], cwd=EXAMPLE,
                           env=offline_env(PYTHONPATH=path), capture_output=True, text=True,
                           timeout=300)
 

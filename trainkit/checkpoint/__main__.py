@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainkit.errors import TrainkitError, print_error
+from trainkit.errors import TrainkitError, command_name, print_error
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainkit.checkpoint",
+    parser = argparse.ArgumentParser(prog=command_name("trainkit.checkpoint"),
                                      description="Tools for trainkit checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
     merge = commands.add_parser("consolidate", help="a sharded checkpoint directory as one file")

@@ -39,6 +39,7 @@ from trainkit.data.resumable import ResumableData
 from trainkit.distributed import ddp, group
 from trainkit.distributed.watchdog import Watchdog, watched
 from trainkit.errors import TrainkitError
+from trainkit.observe.sinks import tracker_runs
 from trainkit.runtime import Runtime
 
 log = logging.getLogger("trainkit")
@@ -89,7 +90,8 @@ class Checkpointer:
         self.config = config
         self.runtime = runtime
         self.run_config = dict(run_config or {})
-        self.directory = Path(run_dir) / "checkpoints" if run_dir is not None else None
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.directory = self.run_dir / "checkpoints" if self.run_dir is not None else None
         if self.directory is not None and runtime.is_main:
             CheckpointManager(self.directory).check_writable()  # now, not hours into a run
         self._watchdog = watchdog or Watchdog(0)
@@ -98,11 +100,15 @@ class Checkpointer:
         self.parts: dict[str, Any] = {}
         # the storage this run writes with first, then those it can also read (register())
         self.storages: tuple[Storage, ...] = ()
+        # told of every save, on every rank: (path, step) -> None (the callbacks' on_checkpoint)
+        self.on_saved: Callable[[Path | None, int], None] | None = None
 
     def register(self, state: LoopState, *, model: nn.Module, optimizer: Any,
                  precision: Any, scheduler: Any = None, ema: Any = None,
-                 data: Any = None) -> None:
+                 data: Any = None, callbacks: Any = None) -> None:
         """The objects a checkpoint holds; None for a part this run has not.
+
+        ``callbacks``: the stateful callbacks (a :class:`~trainkit.loop.callbacks.Callbacks`).
 
         The model chooses the storage (:func:`~trainkit.checkpoint.storages.storages_for`): one
         sharded by ``fully_shard`` (FSDP2) gets directories every rank writes its part of. A
@@ -111,7 +117,8 @@ class Checkpointer:
         self.state = state
         self.parts = {"model": ddp.unwrap(model), "optimizer": optimizer,
                       "scheduler": scheduler, "precision": precision, "ema": ema,
-                      "data": data if isinstance(data, ResumableData) else None}
+                      "data": data if isinstance(data, ResumableData) else None,
+                      "callbacks": callbacks}
         self.storages = storages_for(self.parts["model"], self.directory, self.config,
                                      self.runtime)
 
@@ -130,7 +137,8 @@ class Checkpointer:
             "epoch": self.state.epoch,
             "rng": rng.get_rng_state(),
             "config": self.run_config,
-            "manifest": self._manifest,
+            # the experiment trackers' runs that this run logs to, once they have started
+            "manifest": {**self._manifest, "trackers": tracker_runs(self.run_dir)},
         }
 
     # -- where the run starts -----------------------------------------------------------------
@@ -156,6 +164,8 @@ class Checkpointer:
         self._load_schedule(state, planned_steps)
         self.parts["precision"].load_state_dict(state["precision"])
         self._check_data(state.get("data"))
+        if self.parts.get("callbacks") is not None:
+            self.parts["callbacks"].load_state_dict(state.get("callbacks"))
         self.state.load_state_dict(state["trainer"])
         at, data = self.state, self.parts["data"]
         moved = storage.carry_over(state, at, data)  # may have been saved on another world size
@@ -292,22 +302,35 @@ class Checkpointer:
         return False
 
     @watched("checkpoint")
-    def save(self, step: int, *, last_step: bool = False, best: bool = False) -> None:
+    def save(self, step: int, *, last_step: bool = False, best: bool = False,
+             again: bool = False) -> None:
         """Write a checkpoint of step ``step`` (every rank calls this; rank 0 writes).
 
         ``last_step``: the run completed (written when ``checkpoint.save_last``, as
-        ``step_<N>.pt`` too when saving every n steps); ``best``: ``best.pt`` too. A second save
-        of the same step is skipped (a periodic save on the last step, say), unless ``best``.
+        ``step_<N>.pt`` too when saving every n steps); ``best``: ``best.pt`` too (and
+        ``step_<N>.pt`` when ``every_n_steps`` saves this step: the evaluation comes first). A
+        second save of the same step is skipped (a periodic save on the last step, say), unless
+        ``best`` or ``again`` (the state changed since: the run stops by request).
         """
-        if (self.saved_step == step and not best) or (last_step and not self.config.save_last):
+        if ((self.saved_step == step and not (best or again))
+                or (last_step and not self.config.save_last)):
             return
-        periodic = not best and (bool(self.config.every_n_steps) or not last_step)
+        periodic = (self.due(step) if best
+                    else bool(self.config.every_n_steps) or not last_step)
+        # Ranks' batch-norm statistics (buffers, and the EMA's averages of them) differ: the saved
+        # ones are rank 0's, as evaluate() uses. Broadcast rather than averaged: rank 0's are not
+        # changed by it, so a save (a preemption's) changes nothing a later evaluation reports,
+        # and the model saved is the one behind the metrics (FSDP would save any rank's copy).
+        ema = self.parts["ema"]
+        ddp.broadcast_buffers(self.parts["model"], *(ema.buffers() if ema else ()))
         # Every rank's RNG state (dropout, augmentation draws differ per rank), for exact resumes.
         rng_per_rank = group.gather_to_main(rng.get_rng_state())  # collective: all ranks
         self.storage.save(step, Content(self.parts, self.state_dict, rng_per_rank),
                           periodic=periodic, best=best)  # async: returns once the state is copied
         self.saved_step, self._saved_time = step, time.monotonic()
         group.barrier()  # no rank runs ahead of a checkpoint still being written (or copied)
+        if self.on_saved is not None:
+            self.on_saved(self.storage.path_of(step, periodic=periodic), step)
 
     def wait(self) -> None:
         """Block until the last checkpoint is on disk (raise its write's error)."""

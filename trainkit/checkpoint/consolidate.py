@@ -55,6 +55,7 @@ def consolidate(src: str | Path, out: str | Path, *, optimizer: bool = False) ->
         raise TrainkitError(f"cannot write {out}: folder {out.parent} does not exist")
     if out.is_dir():
         raise TrainkitError(f"{out} is a folder: give the file to write, e.g. {out}/model.pt")
+    _check_sharded_source(Path(src))
     full = load_full(src, key="consolidate's source")
     plain = {"model": full["model"], "global_step": full["global_step"], "epoch": full["epoch"]}
     if optimizer:
@@ -63,3 +64,19 @@ def consolidate(src: str | Path, out: str | Path, *, optimizer: bool = False) ->
         return save_atomic(plain, out)
     except OSError as err:
         raise TrainkitError(f"cannot write {out} ({err.strerror or one_line(err, 60)})") from None
+
+
+def _check_sharded_source(src: Path) -> None:
+    """Refuse, in words that say what it is, a source that is no checkpoint directory: a run
+    whose checkpoints are single files (nothing to consolidate), or a run folder."""
+    if src.is_file():
+        raise TrainkitError(f"{src} is a single-file checkpoint already: nothing needs "
+                            "consolidating; torch.load(path, weights_only=True) loads it")
+    for folder in (src / "checkpoints", src):
+        if (folder / "last.pt").is_file() and not (folder / "last").exists():
+            raise TrainkitError(
+                f"this run's checkpoints are single files already (newest: {folder / 'last.pt'})"
+                ": nothing needs consolidating; torch.load(path, weights_only=True) loads one")
+    if (src / "checkpoints" / "last").exists():
+        raise TrainkitError(f"{src} is a run folder: give one of its checkpoints, e.g. "
+                            f"{src / 'checkpoints' / 'last'}")

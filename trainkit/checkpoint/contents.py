@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from trainkit.config import flatten
-from trainkit.errors import TrainkitError
+from trainkit.errors import LINE_LIMIT, TrainkitError
 
 log = logging.getLogger("trainkit")
 
@@ -87,13 +87,41 @@ def check_weights_fit(here: Mapping[str, Any], saved: Mapping[str, Any], *, key:
     differences = weight_differences(here, saved)
     if not differences:
         return
-    fix = ("use the model config it was saved with, another run_dir, or checkpoint.resume=null"
-           if key == "checkpoint.resume" else
-           "use a checkpoint of this model, or this model's config")
-    raise TrainkitError(
-        f"{key}: the checkpoint does not fit this model ({differences[0]}"
-        f"{f' and {len(differences) - 1} more' if len(differences) > 1 else ''}): {fix}",
-        details=[f"checkpoint: {path}", *differences])
+    fix = ("use its model config, another run_dir, or checkpoint.resume=null"
+           if key == "checkpoint.resume" else "use this model's checkpoint or config")
+    groups = {
+        "missing in the checkpoint": [name for name in here if name not in saved],
+        "extra": [name for name in saved if name not in here],
+        "of another shape": [name for name, t in here.items()
+                             if name in saved and saved[name].shape != t.shape],
+    }
+    head = f"{key} does not fit this model: "
+    raise TrainkitError(head + _counted_names(groups, LINE_LIMIT - _PREFIX - len(head + fix))
+                        + f"; {fix}", details=[f"checkpoint: {path}", *differences])
+
+
+# Room for what an entry point puts before a message ("trainkit: rank 12: ") and for the longer
+# words it may put in it (run_dir -> hydra.run.dir).
+_PREFIX = 24
+
+
+def _counted_names(groups: Mapping[str, list[str]], room: int) -> str:
+    """``"4 missing in the checkpoint (a.weight, a.bias, ...), 2 extra (b, c)"``: each
+    non-empty group counted, with as many of its first names as fit in ``room`` characters --
+    whole names only, never one cut in the middle."""
+    counted = {label: names for label, names in groups.items() if names}
+    room -= sum(len(f"{len(names)} {label}, (, ...)") for label, names in counted.items())
+    parts = []
+    for label, names in counted.items():
+        shown: list[str] = []
+        for name in names:
+            if len(name) + 2 > room:
+                break
+            shown.append(name)
+            room -= len(name) + 2
+        listing = ", ".join(shown) + (", ..." if len(shown) < len(names) else "")
+        parts.append(f"{len(names)} {label}" + (f" ({listing})" if shown else ""))
+    return ", ".join(parts)
 
 
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

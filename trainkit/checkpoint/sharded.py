@@ -299,8 +299,9 @@ def read_meta(path: str | Path, *, key: str = "checkpoint.resume") -> dict[str, 
     if not path.exists():
         raise TrainkitError(f"checkpoint {path} does not exist: check {key}")
     if (path / "last").is_symlink() or (path / "last.pt").is_file():
+        last = "last" if (path / "last").is_symlink() else "last.pt"  # the one that exists
         raise TrainkitError(f"{path} is a checkpoints folder: give one of its checkpoints, "
-                            f"e.g. {path / 'last'}")
+                            f"e.g. {path / last}")
     if not (path / ".metadata").is_file() or not (path / META_FILE).is_file():
         raise TrainkitError(f"{path} is not a complete sharded checkpoint (no .metadata or "
                             f"{META_FILE}: an unfinished save, or another folder)")

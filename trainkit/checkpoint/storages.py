@@ -69,6 +69,10 @@ class Storage(Protocol):
         """Write step ``step`` (also as the numbered one when ``periodic``, and as the best when
         ``best``), then rotate; earlier checkpoints are intact when it fails."""
 
+    def path_of(self, step: int, *, periodic: bool) -> Path | None:
+        """Where the checkpoint of ``step`` just saved is (or is being written, when async);
+        None when this run writes none."""
+
     def resumes(self, model: nn.Module) -> bool:
         """Whether ``checkpoint.resume=auto`` may continue this run from this storage's
         checkpoints (their optimizer state loads into ``model``'s)."""
@@ -145,6 +149,11 @@ class FileStorage:
             state["rng_per_rank"] = content.rng_per_rank
         # async: returns once the state is copied
         (self._writer or self.manager).save(state, step, periodic=periodic, best=best)
+
+    def path_of(self, step: int, *, periodic: bool) -> Path | None:
+        if self.manager is None:
+            return None
+        return self.manager.directory / f"step_{step:09d}.pt" if periodic else self.manager.last
 
     def resumes(self, model: nn.Module) -> bool:
         return not fsdp.is_sharded(model)  # a sharded optimizer takes its state from directories
@@ -243,6 +252,9 @@ class ShardedStorage:
             return
         tensors = reshard.tensor_state(parts["model"], parts["optimizer"], parts["ema"])
         self._dirs.save(tensors, meta, step, best=best)
+
+    def path_of(self, step: int, *, periodic: bool) -> Path | None:
+        return self.directory / f"step_{step:09d}" if self.directory is not None else None
 
     def resumes(self, model: nn.Module) -> bool:
         return True  # DCP reshards onto any model, sharded or not

@@ -16,8 +16,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainkit.data.checksums import check_md5
-from trainkit.data.datasets import CIFAR10_FOLDER, MNIST_MD5, cifar10_files
-from trainkit.errors import TrainkitError, chain_lines, print_error
+from trainkit.data.datasets import (
+    CIFAR10_FOLDER,
+    MNIST_MD5,
+    cifar10_files,
+    download_cifar10,
+    download_error_lines,
+    download_mnist,
+)
+from trainkit.errors import TrainkitError, command_name, print_error
 
 
 def _mnist_files() -> tuple[Path, dict[str, str]]:
@@ -28,22 +35,10 @@ def _cifar10_files() -> tuple[Path, dict[str, str]]:
     return Path(CIFAR10_FOLDER), {**cifar10_files(True), **cifar10_files(False)}
 
 
-def _download_mnist(root: Path) -> None:
-    from torchvision.datasets import MNIST
-
-    MNIST(str(root), train=True, download=True)
-
-
-def _download_cifar10(root: Path) -> None:
-    from trainkit.data.datasets import download_cifar10
-
-    download_cifar10(root)
-
-
 # name -> (where its files go under the root and their official md5s, how to download it)
 DATASETS: dict[str, tuple[Callable[[], tuple[Path, dict[str, str]]], Callable[[Path], None]]] = {
-    "mnist": (_mnist_files, _download_mnist),
-    "cifar10": (_cifar10_files, _download_cifar10),
+    "mnist": (_mnist_files, download_mnist),
+    "cifar10": (_cifar10_files, download_cifar10),
 }
 
 
@@ -80,7 +75,7 @@ def verify(root: Path, names: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainkit.data",
+    parser = argparse.ArgumentParser(prog=command_name("trainkit.data"),
                                      description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     default_root = os.environ.get("TRAINKIT_DATA_DIR", "./data")
@@ -102,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                 DATASETS[name][1](root)
             except Exception as err:  # offline, proxy, disk: the error chain, then one line
                 print_error(f"{name}: download failed (offline? a proxy? see above): run this "
-                             "where there is internet and copy the folder here", chain_lines(err))
+                             "where there is internet and copy the folder here",
+                             download_error_lines(err))
                 return 2
     problems = verify(root, args.names)
     for problem in problems:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 from trainkit.data.order import check_shard, epoch_order, shard_size
 from trainkit.data.resumable import DataPosition, saved_position
 from trainkit.data.shm import fit_shared_memory
+from trainkit.device import resolve_device
 from trainkit.errors import ConfigError
 from trainkit.rng import mix_seed
 from trainkit.signals import shielded_worker_init
@@ -211,11 +212,15 @@ def make_loader(
     Raises:
         ConfigError: settings no loader can honour (negative workers, a prefetch factor or
             persistent workers without workers, a batch larger than the shard with drop_last...).
+        TrainkitError: ``device`` does not exist here (``cuda`` on a machine without CUDA).
 
     Example:
         >>> loader = make_loader(dataset, 256, shuffle=True, device="cuda")  # doctest: +SKIP
         >>> loader.set_epoch(2, start_batch=10)  # resume: batches 0-9 are never loaded
     """
+    device = torch.device(device)
+    if device.type != "cpu":  # a device missing here is the error, not what pinning would need
+        resolve_device(device)
     if not isinstance(dataset, Sized):
         raise ConfigError(f"{type(dataset).__name__} has no len(): make_loader needs a "
                           "map-style dataset")
@@ -237,7 +242,6 @@ def make_loader(
     # Workers' batches in flight must fit in /dev/shm (64 MB in a default Docker container).
     num_workers, prefetch_factor = fit_shared_memory(dataset, batch_size, num_workers,
                                                      prefetch_factor)
-    device = torch.device(device)
     if pin_memory is None:
         pin_memory = device.type == "cuda"
     if pin_memory and not torch.cuda.is_available():

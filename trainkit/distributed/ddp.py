@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -57,9 +58,15 @@ def wrap_ddp(model: nn.Module, runtime: Runtime) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
-def broadcast_buffers(model: nn.Module) -> None:
-    """Give every rank rank 0's buffers (batch-norm statistics drift apart during training)."""
+def broadcast_buffers(model: nn.Module, *more: torch.Tensor) -> None:
+    """Give every rank rank 0's buffers (and ``more`` tensors), in place.
+
+    Buffers are never sharded nor averaged: each rank folds its own batches into its batch-norm
+    statistics (DDP broadcasts rank 0's at each forward, FSDP not at all), so ranks drift apart.
+    Called before every evaluation and save, so what is reported and saved is rank 0's.
+    Rank 0's own are left as they are: a save in between (a preemption) changes nothing there.
+    """
     if not is_distributed():
         return
-    for buffer in unwrap(model).buffers():
+    for buffer in (*unwrap(model).buffers(), *more):
         dist.broadcast(buffer, src=0)

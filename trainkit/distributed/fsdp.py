@@ -8,13 +8,14 @@ root, and points the optimizer at the sharded parameters.
 
 Order of the wrappers (as torchtitan does): activation checkpointing first, then
 ``fully_shard``, ``torch.compile`` last. FSDP2 keeps the parameter names, so
-``distributed.unwrap(model).state_dict()`` has the usual keys, as DTensors.
+``ddp.unwrap(model).state_dict()`` has the usual keys, as DTensors.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import sys
 from collections.abc import Iterator, Sequence
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainkit.errors import TrainkitError
+from trainkit.errors import TrainkitError, chain_lines, one_line
 from trainkit.runtime import Runtime
 from trainkit.submodules import match_modules
 
@@ -103,8 +104,13 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, runti
     parameters, with no state yet) is pointed at them. Joins a 1-rank process group when none is
     up (one process). The model is sharded in place and returned.
 
+    Under mixed precision the norm layers that keep running statistics (batch-norm) are units of
+    their own that stay in float32 (:func:`float32_norms`), as FSDP1's ``MixedPrecision`` and
+    the common recipes keep them.
+
     Args:
-        model: the model, on ``runtime.device``.
+        model: the model, on ``runtime.device``, its parameters contiguous (``fully_shard``
+            refuses others: under FSDP, ``channels_last`` is the inputs' layout only).
         optimizer: built on ``model.parameters()``, not stepped yet; None: none to update.
         runtime: the device and ranks (the mesh spans all ranks).
         blocks: class names or module paths (``trainer.fsdp_blocks``); empty: the default.
@@ -115,37 +121,104 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, runti
 
     Raises:
         ConfigError: a name in ``blocks`` matches nothing in the model.
-        TrainkitError: the optimizer has already stepped (its state is of unsharded params).
+        TrainkitError: the optimizer has already stepped (its state is of unsharded params), or
+            ``fully_shard`` refused a module (non-contiguous parameters, say).
 
     Example:
         >>> model = shard_model(model.to(runtime.device), optimizer, runtime,
         ...                     blocks=["TransformerEncoderLayer"])  # doctest: +SKIP
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     names = (match_modules(model, blocks, "trainer.fsdp_blocks", nested=True) if blocks
              else default_blocks(model))
     if optimizer is not None and optimizer.state:
         raise TrainkitError("trainer.strategy=fsdp needs an optimizer that has not stepped yet "
                             "(its state is of the unsharded parameters): build it afresh")
+    norms = float32_norms(model, names) if precision in _PARAM_DTYPES else []
     described = _describe(model, names)  # before fully_shard renames the classes (FSDPLinear)
     _join_one_rank_group(runtime)
     _broadcast_from_rank0(model)
     before = {id(p): name for name, p in model.named_parameters()}
     mesh = init_device_mesh(runtime.device.type, (dist.get_world_size(),))
-    settings: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
-                                "mp_policy": mixed_precision(precision)}
+    settings: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     modules = dict(model.named_modules())
-    for name in reversed(names):  # innermost first: fully_shard goes bottom-up
-        fully_shard(modules[name], **settings)
-    fully_shard(model, **settings)
+    # fully_shard goes bottom-up: the norms (leaves) first, then the blocks innermost first
+    units = [(name, mixed_precision("32")) for name in norms]
+    units += [(name, mixed_precision(precision)) for name in [*reversed(names), ""]]
+    for name, policy in units:
+        _fully_shard(modules[name], name, mp_policy=policy, **settings)
     if optimizer is not None:
         _rebind(optimizer, before, dict(model.named_parameters()))
-    log.info("fsdp: %s sharded over %d rank%s (+ the root)%s", described,
+    log.info("fsdp: %s sharded over %d rank%s (+ the root)%s%s", described,
              dist.get_world_size(), "" if dist.get_world_size() == 1 else "s",
+             f"; {len(norms)} norm layers with running statistics kept in float32 (units of "
+             f"their own)" if norms else "",
              "" if reshard_after_forward else "; weights kept gathered after forward")
     return model
+
+
+def float32_norms(model: nn.Module, blocks: Sequence[str] = ()) -> list[str]:
+    """Modules to shard as float32 units of their own under mixed precision: norm layers.
+
+    FSDP's ``MixedPrecisionPolicy`` casts parameters, never buffers, so a layer that feeds both
+    to one op -- batch-norm's bf16 weight and float32 running statistics -- fails ("expected
+    scalar type BFloat16 but found Float"). The rule: a module with parameters and
+    floating-point buffers of its own (batch-norm, instance-norm with running stats). In float32
+    it takes low-precision inputs as autocast hands them and returns them in that precision.
+    Named ``blocks`` are left to their own policy.
+    """
+    return [name for name, module in model.named_modules()
+            if name and name not in blocks
+            and any(True for _ in module.parameters(recurse=False))
+            and any(b.is_floating_point() for b in module.buffers(recurse=False))]
+
+
+def compile_units(model: nn.Module) -> tuple[list[str], list[str]]:
+    """``torch.compile`` each FSDP unit's forward in place: ``(compiled, left eager)`` paths.
+
+    Compiling the sharded model as a whole compiles nothing: FSDP2's all-gather hooks are
+    excluded from tracing (``torch._dynamo.disable``), and the graph break they leave in
+    ``Module.__call__`` leaves every forward behind it eager. Compiled per unit (as torchtitan
+    compiles each block), the hooks run eagerly around each compiled forward; a unit's forward
+    breaks its graph where it calls an inner unit. A unit that is one layer (no submodules:
+    a Conv2d block, a float32 norm) is left eager: there is nothing to fuse in one op. The
+    forward is patched (as activation checkpointing patches it): parameter names do not change.
+    """
+    compiled: dict[Any, Any] = {}
+    done, eager = [], []
+    for name, module in model.named_modules():
+        if not is_sharded(module):
+            continue
+        if not any(True for _ in module.children()):
+            eager.append(name)
+            continue
+        done.append(name or "<root>")
+        if "forward" in vars(module):  # patched already (activation checkpointing)
+            module.forward = torch.compile(module.forward)
+            continue
+        # One compiled function per class, the module an argument: a compiled bound method is
+        # guarded on its module's identity, and past dynamo's recompile_limit (8) units of
+        # one class would silently run eagerly.
+        forward = type(module).forward
+        if forward not in compiled:
+            compiled[forward] = torch.compile(forward)
+        module.forward = functools.partial(compiled[forward], module)
+    return done, eager
+
+
+def _fully_shard(module: nn.Module, name: str, **settings: Any) -> None:
+    """``fully_shard(module)``; its refusal as one line naming the option to change."""
+    from torch.distributed.fsdp import fully_shard
+
+    try:
+        fully_shard(module, **settings)
+    except (NotImplementedError, ValueError, TypeError, AssertionError) as err:
+        where = f"{name} ({type(module).__name__})" if name else type(module).__name__
+        raise TrainkitError(
+            f"trainer.strategy=fsdp: fully_shard refuses {where} ({type(err).__name__}: "
+            f"{one_line(err, 60)}); use trainer.strategy=ddp or other trainer.fsdp_blocks",
+            details=chain_lines(err)) from err
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:

@@ -220,11 +220,16 @@ class StepVote:
         self._agreed = (stop, save)
         return bad
 
-    def stop_and_save(self) -> tuple[bool, bool]:
-        """``(stop, save)`` as all ranks agreed for the step just taken."""
+    def stop_and_save(self, again: bool = False) -> tuple[bool, bool]:
+        """``(stop, save)`` as all ranks agreed for the step just taken.
+
+        ``again``: vote anew even when the step's NaN/inf check carried the vote, for a stop asked
+        for since (by a callback after the step); every rank must pass the same.
+        """
         if not self.active:  # one process: nothing to agree on
             return self._stop(), self._save_due()
-        if self._agreed is None:
+        if self._agreed is None or again:
+            self._agreed = None
             _, stop, save = any_rank(False, self._stop(), self._save_due())
             return stop, save
         agreed, self._agreed = self._agreed, None

@@ -2,17 +2,18 @@
 
 ``python -m trainkit.launch +exp=cifar`` runs ``torchrun --standalone --nproc-per-node=N -m
 trainkit.train +exp=cifar`` with one process per visible GPU (one process on a CPU-only machine),
-passing every override through, and exits 75 when the run stopped on a signal after saving, as a
-single process does (torchrun itself exits 1). :func:`launch` does the same for a Python
-function, from a script or a notebook. Both use torchrun's own machinery
-(torch.distributed.elastic): nothing here replaces it, and multi-node jobs use torchrun directly
-(see docs/distributed.md).
+passing every override through. It exits as a single process does (torchrun itself exits 1): 75
+when the run stopped on a signal after saving, 2 on bad input, the worker's own error line last.
+:func:`launch` does the same for a Python function, from a script or a notebook. Both use
+torchrun's own machinery (torch.distributed.elastic): nothing here replaces it, and multi-node
+jobs use torchrun directly (see docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import signal
 import sys
 import threading
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from trainkit.distributed import group
-from trainkit.errors import TrainkitError, print_error
+from trainkit.errors import TrainkitError, command_name, print_error
 from trainkit.runtime import Runtime
 from trainkit.signals import EXIT_PREEMPTED
 
@@ -125,24 +126,27 @@ def run_torchrun(args: Sequence[str]) -> int:
 
     0 when every worker succeeded; 75 (:data:`~trainkit.signals.EXIT_PREEMPTED`) when the workers
     stopped on a signal after saving, or this process was signalled and forwarded it (either way
-    re-running resumes); else 1, with torchrun's report of which rank failed and how.
+    re-running resumes); else the status of the worker that failed first (2 for bad input), whose
+    own last line said why; 1, with torchrun's report, when a worker died of a signal.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     try:
-        run(parse_args(list(args)))
+        with _quiet_failure_log():
+            run(parse_args(list(args)))
     except ChildFailedError as err:
         # A rank exits 75 only after every rank passed the stop checkpoint's barrier: the save is
         # complete. torchrun then sends SIGTERM to the ranks still exiting, which at interpreter
         # shutdown (Python handlers gone) die of it: -15 beside a 75 is the same clean stop.
         codes = {failure.exitcode for failure in err.failures.values()}
         if EXIT_PREEMPTED in codes and codes <= {EXIT_PREEMPTED, -signal.SIGTERM}:
-            print("trainkit: stopped on a signal after saving a checkpoint; re-run the same "
-                  "command to resume", file=sys.stderr)
-            return EXIT_PREEMPTED
-        print(err, file=sys.stderr)
+            return EXIT_PREEMPTED  # rank 0 said so: "stopped at step N; re-run ... to resume"
+        _, first = err.get_first_failure()
+        if first.exitcode > 0:  # the worker printed its own error last; its status says what
+            return first.exitcode
+        print(err, file=sys.stderr)  # killed by a signal: which rank, and how
         return 1
     except SignalException:
         # torchrun forwarded the signal: the workers saved and stopped, or, slower than its grace
@@ -151,10 +155,24 @@ def run_torchrun(args: Sequence[str]) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _quiet_failure_log() -> Iterator[None]:
+    """Without torchrun's own "failed (exitcode: N) local_rank: ..." line, which would follow the
+    worker's one-line error; where a worker died without one, the report printed instead names
+    the rank, its exit code and its pid too."""
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the launcher's own flags, then run torchrun in this process."""
     parser = argparse.ArgumentParser(
-        prog="python -m trainkit.launch",
+        prog=command_name("trainkit.launch"),
         description="torchrun with one process per visible GPU (one on CPU); every other "
                     "argument is passed to `python -m trainkit.train`.")
     parser.add_argument("--nproc-per-node", type=int, default=None,

@@ -18,6 +18,7 @@ COMMANDS = {
     "env": ("trainkit.observe.env", "report devices, versions and the distributed environment"),
     "checkpoint": ("trainkit.checkpoint.__main__",
                    "consolidate a sharded checkpoint directory into one file"),
+    "probe": ("trainkit.probe", "measure loader, step and both; say what holds a run back"),
     "verify-resume": ("trainkit.verify_resume", "check that stopping and resuming is bit-exact"),
 }
 
@@ -37,11 +38,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args and args[0] in ("-h", "--help") else 2
     command, rest = args[0], args[1:]
     module = importlib.import_module(COMMANDS[command][0])
+    # The name its usage line shows (trainkit.errors.command_name); Hydra reads the overrides
+    # from sys.argv itself.
+    argv_before, sys.argv = sys.argv, [f"trainkit {command}", *rest]
     if command == "train":
-        # Hydra reads the overrides from sys.argv itself; run() ends the process.
-        sys.argv = [f"trainkit {command}", *rest]
-        module.run()
-    return int(module.main(rest) or 0)
+        module.main()  # Hydra exits with the run's status
+        return 0
+    try:
+        return int(module.main(rest) or 0)
+    finally:
+        sys.argv = argv_before
 
 
 if __name__ == "__main__":

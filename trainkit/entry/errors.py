@@ -43,6 +43,8 @@ def errors_as_one_line() -> Iterator[None]:
             raise
         if isinstance(err, TrainkitError):
             _fail(hydra_words(str(err)), details=err.details)
+        if isinstance(err.__cause__, TrainkitError):  # a `_target_` that said what is wrong
+            _fail(hydra_words(str(err.__cause__)), details=err.__cause__.details)
         if isinstance(err, InstantiationException):  # a `_target_` that fails to import or build
             _fail(_instantiate_message(err), details=chain_lines(err.__cause__ or err))
         _fail(f"config error: {_fold_hydra_message(err)}")
@@ -86,11 +88,16 @@ def _fail(message: str, *, details: Sequence[str] = (), status: int = 2) -> NoRe
 
 
 def _from_collective(err: BaseException) -> bool:
-    """Whether ``err`` came out of a torch.distributed call (a peer vanished, a timeout)."""
-    if isinstance(err, torch.distributed.DistError) or _BACKEND_ERROR.search(str(err)):
-        return True  # gloo/NCCL errors often surface as plain RuntimeErrors from autograd/DDP
-    marker = os.sep.join(("torch", "distributed", ""))
-    return any(marker in frame.filename for frame in traceback.extract_tb(err.__traceback__))
+    """Whether ``err`` says another rank is gone: a backend error, a timeout, a closed socket.
+
+    Only with several processes, and only by what the error is -- one of torch.distributed's
+    ``DistError`` kinds (backend, network, store, timeouts) or a backend's words (gloo and NCCL
+    errors often surface as plain RuntimeErrors from autograd or DDP) -- never by where it was
+    raised: ``fully_shard``'s NotImplementedError passes through torch.distributed's frames too.
+    """
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1:
+        return False
+    return isinstance(err, torch.distributed.DistError) or bool(_BACKEND_ERROR.search(str(err)))
 
 
 def _instantiate_message(err: InstantiationException) -> str:

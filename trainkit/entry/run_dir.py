@@ -7,6 +7,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from trainkit.errors import TrainkitError
 from trainkit.runtime import Runtime
 
 # What Hydra writes into a run directory before the job's own code runs.
@@ -15,29 +16,45 @@ _HYDRA_ONLY = {".hydra"}
 
 @contextlib.contextmanager
 def removed_if_unused(run_dir: str | Path) -> Iterator[None]:
-    """On an error, remove ``run_dir`` if it holds nothing but Hydra's ``.hydra/``.
+    """On an error, remove ``run_dir`` if it holds nothing but Hydra's ``.hydra/`` -- or, after
+    bad input (a :class:`TrainkitError`), also this run's own ``train.log`` and empty folders.
 
     A config error is found inside the job, after Hydra has made ``outputs/<date>/<time>/``:
-    without this each mistyped value left an empty-looking folder behind. A folder that holds
-    anything else (a ``train.log``, checkpoints: any run that got as far as writing) is kept.
-    Emptied parents inside Hydra's default ``outputs/`` go too (``outputs/<date>/``, then
-    ``outputs/``); folders of your own naming, e.g. ``runs/`` of ``hydra.run.dir=runs/a``, stay.
+    without this each mistyped value left an empty-looking folder behind; so did an error found
+    as the run starts (a checkpoint that does not fit, data that cannot be downloaded), whose
+    lines the console has. A folder that holds anything else (a ``train.log`` of an earlier
+    attempt, checkpoints, metrics: any run that got as far as training) is kept. Emptied parents
+    inside Hydra's default ``outputs/`` go too (``outputs/<date>/``, then ``outputs/``); folders
+    of your own naming, e.g. ``runs/`` of ``hydra.run.dir=runs/a``, stay.
     """
+    run_dir = Path(run_dir).absolute()
+    log_is_ours = not (run_dir / "train.log").exists()  # not an earlier attempt's
     try:
         yield
-    except BaseException:
+    except BaseException as err:
         # rank 0 alone: it writes the folder, and another rank's early error must not take it
         # away while rank 0 is about to use it
         if Runtime.from_env("cpu").is_main:
-            _remove_unused(Path(run_dir).absolute())
+            log = log_is_ours and isinstance(err, TrainkitError)
+            _remove_unused(run_dir, _HYDRA_ONLY | ({"train.log"} if log else set()))
         raise
 
 
-def _remove_unused(run_dir: Path) -> None:
+def _remove_unused(run_dir: Path, unused: set[str]) -> None:
     try:
-        if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - _HYDRA_ONLY:
+        if not run_dir.is_dir():
             return
-        shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+        entries = list(run_dir.iterdir())
+        if any(p.name not in unused and not (p.is_dir() and not any(p.iterdir()))
+               for p in entries):
+            return  # something of the run's own: keep it all
+        for path in entries:
+            if path.name == ".hydra":
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.is_dir():
+                path.rmdir()  # empty (checkpoints/ made before the error)
+            else:
+                path.unlink()
         run_dir.rmdir()
         outputs = Path.cwd() / "outputs"  # configs/train.yaml: outputs/<date>/<time>
         for parent in run_dir.parents:

@@ -75,6 +75,11 @@ class EMA:
             torch._foreach_copy_(self._live, saved)
             self._regather()
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The averages of the model's buffers (batch-norm statistics); never sharded."""
+        names = {name for name, _ in self._model.named_buffers()}
+        return [t for name, t in zip(self._names, self.shadow) if name in names]
+
     def _regather(self) -> None:
         """FSDP: drop gathered copies of the weights, so forwards see the swapped shards."""
         if self._sharded:

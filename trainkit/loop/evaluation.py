@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -18,8 +19,9 @@ from trainkit.loop.step import Criterion, Forward, batch_size
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
              device: torch.device, criterion: Criterion, metrics: Mapping[str, Any],
-             forward: Forward) -> dict[str, float]:
-    """Mean loss and each metric over ``data`` as ``{"val/loss": ..., "val/<name>": ...}``."""
+             forward: Forward, max_batches: int | None = None) -> dict[str, float]:
+    """Mean loss and each metric over ``data`` (its first ``max_batches`` batches, when given)
+    as ``{"val/loss": ..., "val/<name>": ...}``."""
     # Not through DDP: it broadcasts buffers before every forward, a collective that ranks
     # with different numbers of val batches would not match. Rank 0's buffers (batch-norm
     # statistics drift per rank) make the result that of the checkpointed weights.
@@ -31,13 +33,13 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
         metric.reset()
     loss_sum, count = torch.zeros((), device=device), 0
     # FSDP: each forward all-gathers weights, so every rank runs as many (agreed before any)
-    extra = _missing_forwards(data) if fsdp.is_sharded(model) else None
+    extra = _missing_forwards(data, max_batches) if fsdp.is_sharded(model) else None
     batch = None
-    for batch in data:
+    for batch in data if max_batches is None else itertools.islice(data, max_batches):
         batch = move_to_device(batch, device)
         n = batch_size(batch)
         with precision.autocast():
-            outputs, targets = forward(model, batch)
+            outputs, targets = forward(model, batch)[:2]  # a third item: the step's own scalars
             loss_sum += criterion(outputs, targets).float() * n
         for metric in metrics.values():
             metric.update(outputs, targets)
@@ -55,11 +57,13 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     return results
 
 
-def _missing_forwards(data: Iterable[Any]) -> int:
+def _missing_forwards(data: Iterable[Any], max_batches: int | None) -> int:
     """How many batches fewer than the rank with the most this rank has (an uneven split)."""
     if not group.is_distributed():
         return 0
     mine = len(data)  # type: ignore[arg-type]
+    if max_batches is not None:
+        mine = min(mine, max_batches)
     counts = group.all_gather(mine)
     if min(counts) == 0 < max(counts):  # all ranks know: all stop, none waits for the others
         raise TrainkitError(f"FSDP evaluation: a rank has no validation batch while others have "

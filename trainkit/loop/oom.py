@@ -11,7 +11,6 @@ import torch
 
 from trainkit.device import GIB, memory_stats
 from trainkit.errors import one_line
-from trainkit.loop.step import drop_gradients
 
 log = logging.getLogger("trainkit")
 
@@ -24,7 +23,7 @@ def release(error: BaseException, optimizer: torch.optim.Optimizer | None = None
     """
     traceback.clear_frames(error.__traceback__)
     if optimizer is not None:
-        drop_gradients(optimizer)
+        optimizer.zero_grad(set_to_none=True)
     gc.collect()  # reference cycles through the cleared frames
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -12,16 +12,19 @@ from torch import nn
 
 from trainkit.device import move_to_device
 from trainkit.distributed.ddp import sync_gradients
+from trainkit.errors import TrainkitError
 from trainkit.loop.precision import Precision
+from trainkit.observe.metrics import DeviceMean
 from trainkit.tree import tensors
 
 Batch = Any
-Forward = Callable[[nn.Module, Batch], tuple[Any, Any]]
+# (outputs, targets), or (outputs, targets, {name: scalar}) with scalars of the step's own
+Forward = Callable[[nn.Module, Batch], tuple[Any, ...]]
 Criterion = Callable[[Any, Any], torch.Tensor]
 _SYNC = contextlib.nullcontext()  # reused: entering a fresh one every micro-step shows up
-_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 _FLAT = (tuple, list)  # the common batch, (inputs, targets), is checked without a walk
 _new_tuple = tuple.__new__
+_TRAINKITS = ("loss", "lr")  # train/<name> tags trainkit logs itself
 
 
 def default_forward(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
@@ -122,6 +125,11 @@ def train_window(
 class WindowStep:
     """:func:`train_window` with the arguments that hold for a whole fit bound once.
 
+    A ``forward`` may return a third item, ``{name: scalar}`` (0-d tensors or numbers): each
+    is added, unread, to the mean of that name in :attr:`scalars` (a
+    :class:`~trainkit.observe.metrics.DeviceMean` per name; the Trainer logs them as
+    ``train/<name>``).
+
     A loop calls it every step with the window and the checks that step needs. What cannot change
     during a fit (whether the precision autocasts or scales the loss, the gradient clipping) is
     decided here, so a small model's step does not spend its microseconds on it.
@@ -137,10 +145,15 @@ class WindowStep:
     def __init__(self, model: nn.Module, *, optimizer: torch.optim.Optimizer,
                  precision: Precision, criterion: Criterion, forward: Forward,
                  device: torch.device, clip_val: float | None = None,
-                 clip_algorithm: str = "norm", agree: Callable[[Any], Any] | None = None) -> None:
+                 clip_algorithm: str = "norm", agree: Callable[[Any], Any] | None = None,
+                 scalars: dict[str, DeviceMean] | None = None) -> None:
         self.model, self.optimizer, self.precision = model, optimizer, precision
-        self.criterion, self.forward, self.device = criterion, forward, device
+        self.criterion, self.device = criterion, device
         self.clip_val, self.clip_algorithm, self.agree = clip_val, clip_algorithm, agree
+        # the forward's own scalars, by name: a mean of each over the micro-batches since read
+        self.scalars = scalars if scalars is not None else {}
+        self.forward = forward
+        self._forward = _own_scalars_to(self.scalars, forward)  # for the paths below the plain
         # fp32: no autocast to enter, no loss scaler to pass the backward and the step through
         self._plain = precision.dtype is None and precision.scaler is None
 
@@ -160,16 +173,18 @@ class WindowStep:
                 total = batch_size(batch)
                 batch = move_to_device(batch, self.device)
             if self._plain:
-                outputs, targets = self.forward(model, batch)
+                result = self.forward(model, batch)
+                # inline, not self._forward: the common path pays one len(), not a call
+                outputs, targets = result if len(result) == 2 else self._forward.split(result)
                 loss = self.criterion(outputs, targets)
                 loss.backward()
             else:
-                loss = _loss(model, batch, precision, self.criterion, self.forward)
+                loss = _loss(model, batch, precision, self.criterion, self._forward)
                 precision.backward(loss)
             # In place when allowed: a new detached tensor costs ~1% of a tiny model's step.
             loss = loss.detach_() if loss._base is None else loss.detach()
         else:
-            loss, total = _accumulate(model, window, precision, self.criterion, self.forward,
+            loss, total = _accumulate(model, window, precision, self.criterion, self._forward,
                                       self.device)
         value = None
         if check_finite:
@@ -178,7 +193,7 @@ class WindowStep:
             if self.agree is not None:
                 nonfinite = self.agree(nonfinite)
             if nonfinite:
-                drop_gradients(optimizer)
+                optimizer.zero_grad(set_to_none=True)
                 return StepResult(loss, None, False, total, False, value)
         finite_flag = None
         if guard_finite and not check_finite:
@@ -191,7 +206,7 @@ class WindowStep:
             stepped = True
         else:
             stepped = precision.step(optimizer)
-        drop_gradients(optimizer)
+        optimizer.zero_grad(set_to_none=True)
         # tuple.__new__ directly: the NamedTuple's own __new__ is one more Python call a step
         return _new_tuple(StepResult, (loss, grad_norm, stepped, total, True, value, finite_flag))
 
@@ -209,21 +224,62 @@ class WindowStep:
         return grad_norm
 
 
-def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.zero_grad(set_to_none=True)`` without the cost of torch's wrappers.
+def _own_scalars_to(scalars: dict[str, DeviceMean], forward: Forward) -> Forward:
+    """``forward`` returning ``(outputs, targets)`` always, its third item's scalars (if any)
+    added to ``scalars``: one ``len`` a micro-batch when it returns none."""
 
-    ``torch.optim.Optimizer.zero_grad`` enters a profiler range and a wrapper that keeps
-    ``torch.compile`` out of it (and imports ``torch._dynamo``, ~1.5 s, on its first call):
-    10-20 µs a step, 5-8% of a small model's step on a CPU. With ``set_to_none=True`` all it
-    does is set each gradient to None, which is done here directly. An optimizer class that
-    defines its own ``zero_grad`` (one that keeps gradients elsewhere) runs its own.
+    def split(result: Sequence[Any]) -> tuple[Any, Any]:
+        if len(result) != 3:
+            raise TrainkitError(f"forward returned {len(result)} items: return (outputs, "
+                                "targets) or (outputs, targets, {name: scalar})")
+        outputs, targets, own = result
+        add_scalars(scalars, own)
+        return outputs, targets
+
+    def split_forward(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
+        result = forward(model, batch)
+        return result if len(result) == 2 else split(result)
+
+    split_forward.split = split  # type: ignore[attr-defined]
+    return split_forward
+
+
+def add_scalars(scalars: dict[str, DeviceMean], own: Any) -> None:
+    """Add a forward's ``{name: scalar}`` to the mean of each name, without a host read.
+
+    Raises:
+        TrainkitError: ``own`` is not a mapping, or a value is not a 0-d tensor or a number.
     """
-    if type(optimizer).zero_grad is not _TORCH_ZERO_GRAD:
-        optimizer.zero_grad(set_to_none=True)
-        return
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = None
+    if not isinstance(own, Mapping):
+        raise TrainkitError(f"forward's third item is a {type(own).__name__}, not a mapping: "
+                            "return (outputs, targets, {'name': scalar_tensor})")
+    for name, value in own.items():
+        if type(value) is not torch.Tensor or value.ndim:
+            value = _scalar(name, value)
+        elif value.dtype is not torch.float32:  # one dtype per mean: its values stack
+            value = value.detach().float()
+        else:
+            value = value.detach()  # not the graph: a mean over the window would keep it alive
+        mean = scalars.get(name)
+        if mean is None:
+            if name in _TRAINKITS:
+                raise TrainkitError(f"forward's scalar {name!r} would replace trainkit's own "
+                                    f"train/{name}: give it another name")
+            mean = scalars[name] = DeviceMean()
+        mean.add(value)
+
+
+def _scalar(name: Any, value: Any) -> float | torch.Tensor:
+    """A number as a float, a 0-d tensor (of a subclass) as float32; else a one-line error."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim:
+            raise TrainkitError(f"forward's scalar {name!r} has shape {tuple(value.shape)}: "
+                                "return a 0-d tensor (e.g. its .mean()) or a number")
+        return value.detach().float()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise TrainkitError(f"forward's scalar {name!r} is a {type(value).__name__}: return a 0-d "
+                        "tensor or a number")
 
 
 def _loss(model: nn.Module, batch: Batch, precision: Precision, criterion: Criterion,

@@ -24,6 +24,7 @@ class TrainState:
     nonfinite_streak: int = 0
     best_metric: float | None = None  # of checkpoint.monitor
     planned_steps: int = 0  # the run's length when saved; the LR schedule was planned for it
+    stop_reason: str | None = None  # request_stop's: the run is over, a re-run trains no more
 
     @property
     def epoch_number(self) -> int:

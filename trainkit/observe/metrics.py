@@ -24,6 +24,12 @@ def _this_process() -> psutil.Process:
     return _processes[pid]
 
 
+def seconds_since_process_start() -> float:
+    """Wall-clock seconds since this process started (the kernel's record, 10 ms resolution on
+    Linux): interpreter, imports and set-up included, as ``time`` would count them."""
+    return max(0.0, time.time() - _this_process().create_time())
+
+
 def rss_bytes() -> int:
     """This process's resident memory, the figure psutil's ``memory_info().rss`` gives.
 
@@ -80,6 +86,11 @@ class DeviceMean:
         if len(self._kept) >= self.fold_every:
             self._kept = [torch.stack(self._kept).float().sum()]
 
+    @property
+    def empty(self) -> bool:
+        """Whether nothing was added since the last :meth:`pop`."""
+        return not (self.count or self._values)
+
     def pop(self) -> float:
         """The mean so far (syncs once), then start over; NaN when nothing counted."""
         total, count = self.host_sum, float(self.count)
@@ -112,6 +123,8 @@ class StepMeter:
         self.device = device
         self.loss = DeviceMean()
         self.grad_norm = DeviceMean()
+        # a forward's own scalars by name (trainkit.loop.step.add_scalars), logged as train/<name>
+        self.own: dict[str, DeviceMean] = {}
         self.cuda_peak_gib = 0.0  # largest window peak so far (each window resets torch's)
         self.restart()
 
@@ -153,6 +166,8 @@ class StepMeter:
         grad_norm = self.grad_norm.pop()
         if grad_norm == grad_norm:  # not NaN: norms were computed (clipping by norm is on)
             scalars["optim/grad_norm"] = grad_norm
+        scalars.update({f"train/{name}": mean.pop() for name, mean in self.own.items()
+                        if not mean.empty})  # one host read each, at log steps only
         scalars.update({f"memory/{k}": v for k, v in memory_stats(self.device).items()})
         self.cuda_peak_gib = max(self.cuda_peak_gib,
                                  scalars.get("memory/cuda_peak_allocated_gib", 0.0))

@@ -1,19 +1,37 @@
 """Where logged metrics go: the loop hands one dict per logging step to every sink.
 
 TensorBoard (``<run_dir>/tb``) and JSON lines (``<run_dir>/metrics.jsonl``) are the built-in
-sinks; anything with ``log(metrics, step)`` (and, optionally, ``close()``) is one too: pass it as
-``Trainer(..., sinks=[...])``. Sinks run on rank 0 only.
+sinks; anything with ``log(metrics, step)`` is one too: pass it as ``Trainer(..., sinks=[...])``.
+Sinks run on rank 0 only. A sink may also have any of these, each called once if present:
+
+- ``start(run_dir, config)`` before the first ``log``: the run directory (None when the run
+  writes none) and the run's resolved config (a nested dict);
+- ``finish(status, summary)`` when ``summary.json`` is written: the run's status
+  (``completed``, ``preempted``, ...) and the summary's contents;
+- ``close()`` last, however the run ended (also after an error, with no ``finish`` before it).
+
+A sink never takes a run down: the first error it raises is one warning line in ``train.log``,
+and the sink gets nothing more in that run; the others, ``metrics.jsonl`` among them, go on.
+Experiment trackers (:mod:`trainkit.observe.trackers`) keep their run ids in
+``<run_dir>/trackers/<name>.json`` (:func:`remember_tracker_run`), so a resumed run appends to
+the same tracker run, and every checkpoint's manifest names them (:func:`tracker_runs`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from trainkit.errors import one_line
+
 METRICS_FILE = "metrics.jsonl"
+TRACKERS_DIR = "trackers"  # <run_dir>/trackers/<name>.json: a tracker's run id, for a resume
+log = logging.getLogger("trainkit")
 
 
 @runtime_checkable
@@ -62,7 +80,11 @@ class JsonlSink:
 
 
 class Sinks:
-    """Several sinks as one: ``log`` goes to each, ``close`` closes those that can be closed."""
+    """Several sinks as one: each call goes to every sink that has that method.
+
+    A sink that raises is dropped for the rest of the run with one warning line (see the
+    module's docstring); the run and the other sinks go on.
+    """
 
     def __init__(self, sinks: Iterable[MetricsSink] = ()) -> None:
         self.sinks = list(sinks)
@@ -70,16 +92,80 @@ class Sinks:
             if not isinstance(sink, MetricsSink):
                 raise TypeError(f"a metrics sink needs a log(metrics, step) method; "
                                 f"{type(sink).__name__} has none")
+        self._all = list(self.sinks)  # close() reaches the dropped ones too
+
+    def start(self, run_dir: str | Path | None, config: Mapping[str, Any]) -> None:
+        """Tell the sinks which run begins (see the module's docstring)."""
+        self._each("start", Path(run_dir) if run_dir is not None else None, config)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         for sink in self.sinks:
-            sink.log(metrics, step)
+            try:
+                sink.log(metrics, step)
+            except Exception as err:  # a tracker's outage is no reason to stop training
+                self._drop(sink, err)
+
+    def finish(self, status: str, summary: Mapping[str, Any]) -> None:
+        """Tell the sinks how the run ended: its status and ``summary.json``'s contents."""
+        self._each("finish", status, summary)
 
     def close(self) -> None:
-        for sink in self.sinks:
+        """Close every sink that can be closed, those dropped after an error included."""
+        active = self.sinks
+        for sink in self._all:
             close = getattr(sink, "close", None)
-            if close is not None:
-                close()
+            try:
+                if close is not None:
+                    close()
+            except Exception as err:
+                if sink in active:  # a dropped sink said what was wrong already
+                    warn_failed(type(sink).__name__, err)
+        self.sinks = []
+
+    def _each(self, method: str, *args: Any) -> None:
+        for sink in self.sinks:
+            call = getattr(sink, method, None)
+            try:
+                if call is not None:
+                    call(*args)
+            except Exception as err:
+                self._drop(sink, err)
+
+    def _drop(self, sink: MetricsSink, err: Exception) -> None:
+        self.sinks = [s for s in self.sinks if s is not sink]  # a loop over the old list goes on
+        warn_failed(type(sink).__name__, err)
+
+
+def warn_failed(name: str, err: BaseException) -> None:
+    """The one line that says a sink failed and is off for the rest of the run."""
+    log.warning("metrics sink %s failed and is off for the rest of this run (%s: %s); "
+                "training goes on, and metrics.jsonl has every metric", name,
+                type(err).__name__, one_line(err, 160))
+
+
+def remember_tracker_run(run_dir: Path | None, name: str, run: Mapping[str, Any]) -> None:
+    """Keep a tracker's run (its id and where it is) in ``<run_dir>/trackers/<name>.json``."""
+    if run_dir is None:
+        return
+    path = Path(run_dir) / TRACKERS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(dict(run), indent=2) + "\n")
+    os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+
+
+def tracker_runs(run_dir: Path | None) -> dict[str, dict[str, Any]]:
+    """The tracker runs kept in ``run_dir`` by :func:`remember_tracker_run`, by tracker name."""
+    folder = Path(run_dir) / TRACKERS_DIR if run_dir is not None else None
+    if folder is None or not folder.is_dir():
+        return {}
+    runs: dict[str, dict[str, Any]] = {}
+    for path in sorted(folder.glob("*.json")):
+        try:
+            runs[path.stem] = json.loads(path.read_text())
+        except (OSError, ValueError):  # unreadable: that tracker starts a new run
+            continue
+    return runs
 
 
 def default_sinks(run_dir: str | Path | None, is_main: bool = True,

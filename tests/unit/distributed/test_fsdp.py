@@ -103,9 +103,14 @@ def test_fsdp_in_one_process_with_compile_and_checkpointing_trains_like_the_plai
         mnist_root: object, one_rank_group: None) -> None:
     """Activation checkpointing, then fully_shard (1-rank mesh), then torch.compile: the
     weights of the plain model after 4 steps of accumulation and clipping."""
+    import torch._dynamo.utils
+
     plain = _fit(mnist_root)
+    torch._dynamo.utils.counters.clear()
     sharded = _fit(mnist_root, strategy="fsdp", compile=True)
     assert dist.is_initialized() and dist.get_world_size() == 1
+    # compiled, not silently eager: the root's forward (its Linear units stay eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     for name, expected in plain.items():
         torch.testing.assert_close(sharded[name], expected, rtol=1e-5, atol=1e-6, msg=name)
 

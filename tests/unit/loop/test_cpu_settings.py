@@ -30,12 +30,12 @@ def step():
     torch.nn.functional.cross_entropy(model(x), y).backward()
     optimizer.step()
     optimizer.zero_grad()
-for _ in range(3):  # the heap grows to its working size
+for _ in range(2):  # the heap grows to its working size
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
+for _ in range(5):
     step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
 """
 
 

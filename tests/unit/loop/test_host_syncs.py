@@ -29,10 +29,10 @@ def _device_path_on_the_cpu() -> Iterator[None]:
 
 @pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
 def test_host_reads_grow_with_logging_steps_not_with_steps(precision: str) -> None:
-    short = fit_reads(20, 10, "cpu", precision)
-    long_same_logs = fit_reads(40, 20, "cpu", precision)
-    long_more_logs = fit_reads(40, 10, "cpu", precision)
-    assert short["global_step"] == 20 and long_same_logs["global_step"] == 40
+    short = fit_reads(10, 5, "cpu", precision)
+    long_same_logs = fit_reads(20, 10, "cpu", precision)
+    long_more_logs = fit_reads(20, 5, "cpu", precision)
+    assert short["global_step"] == 10 and long_same_logs["global_step"] == 20
     assert short["host_reads"] == long_same_logs["host_reads"], (short, long_same_logs)
     assert long_more_logs["host_reads"] > long_same_logs["host_reads"]  # the count sees reads
 

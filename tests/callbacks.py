@@ -1,0 +1,36 @@
+"""Callbacks the tests add to real runs (importable by the processes they start)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+
+class SigtermAt:
+    """Sends this process SIGTERM as step ``step`` ends: a preemption at a known step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer: Any, step: int) -> None:
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class StopOnRank:
+    """``trainer.request_stop`` at ``step``, on rank ``rank`` only."""
+
+    def __init__(self, step: int, rank: int = 1) -> None:
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, trainer: Any, step: int) -> None:
+        if step == self.step and trainer.runtime.rank == self.rank:
+            trainer.request_stop(f"rank {self.rank} asked at step {step}")
+
+
+class Boom:
+    """Raises in ``on_step_end``: a callback with a bug."""
+
+    def on_step_end(self, trainer: Any, step: int) -> None:
+        raise ValueError(f"boom at step {step}")
