@@ -13,9 +13,9 @@ import sys
 # command -> (module whose main() runs it, what it does)
 COMMANDS = {
     "train": ("trainkit.train", "train with the Hydra entry point: trainkit train +exp=mnist"),
-    "launch": ("trainkit.distributed.launch", "torchrun with one process per GPU, then train"),
+    "launch": ("trainkit.launch", "torchrun with one process per GPU, then train"),
     "data": ("trainkit.data.__main__", "download or verify datasets: trainkit data download mnist"),
-    "env": ("trainkit.observe.env", "report devices, versions and the distributed environment"),
+    "env": ("trainkit.env", "report devices, versions and the distributed environment"),
     "checkpoint": ("trainkit.checkpoint.__main__",
                    "consolidate a sharded checkpoint directory into one file"),
     "probe": ("trainkit.probe", "measure loader, step and both; say what holds a run back"),
