@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import alternate, emit, median, ratio, row
-from trainkit.activations import apply_activation_checkpointing
+from trainkit.loop.activations import apply_activation_checkpointing
 
 _PROC_STATUS, _PROC_CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 

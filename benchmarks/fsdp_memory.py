@@ -28,35 +28,36 @@ WORLD = 2
 
 
 def _bytes(tensors: Any) -> int:
-    from trainkit.fsdp import local
+    from trainkit.distributed.fsdp import local
 
     return sum(local(t).numel() * t.element_size() for t in tensors if t is not None)
 
 
 def worker(width: int, depth: int) -> None:
     """On each rank under torchrun: both sides, then rank 0 prints every rank's byte counts."""
-    from trainkit import Runtime, distributed
+    from trainkit import Runtime
+    from trainkit.distributed import group
 
     runtime = Runtime.from_env("cpu")
-    distributed.init_process_group(runtime)
-    sides = {strategy: distributed.all_gather(_one_step(strategy, width, depth, runtime))
+    group.init_process_group(runtime)
+    sides = {strategy: group.all_gather(_one_step(strategy, width, depth, runtime))
              for strategy in ("ddp", "fsdp")}
     if runtime.is_main:
         print(json.dumps(sides))
-    distributed.shutdown()
+    group.shutdown()
 
 
 def _one_step(strategy: str, width: int, depth: int, runtime: Any) -> dict[str, int]:
     """This rank's bytes of parameters, gradients and optimizer state after one AdamW step."""
-    from trainkit import distributed, fsdp
+    from trainkit.distributed import ddp, fsdp
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model = (fsdp.shard_model(model, optimizer, runtime) if strategy == "fsdp"
-             else distributed.wrap_ddp(model, runtime))
+             else ddp.wrap_ddp(model, runtime))
     model(torch.randn(8, width)).square().mean().backward()
-    params = list(distributed.unwrap(model).parameters())
+    params = list(ddp.unwrap(model).parameters())
     grads = _bytes(p.grad for p in params)
     optimizer.step()
     state = [v for s in optimizer.state.values() for v in s.values()

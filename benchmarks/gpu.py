@@ -12,7 +12,7 @@ All on generated data in CIFAR-10's own file format (50,000 training images, as 
   from the GPU-resident :class:`~trainkit.data.InMemoryLoader` with flip + translate augmentation.
 - ``cifar_train_samples_per_s``: CifarNet training steps (bf16, channels_last) fed by each.
 - ``precision``: speed and peak memory of fp32, bf16-mixed and 16-mixed steps through trainkit's
-  :class:`~trainkit.precision.Precision` (16-mixed runs the GradScaler path).
+  :class:`~trainkit.loop.precision.Precision` (16-mixed runs the GradScaler path).
 - ``shaped_run``: ``python -m trainkit.train +exp=cifar``, the recipe aiming at 94% on the real set,
   end to end on the generated files: whole-process seconds, training seconds and samples/s from
   its ``summary.json``, peak memory. The generated images are an easy task (each class tints one
@@ -131,9 +131,9 @@ def _measure(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
 
     from tests.fakes import write_fake_cifar10
     from trainkit.data import DevicePrefetcher, InMemoryLoader, make_loader
-    from trainkit.datasets import load_cifar10
+    from trainkit.data.datasets import load_cifar10
+    from trainkit.loop.precision import Precision
     from trainkit.models import CifarNet
-    from trainkit.precision import Precision
 
     tiny = args.quick and device.type == "cpu"
     batch = 16 if tiny else args.batch_size

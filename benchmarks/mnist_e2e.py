@@ -52,7 +52,7 @@ def run_hand(data_root: str, extra: list[str]) -> dict[str, float]:
 
 def auto_precision() -> str:
     """What trainer.precision=auto runs on this machine's CPU (the hand side does the same)."""
-    from trainkit.precision import Hardware, choose_precision
+    from trainkit.loop.precision import Hardware, choose_precision
 
     return choose_precision(Hardware.of("cpu"))[0]
 

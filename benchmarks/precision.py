@@ -3,7 +3,7 @@
     python -m benchmarks.precision            # ratios of step time, bf16-mixed / 32
     python -m benchmarks.precision --quick
 
-``trainer.precision=auto`` picks by a rule (:func:`trainkit.precision.choose_precision`): on a
+``trainer.precision=auto`` picks by a rule (:func:`trainkit.loop.precision.choose_precision`): on a
 CPU, bf16-mixed only with native bf16 instructions (AVX512-BF16 or AMX). This checks the rule
 against a measurement on the machine it runs on: for each experiment's model (``+exp=mnist``'s
 MnistNet, batch 256; ``+exp=cifar``'s CifarNet, batch 512, both channels_last) it times the
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import alternate, emit, median, ratio, row
+from trainkit.loop.precision import Hardware, Precision, choose_precision
+from trainkit.loop.step import WindowStep, default_forward
 from trainkit.models import CifarNet, MnistNet
-from trainkit.precision import Hardware, Precision, choose_precision
-from trainkit.step import WindowStep, default_forward
 
 MODES = ("32", "bf16-mixed")
 # name -> (model, input shape, batch, optimizer) as the experiments configure them

@@ -84,7 +84,7 @@ def _batches(n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Ten
 def gpu_path_on_the_cpu() -> Iterator[None]:
     """The NaN/inf check as on a GPU (read only where the loop waits anyway), on the CPU too,
     where trainkit otherwise reads every step because reading costs nothing there."""
-    from trainkit import nonfinite
+    from trainkit.loop import nonfinite
 
     free, nonfinite.HOST_READS_FREE = nonfinite.HOST_READS_FREE, frozenset()
     try:

@@ -41,9 +41,9 @@ from trainkit import (
     make_loader,
     seed_everything,
 )
-from trainkit.distributed import sum_across_ranks
+from trainkit.distributed.group import sum_across_ranks
 from trainkit.errors import print_error
-from trainkit.logging import log_to_file
+from trainkit.observe.logging import log_to_file
 
 # -- data ---------------------------------------------------------------------------------------
 

@@ -4,9 +4,8 @@ Use it whole (``Trainer(...).fit(...)``, or ``python -m trainkit.train +exp=mnis
 piece: devices, data loaders, mixed precision, the step, EMA, checkpoints, preemption, logging.
 """
 
-from trainkit.activations import apply_activation_checkpointing
-from trainkit.async_checkpoint import AsyncCheckpointWriter
-from trainkit.checkpoint import CheckpointManager, load_checkpoint, save_atomic
+from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
+from trainkit.checkpoint.files import CheckpointManager, load_checkpoint, save_atomic
 from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
 from trainkit.data import (
     DevicePrefetcher,
@@ -18,20 +17,21 @@ from trainkit.data import (
     default_num_workers,
     make_loader,
 )
-from trainkit.datasets import TensorData, load_cifar10, load_mnist
+from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.device import available_devices, move_to_device, resolve_device
-from trainkit.ema import EMA
+from trainkit.distributed.fsdp import shard_model
+from trainkit.distributed.watchdog import EXIT_HUNG, Watchdog
 from trainkit.errors import ConfigError, TrainkitError
-from trainkit.fsdp import shard_model
+from trainkit.loop.activations import apply_activation_checkpointing
 from trainkit.loop.callbacks import Callback, EarlyStopping
+from trainkit.loop.ema import EMA
+from trainkit.loop.precision import Precision
+from trainkit.loop.step import StepResult, WindowStep, train_window, windows
+from trainkit.loop.trainer import NonFiniteLossError, Trainer, TrainState
 from trainkit.observe.trackers import MLflowSink, WandbSink
-from trainkit.precision import Precision
 from trainkit.rng import seed_everything
 from trainkit.runtime import Runtime
 from trainkit.signals import EXIT_PREEMPTED, Preemption
-from trainkit.step import StepResult, WindowStep, train_window, windows
-from trainkit.trainer import NonFiniteLossError, Trainer, TrainState
-from trainkit.watchdog import EXIT_HUNG, Watchdog
 
 __version__ = "0.1.0"
 

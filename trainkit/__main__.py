@@ -2,6 +2,6 @@
 
 import sys
 
-from trainkit.cli import main
+from trainkit.entry.cli import main
 
 sys.exit(main())

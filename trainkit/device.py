@@ -101,6 +101,20 @@ def choose_device(spec: str, local_rank: int, *, cuda_count: int, mps: bool,
     return device
 
 
+def bf16_native(capability: tuple[int, int], *, hip: bool = False) -> bool:
+    """Whether a GPU of this compute capability runs bfloat16 natively: Ampere (8.0) and newer.
+
+    Not ``torch.cuda.is_bf16_supported()``: it also counts emulation, so pre-Ampere cards (V100
+    7.0, T4 7.5) would silently run a slow emulated bf16, and it asks the current device rather
+    than the run's. ROCm GPUs that torch supports (``hip``) run bf16 natively.
+
+    Example:
+        >>> bf16_native((7, 5)), bf16_native((8, 0))
+        (False, True)
+    """
+    return hip or tuple(capability) >= (8, 0)
+
+
 def move_to_device(batch: T, device: torch.device | str) -> T:
     """Copy every tensor inside ``batch`` to ``device``; everything else is returned as is.
 

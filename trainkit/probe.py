@@ -2,7 +2,7 @@
 
 The same config and overrides as ``trainkit train``, composed the same way, build the same
 loader, model and optimizer (:func:`trainkit.train.build_parts`); then three timed phases, each
-after a warm-up (:mod:`trainkit.observe.throughput`):
+after a warm-up (:mod:`trainkit.loop.throughput`):
 
 1. **loader**: batches per second from the configured loader, on the device;
 2. **step**: optimizer steps per second on one batch kept on the device (no loading);
@@ -28,21 +28,21 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from trainkit import distributed
 from trainkit.config import TrainConfig
-from trainkit.cuda_settings import use_device
 from trainkit.data.loaders import default_num_workers
 from trainkit.device import GIB
-from trainkit.entry_errors import errors_as_one_line
+from trainkit.distributed import group
+from trainkit.entry.errors import errors_as_one_line
 from trainkit.errors import TrainkitError
-from trainkit.logging import setup_logging
-from trainkit.observe import throughput
-from trainkit.observe.throughput import Phase
+from trainkit.loop import throughput
+from trainkit.loop.cuda_settings import use_device
+from trainkit.loop.step import WindowStep, default_forward
+from trainkit.loop.throughput import Phase
+from trainkit.loop.trainer import Trainer
+from trainkit.observe.logging import setup_logging
 from trainkit.rng import seed_everything
 from trainkit.runtime import Runtime
-from trainkit.step import WindowStep, default_forward
 from trainkit.train import CONFIG_DIR, build_data, build_parts
-from trainkit.trainer import Trainer
 
 INPUT_WAIT = 0.15  # a data-wait share of the together phase that makes a run input-bound
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if report is not None:  # rank 0
             _write(args.out, {"overrides": args.overrides, **report})
             print(f"figures: {args.out}")
-    distributed.shutdown()
+    group.shutdown()
     return 0
 
 
@@ -79,7 +79,7 @@ def probe(cfg: Any, *, seconds: float) -> dict[str, Any] | None:
     settings: TrainConfig = OmegaConf.to_object(cfg)
     runtime = Runtime.from_env(settings.trainer.device)
     use_device(runtime.device)
-    distributed.init_process_group(runtime)
+    group.init_process_group(runtime)
     setup_logging(None, runtime.is_main)  # warnings to the console; no train.log
     seed_everything(settings.trainer.seed)
     parts = build_parts(cfg, settings, runtime)
@@ -92,7 +92,7 @@ def probe(cfg: Any, *, seconds: float) -> dict[str, Any] | None:
     phases.append(throughput.together_phase(
         step, parts.train_data, accumulate=settings.trainer.accumulate_grad_batches,
         seconds=seconds, guard_finite=guard))
-    ranks = distributed.all_gather([p.as_dict() for p in phases])
+    ranks = group.all_gather([p.as_dict() for p in phases])
     loader, alone, together = phases
     bound = "input" if _input_bound(*(Phase(**p) for p in ranks[0])) else "compute"
     variants = _variants(cfg, settings, runtime, seconds) if bound == "input" else []

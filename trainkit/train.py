@@ -1,7 +1,7 @@
 """``python -m trainkit.train +exp=mnist``: compose the config with Hydra, then train.
 
 Only the entry point imports Hydra: this module, and its error folding
-(:mod:`trainkit.entry_errors`) and rank joining (:mod:`trainkit.entry_ranks`).
+(:mod:`trainkit.entry.errors`) and rank joining (:mod:`trainkit.distributed.entry_ranks`).
 ``train(cfg, run_dir)`` reads top to bottom: settings -> runtime -> data -> model -> optimizer ->
 trainer.fit -> summary.
 """
@@ -20,20 +20,20 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import distributed
 from trainkit.config import TrainConfig
-from trainkit.config_dir import config_dir
-from trainkit.cuda_settings import use_device
 from trainkit.data import build_loaders
-from trainkit.entry_errors import errors_as_one_line
-from trainkit.entry_ranks import join_ranks
+from trainkit.distributed import group
+from trainkit.distributed.entry_ranks import join_ranks
+from trainkit.entry.config_dir import config_dir
+from trainkit.entry.errors import errors_as_one_line
+from trainkit.entry.run_dir import removed_if_unused
 from trainkit.errors import ConfigError
-from trainkit.logging import setup_logging
+from trainkit.loop.cuda_settings import use_device
+from trainkit.loop.trainer import Trainer
+from trainkit.observe.logging import setup_logging
 from trainkit.rng import seed_everything
-from trainkit.run_dir import removed_if_unused
 from trainkit.runtime import Runtime
 from trainkit.signals import EXIT_PREEMPTED, stop_outside_training
-from trainkit.trainer import Trainer
 
 CONFIG_DIR = str(config_dir())
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
@@ -48,7 +48,7 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
     settings: TrainConfig = OmegaConf.to_object(cfg)  # type checks done; ranges checked here
     runtime = Runtime.from_env(settings.trainer.device)
     use_device(runtime.device)  # current before anything touches CUDA (also cuda:1 alone)
-    distributed.init_process_group(runtime)  # backend by device: gloo for cpu, NCCL for cuda
+    group.init_process_group(runtime)  # backend by device: gloo for cpu, NCCL for cuda
     log = setup_logging(run_dir, runtime.is_main)
     # Experiment trackers and your own sinks, built first: a missing extra is said at once. They
     # start, and import their libraries, when training does (rank 0 only; docs/trackers.md).
@@ -127,10 +127,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     with errors_as_one_line():
         # Under torchrun rank 0 tells the others (waiting in join_ranks) its folder; theirs is
         # that one already, and an elastic restart's is the first attempt's: all get the same.
-        run_dir = distributed.shared_run_dir(HydraConfig.get().runtime.output_dir)
+        run_dir = group.shared_run_dir(HydraConfig.get().runtime.output_dir)
         with removed_if_unused(run_dir):  # a config error leaves no folder of Hydra's files only
             summary = train(cfg, run_dir)
-    distributed.shutdown()
+    group.shutdown()
     if summary["status"] == "preempted":
         sys.exit(EXIT_PREEMPTED)  # documented: checkpoint saved, re-run the command to resume
 

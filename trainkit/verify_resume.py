@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_dir
 
-from trainkit.checkpoint import load_checkpoint
-from trainkit.cuda_settings import deterministic_algorithms
-from trainkit.entry_errors import errors_as_one_line
+from trainkit.checkpoint.files import load_checkpoint
+from trainkit.entry.errors import errors_as_one_line
 from trainkit.errors import TrainkitError, command_name
+from trainkit.loop.cuda_settings import deterministic_algorithms
 from trainkit.train import CONFIG_DIR, train
 from trainkit.tree import tree_leaves
 
@@ -95,7 +95,7 @@ def _load(checkpoints: Path, name: str) -> dict[str, Any]:
     """``<name>.pt``, or under ``trainer.strategy=fsdp`` the directory ``<name>`` whole."""
     if (checkpoints / f"{name}.pt").exists() or not (checkpoints / name).is_dir():
         return load_checkpoint(checkpoints / f"{name}.pt")
-    from trainkit.sharded_resume import load_full
+    from trainkit.checkpoint.consolidate import load_full
 
     return load_full(checkpoints / name)
 

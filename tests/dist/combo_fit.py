@@ -26,14 +26,14 @@ from trainkit import (
     Runtime,
     Trainer,
     TrainerConfig,
-    distributed,
     load_cifar10,
     load_mnist,
     seed_everything,
 )
 from torchmetrics.classification import MulticlassAccuracy
+from trainkit.distributed import ddp, group
 from trainkit.models import CifarNet, MnistNet
-from trainkit.step import default_forward
+from trainkit.loop.step import default_forward
 
 GLOBAL_BATCH = 16  # 96 training samples: 6 batches an epoch, 2 steps of 3 when accumulating 3
 MODELS = {"mnist": (lambda: MnistNet(widths=(4, 8, 16)), load_mnist),
@@ -90,11 +90,11 @@ def fit(row: dict[str, Any], root: str, run_dir: Path, runtime: Runtime,
     summary = trainer.fit(model, optimizer, loaders[0], val_data=loaders[1],
                           metrics={"acc": MulticlassAccuracy(10, average="micro")}, forward=SignalAt(signal_at))
     ema = trainer.checkpointer.parts["ema"]
-    return {"summary": summary, "state": full(distributed.unwrap(model).state_dict()),
+    return {"summary": summary, "state": full(ddp.unwrap(model).state_dict()),
             "ema": full(ema.state_dict()["weights"]) if ema is not None else None,
             "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-            "buffers_by_rank": distributed.all_gather(
-                {k: v.clone() for k, v in distributed.unwrap(model).named_buffers()})}
+            "buffers_by_rank": group.all_gather(
+                {k: v.clone() for k, v in ddp.unwrap(model).named_buffers()})}
 
 
 def stop_step(row: dict[str, Any], batches_per_epoch: int = 6) -> int:
@@ -105,7 +105,7 @@ def stop_step(row: dict[str, Any], batches_per_epoch: int = 6) -> int:
 
 def main(root: str, rows_file: str, out: str) -> None:
     runtime = Runtime.from_env("cpu")
-    distributed.init_process_group(runtime)
+    group.init_process_group(runtime)
     rows = json.loads(Path(rows_file).read_text())
     results = {}
     for name, row in rows.items():
@@ -118,7 +118,7 @@ def main(root: str, rows_file: str, out: str) -> None:
                                                                str(base / "stopped")]}
     if runtime.is_main:
         torch.save(results, out)
-    distributed.shutdown()
+    group.shutdown()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from torch import nn
 
 from tests.dist.nets import FlatNet
 from trainkit import InMemoryLoader, Runtime, Trainer, TrainerConfig, load_mnist, seed_everything
-from trainkit import distributed, fsdp
+from trainkit.distributed import fsdp, group
 
 # fp32 keeps gathered weights after forward: the path where an evaluation (with the EMA's weights
 # swapped in) would leave stale gathered copies behind for the next training step.
@@ -82,12 +82,12 @@ def fit(root: str, precision: str, runtime: Runtime, **settings: Any) -> dict[st
 
 def main(root: str, out: str) -> None:
     runtime = Runtime.from_env("cpu")
-    distributed.init_process_group(runtime)
+    group.init_process_group(runtime)
     results = {precision: fit(root, precision, runtime, **settings)
                for precision, settings in CASES.items()}
     if runtime.is_main:
         torch.save(results, out)
-    distributed.shutdown()
+    group.shutdown()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 
 from tests.conftest import REPO, offline_env
 from tests.fakes import write_fake_cifar10, write_fake_mnist
-from trainkit import sharded_resume
+from trainkit.checkpoint import consolidate
 
 pytestmark = pytest.mark.dist
 
@@ -116,7 +116,7 @@ def _checkpoint_model(run_dir: str, name: str) -> dict[str, torch.Tensor]:
     directory read whole."""
     path = Path(run_dir) / "checkpoints" / name
     if path.is_dir():
-        return sharded_resume.load_full(path)["model"]
+        return consolidate.load_full(path)["model"]
     return torch.load(path.with_suffix(".pt"), map_location="cpu", weights_only=True)["model"]
 
 

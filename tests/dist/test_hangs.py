@@ -13,7 +13,7 @@ import pytest
 
 from tests.dist.test_torchrun import STEPS, only_run_dir, overrides, torchrun
 from tests.dist.test_torchrun import data_root  # noqa: F401  (the fixture: same fake files)
-from trainkit.watchdog import EXIT_HUNG
+from trainkit.distributed.watchdog import EXIT_HUNG
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

@@ -187,10 +187,12 @@ README_RUN_BY = {
     "python -m trainkit.launch +exp=cifar": (
         "tests/dist/test_launch.py::test_launch_module_starts_torchrun_with_one_process_on_cpu",
         '"trainkit.launch"'),
-    "python -m trainkit.env": ("tests/unit/test_env.py::test_report_lists_versions_and_passes_"
-                               "sanity_check", '"trainkit.env"'),
+    "python -m trainkit.env": (
+        "tests/unit/observe/test_env.py::test_report_lists_versions_and_passes_sanity_check",
+        '"trainkit.env"'),
     "python -m trainkit.env --device cuda": (
-        "tests/unit/test_env.py::test_unavailable_device_is_one_line_and_nonzero", '"cuda"'),
+        "tests/unit/observe/test_env.py::test_unavailable_device_is_one_line_and_nonzero",
+        '"cuda"'),
     ".venv/bin/python -m benchmarks --quick": (
         "tests/integration/test_benchmarks.py::test_runner_quick_writes_json_and_table",
         '"--quick"'),

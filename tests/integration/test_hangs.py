@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_train, tiny_run
-from trainkit.watchdog import EXIT_HUNG
+from trainkit.distributed.watchdog import EXIT_HUNG
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tests.conftest import REPO, error_report, last_checkpoint, offline_env, run_train, tiny_run
-from trainkit import cli
-from trainkit.checkpoint import check_weights_fit
+from trainkit.checkpoint.contents import check_weights_fit
+from trainkit.entry import cli
 from trainkit.errors import LINE_LIMIT, TrainkitError
 from trainkit.models import MnistNet
 

@@ -185,7 +185,7 @@ def test_interrupting_the_kernel_preempts_fit_and_the_kernel_lives_on(
     kernel.interrupt_when(_logged(abort_log, r"step 1/"), _logged(abort_log, "received SIGINT"))
     aborted = kernel.run_code(
         "import time\n"
-        "from trainkit.step import default_forward\n"
+        "from trainkit.loop.step import default_forward\n"
         "def slow_forward(model, batch):\n"
         "    time.sleep(2)\n"
         "    return default_forward(model, batch)\n"

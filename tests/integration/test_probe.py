@@ -104,6 +104,6 @@ def test_the_guides_command_runs_as_written(tmp_path: Path, cifar_root: Path) ->
 
 def test_the_console_command_runs_it(tmp_path: Path) -> None:
     """``trainkit probe --help`` reaches the probe's own parser through the cli."""
-    result = subprocess.run([sys.executable, "-m", "trainkit.cli", "probe", "--help"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "trainkit", "probe", "--help"], cwd=REPO,
                             env=ENV, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "--seconds" in result.stdout and "--out" in result.stdout

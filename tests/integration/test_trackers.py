@@ -96,7 +96,7 @@ def test_mlflow_keeps_one_run_through_a_sigterm_and_its_resume(
     assert run.info.run_id == first.info.run_id and run.info.status == "FINISHED"
     assert run.data.tags["trainkit.status"] == "completed"
     assert last_checkpoint(run_dir)["manifest"]["trackers"]["mlflow"] == kept
-    assert run.data.tags["trainkit.run_dir"] == str(run_dir.resolve())
+    assert run.data.tags["trainkit.entry.run_dir"] == str(run_dir.resolve())
     assert run.data.params["trainer.max_steps"] == "48"
     assert run.data.params["optim._target_"] == "torch.optim.AdamW"
     assert run.data.params["sinks.mlflow._target_"] == "trainkit.MLflowSink"

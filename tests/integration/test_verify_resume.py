@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, error_report, offline_env
-from trainkit.checkpoint import save_atomic
+from trainkit.checkpoint.files import save_atomic
 from trainkit.verify_resume import _report
 
 CASES = {

@@ -103,7 +103,7 @@ def test_library_never_imports_hydra() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, trainkit, trainkit.trainer, trainkit.data, trainkit.env; "
+    code = ("import sys, trainkit, trainkit.loop.trainer, trainkit.data, trainkit.env; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument("out", help="the file to write, e.g. model.pt")
     merge.add_argument("--optimizer", action="store_true", help="include the optimizer's state")
     args = parser.parse_args(argv)
-    from trainkit.sharded_resume import consolidate  # torch.distributed: after --help
+    from trainkit.checkpoint.consolidate import consolidate  # torch.distributed: after --help
 
     try:
         out = consolidate(args.source, args.out, optimizer=args.optimizer)

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from trainkit.checksums import check_md5
-from trainkit.datasets import (
+from trainkit.data.checksums import check_md5
+from trainkit.data.datasets import (
     CIFAR10_FOLDER,
     MNIST_MD5,
     cifar10_files,

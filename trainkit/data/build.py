@@ -9,10 +9,10 @@ import torch
 from torch.utils.data import Dataset
 
 from trainkit.config import DataConfig
+from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.data.loaders import make_loader
 from trainkit.data.memory import InMemoryLoader
 from trainkit.data.prefetch import DevicePrefetcher
-from trainkit.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.errors import ConfigError
 from trainkit.runtime import Runtime
 
@@ -28,7 +28,7 @@ def build_loaders(
     """Training and evaluation loaders for the dataset ``cfg.name``, and its number of classes.
 
     ``reader`` replaces the built-in datasets with your own: ``reader(root=cfg.root, train=...)``
-    returns a :class:`~trainkit.datasets.TensorData` (uint8 images ``[N, C, H, W]``, int64
+    returns a :class:`~trainkit.data.datasets.TensorData` (uint8 images ``[N, C, H, W]``, int64
     labels, per-channel mean/std in 0..1, the number of classes); ``cfg.name`` then only names it.
     The entry point builds it from the config's ``dataset`` node (``_target_`` and its keys).
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trainkit.errors import TrainkitError, one_line
-from trainkit.logging import log_to_file
+from trainkit.observe.logging import log_to_file
 
 log = logging.getLogger("trainkit")
 EVENTS = ("on_fit_start", "on_step_end", "on_evaluation_end", "on_checkpoint", "on_fit_end")

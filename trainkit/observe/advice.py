@@ -68,7 +68,7 @@ class Advisor:
 
         Each starts with ``advice: ``; :attr:`lines` keeps the same text without it.
 
-        ``train_step`` (a :class:`~trainkit.step.WindowStep`) gets its next forward sampled
+        ``train_step`` (a :class:`~trainkit.loop.step.WindowStep`) gets its next forward sampled
         for host reads on CUDA.
         """
         self._seen += 1

@@ -31,7 +31,7 @@ from typing import Any
 
 from trainkit.config import flatten
 from trainkit.errors import ConfigError
-from trainkit.sinks import remember_tracker_run, tracker_runs, warn_failed
+from trainkit.observe.sinks import remember_tracker_run, tracker_runs, warn_failed
 
 __all__ = ["MLflowSink", "WandbSink"]
 log = logging.getLogger("trainkit")
@@ -217,7 +217,7 @@ class MLflowSink:
     def _run_tags(self, run_dir: Path | None) -> dict[str, str]:
         tags = dict(self.tags)
         if run_dir is not None:
-            tags["trainkit.run_dir"] = str(run_dir.resolve())
+            tags["trainkit.entry.run_dir"] = str(run_dir.resolve())
         return tags
 
     def _log_params(self, logged: Mapping[str, str], config: Mapping[str, Any]) -> None:
@@ -259,7 +259,7 @@ class WandbSink:
 
     The run id is chosen when the run starts and kept in ``<run_dir>/trackers/wandb.json``;
     a resumed run calls ``wandb.init(id=<that id>, resume="allow")``. The run directory's path
-    is in the config as ``trainkit.run_dir`` (W&B tags are short labels).
+    is in the config as ``trainkit.entry.run_dir`` (W&B tags are short labels).
 
     Args:
         project: the W&B project.
@@ -323,7 +323,7 @@ class WandbSink:
         self._first_step = run.step  # 0, or where the resumed run had got to
         flat = flatten(config)
         if run_dir is not None:
-            flat["trainkit.run_dir"] = str(run_dir.resolve())
+            flat["trainkit.entry.run_dir"] = str(run_dir.resolve())
         run.config.update(flat, allow_val_change=True)  # an extended run changes max_steps
 
     def _log(self, metrics: dict[str, float], step: int) -> None:

@@ -1,0 +1,100 @@
+"""No host read of the device per step: the NaN/inf check between logging steps runs on the device.
+
+Reads are counted by patching the ``torch.Tensor`` methods that read a tensor on the host (the
+same harness ``benchmarks.syncs`` runs on a GPU next to ``torch.cuda.set_sync_debug_mode``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks.syncs import fit_reads, gpu_path_on_the_cpu
+from tests.conftest import sgd_without
+from trainkit import CheckpointConfig, Trainer, TrainerConfig, load_checkpoint
+from trainkit.loop.trainer import NonFiniteLossError
+
+
+@pytest.fixture(autouse=True)
+def _device_path_on_the_cpu() -> Iterator[None]:
+    """The GPU's path, run on the CPU: trainkit reads every CPU step (it costs nothing there)."""
+    with gpu_path_on_the_cpu():
+        yield
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
+def test_host_reads_grow_with_logging_steps_not_with_steps(precision: str) -> None:
+    short = fit_reads(10, 5, "cpu", precision)
+    long_same_logs = fit_reads(20, 10, "cpu", precision)
+    long_more_logs = fit_reads(20, 5, "cpu", precision)
+    assert short["global_step"] == 10 and long_same_logs["global_step"] == 20
+    assert short["host_reads"] == long_same_logs["host_reads"], (short, long_same_logs)
+    assert long_more_logs["host_reads"] > long_same_logs["host_reads"]  # the count sees reads
+
+
+def test_fp16_reads_once_per_step_for_the_grad_scaler() -> None:
+    """Documented: GradScaler reads its overflow flag every step; trainkit adds no read of its
+    own (a step post-hook tells whether the optimizer stepped)."""
+    short, long = fit_reads(10, 10, "cpu", "16-mixed"), fit_reads(20, 20, "cpu", "16-mixed")
+    assert long["host_reads"] - short["host_reads"] == 1 * 10
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
+
+
+def _batches(n: int, nan_from: int, nan_to: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for i in range(n):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 3, (8,), generator=g)
+        if nan_from <= i < nan_to:
+            x[0, 0] = float("nan")
+        batches.append((x, y))
+    return batches
+
+
+def _trainer(run_dir: Path | None, every_n_steps: int = 0) -> Trainer:
+    config = TrainerConfig(device="cpu", log_every_n_steps=10, log_every_n_seconds=0,
+                           nonfinite_patience=3)
+    checkpoint = CheckpointConfig(every_n_steps=every_n_steps)
+    return Trainer(config, run_dir=run_dir, checkpoint=checkpoint)
+
+
+def test_a_nan_between_logging_steps_is_dropped_on_the_device_and_counted() -> None:
+    data = _batches(20, 3, 4)  # step 4: neither a logging nor a checkpoint step
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    summary = _trainer(None).fit(model, optimizer, data, scheduler=scheduler)
+    assert summary["nonfinite_steps"] == summary["skipped_steps"] == 1
+    assert scheduler.last_epoch == 20  # the host did not know at the time: documented
+    # Zero gradients under plain SGD are a skipped step: the same weights as never seeing it.
+    reference = sgd_without(_model(), data, 3, lr=0.1)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize(("every_n_steps", "stop_step", "counted"), [(0, 10, 7), (2, 6, 3)])
+def test_a_streak_between_reads_stops_the_run_at_the_next_read(
+        tmp_path: Path, every_n_steps: int, stop_step: int, counted: int) -> None:
+    """NaN from step 4 on, patience 3. Logging every 10 only, the streak is seen at step 10;
+    with a checkpoint due at step 4 the host reads there, then checks every step: exact."""
+    model = _model()
+    trainer = _trainer(tmp_path, every_n_steps)
+    with pytest.raises(NonFiniteLossError, match=f"stopped at step {stop_step}: the loss was "
+                                                 f"NaN/inf for {counted} steps in a row"):
+        trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(20, 3, 20))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["global_step"] == stop_step
+    assert summary["nonfinite_steps"] == counted
+    assert torch.isfinite(model[1].weight).all()
+    if every_n_steps:
+        last = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+        assert last["global_step"] == 2 and torch.isfinite(last["model"]["1.weight"]).all()

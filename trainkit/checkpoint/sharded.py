@@ -1,0 +1,349 @@
+"""Sharded checkpoints of FSDP2 runs: one directory per save, every rank writing its own part.
+
+Layout inside ``<run>/checkpoints`` (see docs/distributed.md, "What a checkpoint directory
+holds"):
+
+* ``step_<N>/`` -- a complete checkpoint: DCP's shard files (``__<rank>_0.distcp``) and its
+  ``.metadata`` for the model, optimizer and EMA weights (keyed by parameter name, so they can
+  be resharded onto another number of ranks), and ``trainkit.pt``, everything else (counters,
+  schedule, precision, data position, config, manifest, every rank's RNG), a plain file that
+  loads with ``weights_only=True``.
+* ``last`` -- a relative symlink to the newest complete ``step_<N>``; ``best`` likewise (with
+  ``checkpoint.monitor``). Each is replaced by renaming a new link over it: atomic.
+* ``.step_<N>.tmp/`` -- a save in progress, or one that died: never resumed from; the next save
+  removes it.
+
+A save is made visible only when it is whole: every rank writes into ``.step_<N>.tmp/`` with
+fsynced files, DCP writes ``.metadata`` on rank 0 once every rank's part is written, then rank 0
+renames the directory to ``step_<N>``, fsyncs the folder, and only then points ``last`` at it
+and removes directories beyond ``keep_last``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from trainkit.checkpoint.files import _fsync_dir, save_atomic
+from trainkit.errors import TrainkitError, one_line
+
+if TYPE_CHECKING:  # imported where used: with FSDP and sympy it costs ~0.8 s at start-up
+    import torch.distributed.checkpoint as dcp
+
+log = logging.getLogger("trainkit")
+META_FILE = "trainkit.pt"  # the non-tensor part, next to DCP's files
+FORMAT = "trainkit-sharded-1"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_DIR = re.compile(r"^\.step_\d+\.tmp$")
+# Test-only: "STEP:RANK" makes that rank SIGKILL itself inside the write of that step, after its
+# shard file is written and before DCP's metadata exists (tests/dist/test_sharded_checkpoints).
+KILL_IN_WRITE_ENV = "TRAINKIT_TEST_KILL_IN_CHECKPOINT_WRITE"
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that it assumes a single process when there is no process group: we know."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class ShardedCheckpoints:
+    """Writes ``step_<N>/`` directories through DCP, rotates them, and finds one to resume from.
+
+    Every rank makes one, at the same point (with ``async_save`` it makes a gloo group for
+    DCP's collectives), and calls :meth:`save` together; rank 0 alone renames, links and
+    rotates.
+
+    Example:
+        >>> ckpts = ShardedCheckpoints("runs/a/checkpoints", keep_last=3)  # doctest: +SKIP
+        >>> ckpts.save(tensors, meta, step=100)  # tensors: DCP state; meta: rank 0's extras
+    """
+
+    def __init__(self, directory: str | Path, keep_last: int = 3, *,
+                 async_save: bool = False) -> None:
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.distributed = _distributed()
+        self.is_main = not self.distributed or dist.get_rank() == 0
+        self.group = _group(self.distributed, async_save)
+        self._pending: tuple[Future, int, bool] | None = None
+        self.written_step = -1  # the step this process last wrote its part of (not a file test)
+
+    @property
+    def last(self) -> Path:
+        return self.directory / "last"
+
+    @property
+    def best(self) -> Path:
+        return self.directory / "best"
+
+    def _step_dir(self, step: int) -> Path:
+        return self.directory / f"step_{step:09d}"
+
+    def _tmp_dir(self, step: int) -> Path:
+        """Where ``step_dir(step)`` is written until it is whole."""
+        return self.directory / f".step_{step:09d}.tmp"
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(self, tensors: dict[str, Any], meta: dict[str, Any] | None, step: int, *,
+             best: bool = False) -> None:
+        """Write ``step_<step>/`` (every rank calls this; ``meta`` matters on rank 0 only).
+
+        With ``async_save`` this returns once DCP has copied the tensors; the directory gets its
+        name, ``last`` and the rotation when the write has ended on every rank (at the next
+        save, :meth:`wait` or :meth:`poll`).
+
+        Raises:
+            TrainkitError: this or the previous write failed; earlier checkpoints are intact.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        tmp, self.written_step = self._tmp_dir(step), step
+        if self.is_main:
+            self._guard(lambda: self._clear_leftovers(tmp))
+            self._guard(lambda: save_atomic(meta or {}, tmp / META_FILE))
+        self._barrier()  # the folder exists, empty of a dead save's files, before anyone writes
+        kwargs = {"storage_writer": _writer(tmp, step), "process_group": self.group}
+        with _quiet_single_process():
+            if self.async_save and self.distributed:
+                self._pending = (self._guard(lambda: dcp.async_save(tensors, **kwargs)), step,
+                                 best)
+                return
+            self._guard(lambda: dcp.save(tensors, no_dist=not self.distributed, **kwargs))
+        self._publish(step, best)
+
+    def update_meta(self, meta: dict[str, Any] | None, step: int, *, best: bool) -> None:
+        """Rewrite ``trainkit.pt`` of ``step_<step>/`` (written already: its tensors are the
+        same), and point ``best`` at it when ``best``."""
+        self.wait()
+        if self.is_main:
+            target = self._step_dir(step)
+            self._guard(lambda: save_atomic(meta or {}, target / META_FILE))
+            if best:
+                self._guard(lambda: _point(self.best, target))
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an async save is written or waits for :meth:`poll` to publish it."""
+        return self._pending is not None
+
+    def poll(self) -> None:
+        """Publish an async save that has ended (cheap when none has: checks a future)."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until an async save in flight is on disk and published; raise its error."""
+        if self._pending is None:
+            return
+        future, step, best = self._pending
+        self._pending = None
+        self._guard(future.result)
+        self._publish(step, best)
+
+    def close(self) -> None:
+        """Like :meth:`wait`, but an error is logged, not raised (the exit already fails)."""
+        try:
+            self.wait()
+        except Exception as err:  # the error already being raised matters more
+            log.error("the last checkpoint write failed too: %s", one_line(err))
+
+    def _publish(self, step: int, best: bool) -> None:
+        """Rank 0: the written directory takes its name, then ``last`` (and ``best``) point at
+        it, then old directories go -- each only after the one before is durable."""
+        if not self.is_main:
+            return
+        target = self._step_dir(step)
+        self._guard(lambda: self._rename_into_place(self._tmp_dir(step), target))
+        self._guard(lambda: _point(self.last, target))
+        if best:
+            self._guard(lambda: _point(self.best, target))
+        self._rotate()
+
+    def _rename_into_place(self, tmp: Path, target: Path) -> None:
+        _fsync_dir(tmp)
+        if target.exists():  # a re-save of this step (a resumed run passing it again)
+            old = target.with_name(f".{target.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+        _fsync_dir(self.directory)
+
+    def _rotate(self) -> None:
+        """Keep the newest ``keep_last`` directories, and whatever ``last``/``best`` name."""
+        kept = {_target(self.last), _target(self.best)}
+        for old in step_dirs(self.directory)[: -self.keep_last]:
+            if old.name not in kept:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _clear_leftovers(self, tmp: Path) -> None:
+        """Remove folders of saves that died (one save is in flight at a time: none is ours),
+        then make ``tmp``, empty."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for path in self.directory.iterdir():
+            if _TMP_DIR.match(path.name):
+                shutil.rmtree(path, ignore_errors=True)
+        tmp.mkdir()
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+    def _guard(self, write: Any) -> Any:
+        """Run ``write``; an OSError or DCP's error becomes one line, earlier ones intact."""
+        from torch.distributed.checkpoint import CheckpointException
+
+        try:
+            return write()
+        except (OSError, CheckpointException) as err:
+            cause = err.strerror if isinstance(err, OSError) and err.strerror else one_line(err, 80)
+            raise TrainkitError(
+                f"cannot write a checkpoint ({cause}); existing checkpoints are intact: free disk "
+                "space or fix permissions, then re-run the same command to resume",
+                details=[f"checkpoint folder: {self.directory}"]) from None
+
+# -- finding one to resume from -------------------------------------------------------------
+
+
+def step_dirs(directory: Path) -> list[Path]:
+    """Complete-by-name checkpoint directories in ``directory``, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_meta(directory: str | Path) -> dict[str, Any] | None:
+    """The non-tensor part of the newest complete directory in ``directory`` (``last``'s
+    first); broken ones are skipped with one warning line each. Reads only: no collective."""
+    directory = Path(directory)
+    candidates = list(reversed(step_dirs(directory)))
+    last = _target(directory / "last")
+    if last is not None:
+        candidates.sort(key=lambda p: p.name != last)  # stable: the rest stay newest first
+    for path in candidates:
+        try:
+            return read_meta(path)
+        except TrainkitError as err:
+            log.warning("skipping unusable checkpoint: %s", err)
+    return None
+
+
+def _group(distributed: bool, async_save: bool) -> Any:
+    """The process group DCP's collectives run on (None: the default one).
+
+    An async save runs them on a background thread while training goes on: on a gloo group of
+    their own, so they never interleave with training's (made here, a collective: every rank
+    constructs a :class:`ShardedCheckpoints` at the same point). Otherwise the CPU group.
+    """
+    if not distributed:
+        return None
+    if async_save:
+        return dist.new_group(backend="gloo")
+    from trainkit.distributed.group import _cpu_group
+
+    return _cpu_group()
+
+
+def _point(link: Path, target: Path) -> None:
+    """Make ``link`` a relative symlink to ``target``, replacing an old one atomically."""
+    tmp = link.with_name(f".{link.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target.name, tmp)
+    os.replace(tmp, link)
+    _fsync_dir(link.parent)
+
+
+def _target(link: Path) -> str | None:
+    """The directory name ``link`` points at, None without one."""
+    try:
+        return os.readlink(link)
+    except OSError:
+        return None
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+def read_meta(path: str | Path, *, key: str = "checkpoint.resume") -> dict[str, Any]:
+    """The ``trainkit.pt`` of a checkpoint directory, after checking that the directory is whole:
+    DCP's metadata reads and every file it names is there at its full length.
+
+    Raises:
+        TrainkitError: missing, not a checkpoint directory, incomplete or corrupt.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise TrainkitError(f"checkpoint {path} does not exist: check {key}")
+    if (path / "last").is_symlink() or (path / "last.pt").is_file():
+        last = "last" if (path / "last").is_symlink() else "last.pt"  # the one that exists
+        raise TrainkitError(f"{path} is a checkpoints folder: give one of its checkpoints, "
+                            f"e.g. {path / last}")
+    if not (path / ".metadata").is_file() or not (path / META_FILE).is_file():
+        raise TrainkitError(f"{path} is not a complete sharded checkpoint (no .metadata or "
+                            f"{META_FILE}: an unfinished save, or another folder)")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+        storage = FileSystemReader(path).read_metadata()
+    except Exception as err:
+        raise TrainkitError(f"checkpoint {path} cannot be read ({one_line(err, 80)})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise TrainkitError(f"{path} is not a trainkit sharded checkpoint ({META_FILE} has no "
+                            f"format {FORMAT!r})")
+    for info in (storage.storage_data or {}).values():
+        file = path / getattr(info, "relative_path", "")
+        end = getattr(info, "offset", 0) + getattr(info, "length", 0)
+        if not file.is_file() or file.stat().st_size < end:
+            raise TrainkitError(f"checkpoint {path} is incomplete ({file.name} is missing or "
+                                "truncated)")
+    meta["_path"] = str(path)
+    meta["_tensors"] = storage.state_dict_metadata
+    return meta
+
+
+def _writer(tmp: Path, step: int) -> dcp.FileSystemWriter:
+    """DCP's writer with fsynced files; the test-only killing one where the test asked."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    rank = dist.get_rank() if _distributed() else 0
+    if os.environ.get(KILL_IN_WRITE_ENV, "") != f"{step}:{rank}":
+        return FileSystemWriter(tmp, sync_files=True)
+
+    class KilledAfterItsShard(FileSystemWriter):
+        """Test-only (:data:`KILL_IN_WRITE_ENV`): writes this rank's shard, then SIGKILLs
+        itself -- before the results reach rank 0, so no ``.metadata`` is ever written."""
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            import signal
+
+            written = super().write_data(plan, planner)
+            written.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+            return written
+
+    return KilledAfterItsShard(tmp, sync_files=True)

@@ -1,0 +1,304 @@
+"""Where and how checkpoints are kept: one interface, a storage per format.
+
+The :class:`~trainkit.checkpoint.checkpointer.Checkpointer` decides what a checkpoint holds and
+when one is written; a :class:`Storage` decides how and where: the file names, the atomic
+writes, the rotation, finding one to resume from and loading it into the registered parts.
+Two implement it:
+
+* :class:`FileStorage` -- one ``.pt`` file per checkpoint, written by rank 0, on a background
+  thread with ``checkpoint.async_save`` (:mod:`~trainkit.checkpoint.files`,
+  :mod:`~trainkit.checkpoint.async_writer`);
+* :class:`ShardedStorage` -- one directory per checkpoint, every rank writing its part through
+  DCP, read onto any number of ranks (:mod:`~trainkit.checkpoint.sharded`,
+  :mod:`~trainkit.checkpoint.reshard`).
+
+:func:`storages_for` chooses, once, when the parts are registered: the storage this run writes
+with comes first, then the others, which only read (``checkpoint.init_from`` of a file into a
+sharded run, a run saved sharded going on in one process). Another storage (an object store,
+say) is one more class with these methods, added there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import nn
+
+from trainkit import rng
+from trainkit.checkpoint import reshard, sharded
+from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
+from trainkit.checkpoint.contents import check_weights_fit
+from trainkit.checkpoint.files import CheckpointManager, load_checkpoint
+from trainkit.config import CheckpointConfig
+from trainkit.distributed import fsdp
+from trainkit.errors import TrainkitError
+from trainkit.runtime import Runtime
+
+log = logging.getLogger("trainkit")
+
+
+@dataclass(frozen=True)
+class Content:
+    """What the Checkpointer hands a storage to write: the registered parts (``model``,
+    ``optimizer``, ``ema``, ``data``, ...), ``state_dict(exclude=...)`` (every part's state and
+    the run's, but the parts excluded: a storage that writes some parts its own way excludes
+    them), and every rank's RNG state on rank 0 (None elsewhere)."""
+
+    parts: Mapping[str, Any]
+    state_dict: Callable[..., dict[str, Any]]
+    rng_per_rank: list[Any] | None
+
+
+class Storage(Protocol):
+    """How and where checkpoints of one format are kept. Every rank makes one at the same point
+    and calls :meth:`save` together."""
+
+    @property
+    def last(self) -> Path:
+        """The name of the newest complete checkpoint (for messages)."""
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save is still being written and waits for :meth:`poll` to publish it."""
+
+    def save(self, step: int, content: Content, *, periodic: bool, best: bool) -> None:
+        """Write step ``step`` (also as the numbered one when ``periodic``, and as the best when
+        ``best``), then rotate; earlier checkpoints are intact when it fails."""
+
+    def path_of(self, step: int, *, periodic: bool) -> Path | None:
+        """Where the checkpoint of ``step`` just saved is (or is being written, when async);
+        None when this run writes none."""
+
+    def resumes(self, model: nn.Module) -> bool:
+        """Whether ``checkpoint.resume=auto`` may continue this run from this storage's
+        checkpoints (their optimizer state loads into ``model``'s)."""
+
+    def latest(self) -> dict[str, Any] | None:
+        """The newest valid checkpoint in the run's folder (its ``_path`` set), None if none."""
+
+    def holds(self, path: Path) -> bool:
+        """Whether ``path`` (``checkpoint.resume``, ``checkpoint.init_from``) is of this format."""
+
+    def read(self, path: Path, key: str) -> dict[str, Any]:
+        """The checkpoint at ``path`` (``key`` names the setting, for the messages)."""
+
+    def owns(self, state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` (from :meth:`read` or :meth:`latest`) is of this format."""
+
+    def load(self, state: Mapping[str, Any], parts: Mapping[str, Any], *, key: str,
+             optimizer: bool) -> bool:
+        """The model's weights (and the optimizer's state when ``optimizer``) and the EMA's
+        into ``parts``; returns whether EMA weights were loaded."""
+
+    def carry_over(self, state: Mapping[str, Any], counters: Any, data: Any) -> str:
+        """Restore this rank's RNG and fix the loop's data position (``counters``) for this
+        run's ranks; words for the resume's log line."""
+
+    def poll(self) -> None:
+        """Publish a save that has ended (cheap when none has)."""
+
+    def wait(self) -> None:
+        """Block until the last save is on disk; raise its write's error."""
+
+    def close(self) -> None:
+        """Let a write still in flight end whole; its error is logged, not raised."""
+
+
+def storages_for(model: nn.Module, directory: Path | None, config: CheckpointConfig,
+                 runtime: Runtime) -> tuple[Storage, ...]:
+    """This run's storages, the one it writes with first: directories for a model sharded by
+    ``fully_shard`` (FSDP2), else files. A collective: every rank calls it at the same point."""
+    if fsdp.is_sharded(model):
+        return (ShardedStorage(directory, config, runtime, writes=True),
+                FileStorage(directory, config, runtime, writes=False))
+    return (FileStorage(directory, config, runtime, writes=True),
+            ShardedStorage(directory, config, runtime, writes=False))
+
+
+class FileStorage:
+    """``step_<N>.pt``, ``last.pt`` and ``best.pt`` in ``directory``: rank 0 writes whole files
+    atomically (on a thread of their own with ``checkpoint.async_save``), every rank reads.
+
+    ``directory`` None: the run writes no checkpoints (it can still start from a named one).
+    """
+
+    def __init__(self, directory: Path | None, config: CheckpointConfig, runtime: Runtime, *,
+                 writes: bool = True) -> None:
+        self.runtime = runtime
+        self.manager = (CheckpointManager(directory, config.keep_last)
+                        if directory is not None else None)
+        self.writes = writes and self.manager is not None and runtime.is_main  # rank 0 writes
+        self._writer = (AsyncCheckpointWriter(self.manager)
+                        if self.writes and config.async_save else None)
+
+    @property
+    def last(self) -> Path:
+        return self.manager.last if self.manager is not None else Path("last.pt")
+
+    in_flight = False  # a background write blocks only the next save: nothing to publish
+
+    def save(self, step: int, content: Content, *, periodic: bool, best: bool) -> None:
+        if not self.writes:
+            return
+        state = content.state_dict()
+        if self.runtime.distributed:
+            state["rng_per_rank"] = content.rng_per_rank
+        # async: returns once the state is copied
+        (self._writer or self.manager).save(state, step, periodic=periodic, best=best)
+
+    def path_of(self, step: int, *, periodic: bool) -> Path | None:
+        if self.manager is None:
+            return None
+        return self.manager.directory / f"step_{step:09d}.pt" if periodic else self.manager.last
+
+    def resumes(self, model: nn.Module) -> bool:
+        return not fsdp.is_sharded(model)  # a sharded optimizer takes its state from directories
+
+    def latest(self) -> dict[str, Any] | None:
+        return self.manager.load_latest() if self.manager is not None else None
+
+    def holds(self, path: Path) -> bool:
+        return not path.is_dir()  # a missing path too: its message says so
+
+    def read(self, path: Path, key: str) -> dict[str, Any]:
+        state = load_checkpoint(path, key=key)
+        state["_path"] = str(path)
+        return state
+
+    def owns(self, state: Mapping[str, Any]) -> bool:
+        return "format" not in state
+
+    def load(self, state: Mapping[str, Any], parts: Mapping[str, Any], *, key: str,
+             optimizer: bool) -> bool:
+        model, ema = parts["model"], parts["ema"]
+        if optimizer and fsdp.is_sharded(model):
+            raise TrainkitError(
+                f"{state.get('_path', 'the checkpoint')} is a single-file checkpoint: a sharded "
+                "(fsdp) run resumes from a checkpoint directory; start from its weights with "
+                "checkpoint.init_from and checkpoint.resume=null")
+        # torch would list the same differences, as a traceback
+        check_weights_fit(model.state_dict(), state["model"], key=key,
+                          path=state.get("_path", "?"))
+        if fsdp.is_sharded(model):  # each rank keeps its shard of the full weights
+            reshard.load_full_weights(model, state["model"])
+            return False  # a sharded EMA restarts from the loaded weights
+        model.load_state_dict(state["model"])
+        if optimizer:
+            parts["optimizer"].load_state_dict(state["optimizer"])
+        if ema is None or state.get("ema") is None:
+            return False
+        ema.load_state_dict(state["ema"])
+        return True
+
+    def carry_over(self, state: Mapping[str, Any], counters: Any, data: Any) -> str:
+        rng.set_rng_state(rng.rng_of_rank(state, self.runtime.rank))
+        return ""
+
+    def poll(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        if self._writer is not None:
+            self._writer.wait()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+class ShardedStorage:
+    """``step_<N>/`` directories with ``last`` and ``best`` links in ``directory``: every rank
+    writes its shards through DCP, rank 0 adds ``trainkit.pt`` (the rest of the state); they load
+    into a sharded or a plain model on any number of ranks.
+
+    ``writes``: this run saves here (with the process group DCP's collectives run on); a storage
+    that only reads loads on the default group.
+    """
+
+    def __init__(self, directory: Path | None, config: CheckpointConfig, runtime: Runtime, *,
+                 writes: bool = True) -> None:
+        self.directory, self.runtime = directory, runtime
+        # a collective with async_save (a gloo group of its own): made by every rank at once
+        self._dirs = (sharded.ShardedCheckpoints(directory, config.keep_last,
+                                                 async_save=config.async_save)
+                      if writes and directory is not None else None)
+
+    @property
+    def last(self) -> Path:
+        return self._dirs.last if self._dirs is not None else Path("last")
+
+    @property
+    def in_flight(self) -> bool:
+        return self._dirs is not None and self._dirs.in_flight
+
+    def save(self, step: int, content: Content, *, periodic: bool, best: bool) -> None:
+        """Every rank writes its part of ``step_<step>/``; rank 0 adds ``trainkit.pt``."""
+        if self._dirs is None:
+            return
+        parts, meta = content.parts, None
+        if self.runtime.is_main:
+            ema = parts["ema"]
+            meta = {**content.state_dict(exclude=("model", "optimizer", "ema")),
+                    "format": sharded.FORMAT, "world_size": self.runtime.world_size,
+                    "rng_per_rank": content.rng_per_rank,
+                    "batch_size": getattr(parts["data"], "batch_size", None),
+                    "ema": {"decay": ema.decay, "updates": ema.updates} if ema else None}
+        if self._dirs.written_step == step:  # the same step again (now the best): same
+            self._dirs.update_meta(meta, step, best=best)  # weights, only trainkit.pt changed
+            return
+        tensors = reshard.tensor_state(parts["model"], parts["optimizer"], parts["ema"])
+        self._dirs.save(tensors, meta, step, best=best)
+
+    def path_of(self, step: int, *, periodic: bool) -> Path | None:
+        return self.directory / f"step_{step:09d}" if self.directory is not None else None
+
+    def resumes(self, model: nn.Module) -> bool:
+        return True  # DCP reshards onto any model, sharded or not
+
+    def latest(self) -> dict[str, Any] | None:
+        return sharded.latest_meta(self.directory) if self.directory is not None else None
+
+    def holds(self, path: Path) -> bool:
+        return path.is_dir()
+
+    def read(self, path: Path, key: str) -> dict[str, Any]:
+        return sharded.read_meta(path, key=key)
+
+    def owns(self, state: Mapping[str, Any]) -> bool:
+        return state.get("format") == sharded.FORMAT
+
+    def load(self, state: Mapping[str, Any], parts: Mapping[str, Any], *, key: str,
+             optimizer: bool) -> bool:
+        """Model, optimizer and EMA weights from a directory, resharded onto this run."""
+        model, ema = parts["model"], parts["ema"]
+        if optimizer:
+            group = self._dirs.group if self._dirs is not None else None
+            loaded = reshard.load_tensors(state, model, parts["optimizer"], ema, group, key=key)
+        else:
+            loaded = reshard.load_weights(state, model, ema)
+        if not (loaded and state.get("ema")):
+            return False
+        ema.updates = int(state["ema"]["updates"])  # the weights are in place; now the count
+        return True
+
+    def carry_over(self, state: Mapping[str, Any], counters: Any, data: Any) -> str:
+        return reshard.carry_over(
+            state, counters, rank=self.runtime.rank, world_size=self.runtime.world_size,
+            batch_size=getattr(data, "batch_size", None),
+            batches_per_epoch=len(data) if data is not None else None)
+
+    def poll(self) -> None:
+        if self._dirs is not None:
+            self._dirs.poll()  # an async save that ended gets its name and `last` now
+
+    def wait(self) -> None:
+        if self._dirs is not None:
+            self._dirs.wait()
+
+    def close(self) -> None:
+        if self._dirs is not None:
+            self._dirs.close()

@@ -1,0 +1,1 @@
+"""Several processes: process group and votes, DDP/FSDP wrapping, launcher, hang watchdog."""

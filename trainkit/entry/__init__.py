@@ -1,0 +1,1 @@
+"""The Hydra entry point's parts: one-line errors, run directory, config folders, cli."""

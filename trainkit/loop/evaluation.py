@@ -1,0 +1,82 @@
+"""Evaluation: the mean loss and each metric over a dataset, summed across ranks."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainkit.device import move_to_device
+from trainkit.distributed import ddp, fsdp, group
+from trainkit.errors import TrainkitError
+from trainkit.loop.precision import Precision
+from trainkit.loop.step import Criterion, Forward, batch_size
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
+             device: torch.device, criterion: Criterion, metrics: Mapping[str, Any],
+             forward: Forward, max_batches: int | None = None) -> dict[str, float]:
+    """Mean loss and each metric over ``data`` (its first ``max_batches`` batches, when given)
+    as ``{"val/loss": ..., "val/<name>": ...}``."""
+    # Not through DDP: it broadcasts buffers before every forward, a collective that ranks
+    # with different numbers of val batches would not match. Rank 0's buffers (batch-norm
+    # statistics drift per rank) make the result that of the checkpointed weights.
+    model = ddp.unwrap(model)
+    ddp.broadcast_buffers(model)
+    was_training = model.training
+    model.eval()
+    for metric in metrics.values():
+        metric.reset()
+    loss_sum, count = torch.zeros((), device=device), 0
+    # FSDP: each forward all-gathers weights, so every rank runs as many (agreed before any)
+    extra = _missing_forwards(data, max_batches) if fsdp.is_sharded(model) else None
+    batch = None
+    for batch in data if max_batches is None else itertools.islice(data, max_batches):
+        batch = move_to_device(batch, device)
+        n = batch_size(batch)
+        with precision.autocast():
+            outputs, targets = forward(model, batch)[:2]  # a third item: the step's own scalars
+            loss_sum += criterion(outputs, targets).float() * n
+        for metric in metrics.values():
+            metric.update(outputs, targets)
+        count += n
+    if extra is not None:
+        _match_forwards(model, extra, batch, precision, forward)
+    if group.is_distributed():  # each rank saw its own shard: sum over all of them
+        total, count = group.sum_across_ranks(loss_sum, count)
+        results = {"val/loss": total / max(count, 1)}
+    else:
+        results = {"val/loss": loss_sum.item() / max(count, 1)}
+    # torchmetrics syncs its states across ranks in compute() when a process group is up
+    results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
+    model.train(was_training)
+    return results
+
+
+def _missing_forwards(data: Iterable[Any], max_batches: int | None) -> int:
+    """How many batches fewer than the rank with the most this rank has (an uneven split)."""
+    if not group.is_distributed():
+        return 0
+    mine = len(data)  # type: ignore[arg-type]
+    if max_batches is not None:
+        mine = min(mine, max_batches)
+    counts = group.all_gather(mine)
+    if min(counts) == 0 < max(counts):  # all ranks know: all stop, none waits for the others
+        raise TrainkitError(f"FSDP evaluation: a rank has no validation batch while others have "
+                            f"some ({counts} by rank); use fewer ranks or more validation data")
+    return max(counts) - mine
+
+
+def _match_forwards(model: nn.Module, extra: int, batch: Any, precision: Precision,
+                    forward: Forward) -> None:
+    """FSDP: a rank with fewer val batches runs its last one ``extra`` times more, uncounted,
+    for the other ranks' all-gathers; then all reshard, so that no gathered copy outlives the
+    weights it was made from (the EMA swaps them in place)."""
+    for _ in range(extra):
+        with precision.autocast():
+            forward(model, batch)
+    fsdp.reshard(model)

@@ -1,0 +1,327 @@
+"""One optimizer step over an accumulation window: weighting, no_sync, clipping, skipped steps."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from trainkit.device import move_to_device
+from trainkit.distributed.ddp import sync_gradients
+from trainkit.errors import TrainkitError
+from trainkit.loop.precision import Precision
+from trainkit.observe.metrics import DeviceMean
+from trainkit.tree import tensors
+
+Batch = Any
+# (outputs, targets), or (outputs, targets, {name: scalar}) with scalars of the step's own
+Forward = Callable[[nn.Module, Batch], tuple[Any, ...]]
+Criterion = Callable[[Any, Any], torch.Tensor]
+_SYNC = contextlib.nullcontext()  # reused: entering a fresh one every micro-step shows up
+_FLAT = (tuple, list)  # the common batch, (inputs, targets), is checked without a walk
+_new_tuple = tuple.__new__
+_TRAINKITS = ("loss", "lr")  # train/<name> tags trainkit logs itself
+
+
+def default_forward(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
+    """``(inputs, targets)`` batches: run the model on the inputs, return outputs and targets."""
+    inputs, targets = batch
+    return model(inputs), targets
+
+
+def batch_size(batch: Batch) -> int:
+    """Samples in a batch: the leading size of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0].shape[0]  # the common (inputs, targets) batch, without a walk
+    first = next(tensors(batch), None)
+    if first is None:
+        raise TypeError(
+            f"cannot tell the number of samples in a batch of type {type(batch).__name__}")
+    return first.shape[0]
+
+
+def steps_per_epoch(batches: int, accumulate: int) -> int:
+    """Optimizer steps over ``batches`` batches in windows of ``accumulate``: ceil(batches / k),
+    a short last window being a step too (see :func:`windows`)."""
+    return -(-batches // accumulate)
+
+
+def windows(batches: Iterable[Batch], k: int) -> Iterator[Sequence[Batch]]:
+    """Group batches into accumulation windows of ``k``; the last one may be shorter."""
+    if k == 1:  # each batch alone, as a 1-tuple made in C: no generator frame per step
+        return zip(batches)
+    return _windows(batches, k)
+
+
+def _windows(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
+    window: list[Batch] = []
+    for batch in batches:
+        window.append(batch)
+        if len(window) == k:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # the window's mean loss, detached, on the device (reading it syncs)
+    grad_norm: torch.Tensor | None  # total norm before clipping; None without norm clipping
+    stepped: bool  # False when the step was skipped (fp16 overflow or a non-finite loss)
+    samples: int
+    finite: bool = True  # False when the loss was NaN or inf (checked only when asked)
+    value: float | None = None  # the loss as a number, when the check read it
+    # guard_finite: whether the loss was finite (all ranks agreed), on the device and unread
+    finite_flag: torch.Tensor | None = None
+
+
+def train_window(
+    model: nn.Module,
+    window: Sequence[Batch],
+    *,
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    criterion: Criterion,
+    forward: Forward,
+    device: torch.device,
+    clip_val: float | None = None,
+    clip_algorithm: str = "norm",
+    check_finite: bool = False,
+    guard_finite: bool = False,
+    agree: Callable[[Any], Any] | None = None,
+) -> StepResult:
+    """Forward/backward every micro-batch of ``window``, then one (possibly skipped) step.
+
+    Each micro-batch's mean loss is weighted by its share of the window's samples, so k batches
+    of b give the same gradient as one batch of k*b, and a short last window (end of epoch) is
+    the mean over the samples it has, not divided by the full window size.
+
+    With ``check_finite``, a NaN or inf loss skips the optimizer step (``finite=False``). The check
+    reads the loss on the host: free on the CPU, one sync per step on a GPU (fp16 syncs on its
+    overflow flag every step anyway). Under DDP pass ``agree``: given this rank's "loss is NaN/inf",
+    it returns whether any rank's is, so all ranks skip together (the all-reduce already mixed the
+    bad gradients into every rank's); :class:`~trainkit.distributed.group.StepVote` provides one.
+
+    ``guard_finite`` is the same check without the host read: on a NaN or inf loss the window's
+    gradients are set to zero on the device and the optimizer step runs on them (plain SGD: no
+    change; momentum, Adam's moments and weight decay still move the weights about as far as a
+    normal step, never by a bad gradient). ``finite_flag`` says which it was, unread; ``agree``
+    then takes and returns a tensor.
+
+    A loop that steps many times binds these arguments once in a :class:`WindowStep`.
+    """
+    return WindowStep(model, optimizer=optimizer, precision=precision, criterion=criterion,
+                      forward=forward, device=device, clip_val=clip_val,
+                      clip_algorithm=clip_algorithm, agree=agree)(
+        window, check_finite=check_finite, guard_finite=guard_finite)
+
+
+class WindowStep:
+    """:func:`train_window` with the arguments that hold for a whole fit bound once.
+
+    A ``forward`` may return a third item, ``{name: scalar}`` (0-d tensors or numbers): each
+    is added, unread, to the mean of that name in :attr:`scalars` (a
+    :class:`~trainkit.observe.metrics.DeviceMean` per name; the Trainer logs them as
+    ``train/<name>``).
+
+    A loop calls it every step with the window and the checks that step needs. What cannot change
+    during a fit (whether the precision autocasts or scales the loss, the gradient clipping) is
+    decided here, so a small model's step does not spend its microseconds on it.
+
+    Example:
+        >>> step = WindowStep(model, optimizer=optimizer, precision=Precision("32"),
+        ...                   criterion=F.cross_entropy, forward=default_forward,
+        ...                   device=torch.device("cpu"))  # doctest: +SKIP
+        >>> for window in windows(loader, 4):  # doctest: +SKIP
+        ...     result = step(window, check_finite=True)
+    """
+
+    def __init__(self, model: nn.Module, *, optimizer: torch.optim.Optimizer,
+                 precision: Precision, criterion: Criterion, forward: Forward,
+                 device: torch.device, clip_val: float | None = None,
+                 clip_algorithm: str = "norm", agree: Callable[[Any], Any] | None = None,
+                 scalars: dict[str, DeviceMean] | None = None) -> None:
+        self.model, self.optimizer, self.precision = model, optimizer, precision
+        self.criterion, self.device = criterion, device
+        self.clip_val, self.clip_algorithm, self.agree = clip_val, clip_algorithm, agree
+        # the forward's own scalars, by name: a mean of each over the micro-batches since read
+        self.scalars = scalars if scalars is not None else {}
+        self.forward = forward
+        self._forward = _own_scalars_to(self.scalars, forward)  # for the paths below the plain
+        # fp32: no autocast to enter, no loss scaler to pass the backward and the step through
+        self._plain = precision.dtype is None and precision.scaler is None
+
+    def __call__(self, window: Sequence[Batch], check_finite: bool = False,
+                 guard_finite: bool = False) -> StepResult:
+        """One optimizer step over ``window`` (see :func:`train_window` for the checks)."""
+        model, optimizer, precision = self.model, self.optimizer, self.precision
+        if len(window) == 1:  # the common case: no weighting, no no_sync, nothing to add up
+            batch = window[0]
+            if type(batch) in _FLAT and batch and type(batch[0]) is torch.Tensor:  # (x, y)
+                total = batch[0].shape[0]
+                for item in batch:  # already on the device (a CPU run's, a prefetcher's)?
+                    if not isinstance(item, torch.Tensor) or item.device != self.device:
+                        batch = move_to_device(batch, self.device)
+                        break
+            else:
+                total = batch_size(batch)
+                batch = move_to_device(batch, self.device)
+            if self._plain:
+                result = self.forward(model, batch)
+                # inline, not self._forward: the common path pays one len(), not a call
+                outputs, targets = result if len(result) == 2 else self._forward.split(result)
+                loss = self.criterion(outputs, targets)
+                loss.backward()
+            else:
+                loss = _loss(model, batch, precision, self.criterion, self._forward)
+                precision.backward(loss)
+            # In place when allowed: a new detached tensor costs ~1% of a tiny model's step.
+            loss = loss.detach_() if loss._base is None else loss.detach()
+        else:
+            loss, total = _accumulate(model, window, precision, self.criterion, self._forward,
+                                      self.device)
+        value = None
+        if check_finite:
+            value = loss.item()  # host sync (see train_window)
+            nonfinite = not math.isfinite(value)
+            if self.agree is not None:
+                nonfinite = self.agree(nonfinite)
+            if nonfinite:
+                optimizer.zero_grad(set_to_none=True)
+                return StepResult(loss, None, False, total, False, value)
+        finite_flag = None
+        if guard_finite and not check_finite:
+            finite_flag = _drop_nonfinite_gradients(optimizer, loss, self.agree)
+        grad_norm = None
+        if self.clip_val is not None:
+            grad_norm = self._clip()
+        if self._plain:
+            optimizer.step()
+            stepped = True
+        else:
+            stepped = precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        # tuple.__new__ directly: the NamedTuple's own __new__ is one more Python call a step
+        return _new_tuple(StepResult, (loss, grad_norm, stepped, total, True, value, finite_flag))
+
+    def _clip(self) -> torch.Tensor | None:
+        """Clip the gradients by norm (returning the norm before clipping) or by value."""
+        self.precision.unscale_(self.optimizer)  # clip true gradients, not loss-scaled ones
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.clip_algorithm != "norm":
+            nn.utils.clip_grad_value_(params, self.clip_val)
+            return None
+        grad_norm = nn.utils.clip_grad_norm_(params, self.clip_val)
+        full_tensor = getattr(grad_norm, "full_tensor", None)  # FSDP: a DTensor
+        if full_tensor is not None:  # the norm over all shards, as a plain tensor
+            grad_norm = full_tensor()
+        return grad_norm
+
+
+def _own_scalars_to(scalars: dict[str, DeviceMean], forward: Forward) -> Forward:
+    """``forward`` returning ``(outputs, targets)`` always, its third item's scalars (if any)
+    added to ``scalars``: one ``len`` a micro-batch when it returns none."""
+
+    def split(result: Sequence[Any]) -> tuple[Any, Any]:
+        if len(result) != 3:
+            raise TrainkitError(f"forward returned {len(result)} items: return (outputs, "
+                                "targets) or (outputs, targets, {name: scalar})")
+        outputs, targets, own = result
+        add_scalars(scalars, own)
+        return outputs, targets
+
+    def split_forward(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
+        result = forward(model, batch)
+        return result if len(result) == 2 else split(result)
+
+    split_forward.split = split  # type: ignore[attr-defined]
+    return split_forward
+
+
+def add_scalars(scalars: dict[str, DeviceMean], own: Any) -> None:
+    """Add a forward's ``{name: scalar}`` to the mean of each name, without a host read.
+
+    Raises:
+        TrainkitError: ``own`` is not a mapping, or a value is not a 0-d tensor or a number.
+    """
+    if not isinstance(own, Mapping):
+        raise TrainkitError(f"forward's third item is a {type(own).__name__}, not a mapping: "
+                            "return (outputs, targets, {'name': scalar_tensor})")
+    for name, value in own.items():
+        if type(value) is not torch.Tensor or value.ndim:
+            value = _scalar(name, value)
+        elif value.dtype is not torch.float32:  # one dtype per mean: its values stack
+            value = value.detach().float()
+        else:
+            value = value.detach()  # not the graph: a mean over the window would keep it alive
+        mean = scalars.get(name)
+        if mean is None:
+            if name in _TRAINKITS:
+                raise TrainkitError(f"forward's scalar {name!r} would replace trainkit's own "
+                                    f"train/{name}: give it another name")
+            mean = scalars[name] = DeviceMean()
+        mean.add(value)
+
+
+def _scalar(name: Any, value: Any) -> float | torch.Tensor:
+    """A number as a float, a 0-d tensor (of a subclass) as float32; else a one-line error."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim:
+            raise TrainkitError(f"forward's scalar {name!r} has shape {tuple(value.shape)}: "
+                                "return a 0-d tensor (e.g. its .mean()) or a number")
+        return value.detach().float()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise TrainkitError(f"forward's scalar {name!r} is a {type(value).__name__}: return a 0-d "
+                        "tensor or a number")
+
+
+def _loss(model: nn.Module, batch: Batch, precision: Precision, criterion: Criterion,
+          forward: Forward) -> torch.Tensor:
+    """One micro-batch's forward pass and loss, under autocast when the precision has one."""
+    if precision.dtype is None:  # fp32: no context to enter (this runs every micro-step)
+        outputs, targets = forward(model, batch)
+        return criterion(outputs, targets)
+    with precision.autocast():
+        outputs, targets = forward(model, batch)
+        return criterion(outputs, targets)
+
+
+def _accumulate(model: nn.Module, window: Sequence[Batch], precision: Precision,
+                criterion: Criterion, forward: Forward,
+                device: torch.device) -> tuple[torch.Tensor, int]:
+    """Forward/backward each micro-batch of a window of several, each loss weighted by its share
+    of the samples; returns the window's mean loss (detached) and its sample count."""
+    sizes = [batch_size(b) for b in window]
+    total = sum(sizes)
+    last = len(window) - 1
+    losses = []
+    for i, batch in enumerate(window):
+        batch = move_to_device(batch, device)
+        # Only the last micro-batch's backward all-reduces gradients under DDP.
+        with _SYNC if i == last else sync_gradients(model, sync=False):
+            loss = _loss(model, batch, precision, criterion, forward) * (sizes[i] / total)
+            precision.backward(loss)
+        losses.append(loss.detach_())  # the product is no view: detached in place
+    # Weighted micro-batch losses add up to the window's mean.
+    return torch.stack(losses).sum(), total
+
+
+def _drop_nonfinite_gradients(optimizer: torch.optim.Optimizer, loss: torch.Tensor,
+                              agree: Callable[[Any], Any] | None) -> torch.Tensor:
+    """Zero every gradient when ``loss`` is NaN/inf, on the device: no host read, no sync."""
+    finite = torch.isfinite(loss)
+    if agree is not None:  # any rank's bad loss drops every rank's step (a device all-reduce)
+        finite = agree(finite.logical_not()).logical_not()
+    bad = finite.logical_not()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                param.grad.masked_fill_(bad, 0.0)  # a 0-d mask: all or nothing
+    return finite
