@@ -189,7 +189,6 @@ def _compute_verdict(settings: TrainConfig, runtime: Runtime, alone: Phase,
     return text + f"; peak memory {alone.peak_gib:.1f} of {total:.0f} GiB: {room}"
 
 
-
 def _table(settings: TrainConfig, runtime: Runtime, seconds: float, phases: list[Phase],
            variants: list[dict[str, Any]], ranks: list[list[dict[str, Any]]]) -> str:
     where = "of the GPU" if runtime.device.type == "cuda" else "of RAM"
