@@ -120,8 +120,8 @@ def with_trainkit(batches: Batches, *, sinks: tuple[Any, ...] = (),
 
 
 def with_mlflow(uri: str, closing: list[float]) -> Callable[[Batches], float]:
-    """The MLflow side (a new MLflow run each fit) and its plain twin: both log every
-    ``TrainerConfig.log_every_n_steps`` (the default, 50) and are timed to the summary."""
+    """The MLflow side: a new MLflow run each fit, logging every
+    ``TrainerConfig.log_every_n_steps`` (the default, 50), timed to the summary."""
     every = TrainerConfig.log_every_n_steps
     return lambda batches: with_trainkit(batches, sinks=(MLflowSink(uri),), every=every,
                                          closing=closing)
@@ -213,7 +213,7 @@ def _measure(steps: int, rounds: int, threads: int, mlflow_uri: str | None = Non
     closing: list[float] = []  # the MLflow side's
     twins = ("trainkit@50", "trainkit+mlflow")  # on fits ten times as long
     if mlflow_uri:
-        sides["trainkit@50"] = functools.partial(
+        sides["trainkit@50"] = functools.partial(  # the same without: timed the same way
             with_trainkit, every=TrainerConfig.log_every_n_steps, closing=[])
         sides["trainkit+mlflow"] = with_mlflow(mlflow_uri, closing)
     lightning = lightning_side()
