@@ -13,7 +13,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,15 +71,8 @@ def load_mnist(
         torch.Size([10000, 1, 28, 28])
     """
     raw = Path(root) / "MNIST" / "raw"
-    missing = [name for name in MNIST_MD5 if not (raw / name).is_file()]
-    if missing and download:
-        try:
-            download_mnist(root)
-        except Exception as err:  # offline, proxy, disk full: all end the same way for the user
-            raise _not_found("MNIST", "mnist", raw, missing, err) from None
-        missing = [name for name in MNIST_MD5 if not (raw / name).is_file()]
-    if missing:
-        raise _not_found("MNIST", "mnist", raw, missing, None)
+    _have_files("MNIST", "mnist", raw, list(MNIST_MD5),
+                (lambda: download_mnist(root)) if download else None)
     split = "train" if train else "t10k"
     images_file, labels_file = f"{split}-images-idx3-ubyte", f"{split}-labels-idx1-ubyte"
     try:
@@ -121,6 +114,21 @@ def read_idx(path: Path, *, ndim: int, md5: str | None = None) -> torch.Tensor:
         raise ValueError(f"{path.name}: {len(data) - header} bytes of data, but its header "
                          f"says {' x '.join(map(str, shape))}")
     return torch.frombuffer(data, dtype=torch.uint8, offset=header).view(shape)
+
+
+def _have_files(title: str, name: str, folder: Path, files: list[str],
+                fetch: Callable[[], object] | None) -> None:
+    """Every one of ``files`` in ``folder``, fetched once by ``fetch`` (None: downloads are
+    off) when some are missing; else the one-line error of :func:`_not_found`."""
+    missing = [file for file in files if not (folder / file).is_file()]
+    if missing and fetch is not None:
+        try:
+            fetch()
+        except Exception as err:  # offline, proxy, disk full: all end the same way for the user
+            raise _not_found(title, name, folder, missing, err) from None
+        missing = [file for file in files if not (folder / file).is_file()]
+    if missing:
+        raise _not_found(title, name, folder, missing, None)
 
 
 def _not_found(title: str, name: str, folder: Path, missing: list[str],
@@ -170,15 +178,8 @@ def load_cifar10(
     """
     folder = Path(root) / CIFAR10_FOLDER
     files = cifar10_files(train)
-    missing = [name for name in files if not (folder / name).is_file()]
-    if missing and download:
-        try:
-            download_cifar10(root)
-        except Exception as err:  # offline, proxy, disk full: all end the same way for the user
-            raise _not_found("CIFAR-10", "cifar10", folder, missing, err) from None
-        missing = [name for name in files if not (folder / name).is_file()]
-    if missing:
-        raise _not_found("CIFAR-10", "cifar10", folder, missing, None)
+    _have_files("CIFAR-10", "cifar10", folder, list(files),
+                (lambda: download_cifar10(root)) if download else None)
     if verify:
         for name, md5 in files.items():
             check_md5(folder / name, md5)
