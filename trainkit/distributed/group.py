@@ -32,6 +32,7 @@ TIMEOUT_ENV = "TRAINKIT_DIST_TIMEOUT_S"
 _RUN_DIR_KEY = "trainkit/run_dir"
 _job_stores: list[Any] = []  # the store init_process_group joined (one at most)
 _cpu_group_cache: list[Any] = []  # [group] once made: a gloo group when the default has none
+_shutdowns: list[None] = []  # one entry per shutdown of a group that this process joined
 
 
 def is_distributed() -> bool:
@@ -129,10 +130,30 @@ def shutdown() -> None:
     """Leave the process group (``destroy_process_group``); nothing to do when there is none."""
     if dist.is_available() and dist.is_initialized():
         # No rank tears its connections down while another still reads from them (gloo aborts
-        # the process when a peer vanishes mid-read).
-        dist.barrier(group=_cpu_group())
+        # the process when a peer vanishes mid-read): every rank first waits for all the others.
+        if _job_stores and is_distributed():
+            _store_barrier(_job_stores[0])
+        else:
+            dist.barrier(group=_cpu_group())
         dist.destroy_process_group()
     _cpu_group_cache.clear()
+
+
+def _store_barrier(store: dist.Store) -> None:
+    """Wait for every rank in the job's key-value store rather than with a gloo collective.
+
+    A gloo barrier holds the collectives still in flight when it starts (the last all-gather of
+    the run, say) and one of gloo's worker threads frees them after the barrier has returned.
+    Where the group outlives ``destroy_process_group`` (FSDP's device mesh keeps it, in torch's
+    DTensor caches), that thread can still be freeing tensors when the interpreter exits: it
+    then needs the GIL of a finalizing interpreter and the process aborts ("terminate called
+    without an active exception", exit -6) after a run that finished. The store holds nothing.
+    """
+    _shutdowns.append(None)  # every rank shuts down the same number of times: a key per one
+    key = f"{_attempt_prefix()}/shutdown_{len(_shutdowns)}"
+    if store.add(key, 1) == dist.get_world_size():
+        store.set(f"{key}/all", "1")
+    store.wait([f"{key}/all"])
 
 
 def sum_across_ranks(*values: torch.Tensor | float) -> list[float]:
