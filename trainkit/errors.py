@@ -34,7 +34,7 @@ class ConfigError(TrainkitError, ValueError):
     """A config value of the wrong type or out of range."""
 
 
-def one_line(err: BaseException, limit: int = 300) -> str:
+def one_line(err: BaseException | str, limit: int = 300) -> str:
     """``err``'s message with its whitespace folded, for embedding in a one-line error."""
     return " ".join(str(err).split())[:limit] or type(err).__name__
 

@@ -133,6 +133,33 @@ def test_mlflow_under_torchrun_is_one_run(tmp_path: Path, mnist_root: Path,
     assert [m.step for m in history] == [r["step"] for r in _jsonl(run_dir) if "train/loss" in r]
 
 
+def test_mlflow_ends_the_run_as_failed_when_training_is_killed(
+        tmp_path: Path, mnist_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL (the OOM killer, a scheduler's last word) leaves no time to end the MLflow run:
+    the sink's own process sees its input end and ends the run, with what reached it."""
+    run_dir, store = tmp_path / "run", tmp_path / "mlruns"
+    proc = _start(run_dir, mnist_root, "trainer.max_epochs=100000",
+                  "trainer.max_steps=1000000", *_mlflow(store))
+    kept, jsonl = run_dir / "trackers" / "mlflow.json", run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (kept.is_file() and jsonl.is_file() and len(jsonl.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, f"the run ended (status {proc.returncode}) too early"
+        assert time.monotonic() < deadline, "no MLflow run and logging steps in time"
+        time.sleep(0.02)
+    proc.kill()
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    client = _client(store, monkeypatch)
+    run_id = json.loads(kept.read_text())["run_id"]
+    while client.get_run(run_id).info.status == "RUNNING":
+        assert time.monotonic() < deadline + 60, "the MLflow run was never ended"
+        time.sleep(0.1)
+    assert client.get_run(run_id).info.status == "FAILED"
+    logged = [m.step for m in client.get_metric_history(run_id, "train/loss")]
+    written = [r["step"] for r in _jsonl(run_dir) if "train/loss" in r]
+    # metrics.jsonl hears each logging step just before MLflow's sink: the kill may fall between
+    assert logged and logged in (written, written[:-1])
+
+
 def _wandb_env(wandb_dir: Path, **extra: str) -> dict[str, str]:
     return offline_env(WANDB_MODE="offline", WANDB_DIR=str(wandb_dir), **extra)
 

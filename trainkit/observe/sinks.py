@@ -136,11 +136,15 @@ class Sinks:
         warn_failed(type(sink).__name__, err)
 
 
-def warn_failed(name: str, err: BaseException) -> None:
-    """The one line that says a sink failed and is off for the rest of the run."""
-    log.warning("metrics sink %s failed and is off for the rest of this run (%s: %s); "
+def warn_failed(name: str, err: BaseException | str) -> None:
+    """The one line that says a sink failed and is off for the rest of the run.
+
+    ``err``: the error, or its ``"Type: message"`` as a sink's own process reported it.
+    """
+    reason = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+    log.warning("metrics sink %s failed and is off for the rest of this run (%s); "
                 "training goes on, and metrics.jsonl has every metric", name,
-                type(err).__name__, one_line(err, 160))
+                one_line(reason, 200))
 
 
 def remember_tracker_run(run_dir: Path | None, name: str, run: Mapping[str, Any]) -> None:

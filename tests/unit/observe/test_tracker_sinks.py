@@ -121,3 +121,19 @@ def test_mlflow_logs_a_replayed_step_once(tmp_path: Path,
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")] == [2, 4, 6]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [2, 2, 4, 4, 6, 6, 6, 6]
+
+
+def test_mlflow_with_its_server_unreachable_costs_one_warning_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mlflow")
+    # the sink's process inherits these: one quick try, instead of MLflow's minutes of retries
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    sink = MLflowSink("http://127.0.0.1:9")  # the discard port: nothing listens
+    summary = _fit(tmp_path, [sink])
+    assert summary["status"] == "completed" and sink.run_id is None
+    warnings = [line for line in (tmp_path / "train.log").read_text().splitlines()
+                if "MLflowSink" in line]
+    assert len(warnings) == 1 and "metrics sink MLflowSink failed" in warnings[0]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6, 6]
