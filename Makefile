@@ -24,9 +24,16 @@ $(STAMP): pyproject.toml
 train: install
 	$(PY) -m trainkit.train +exp=mnist $(ARGS)
 
+# Most tests wait on processes they start (a Python and torch start is ~3 s of one core), so two
+# pytest workers share a 2-core machine well; the tests marked serial measure time (data waits,
+# throughput, hang timeouts) and run alone after the rest. Exit 5 is "no test selected" (a
+# PYTEST_ARGS that picks tests of one kind only).
+WORKERS ?= 2
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(WORKERS) -m "not serial" $(PYTEST_ARGS); rest=$$?; \
+	$(PY) -m pytest -m serial $(PYTEST_ARGS); serial=$$?; \
+	for status in $$rest $$serial; do [ $$status = 0 ] || [ $$status = 5 ] || exit $$status; done
 
 lint: install
 	$(PY) -m ruff check .

@@ -15,7 +15,7 @@ from tests.dist.test_torchrun import STEPS, only_run_dir, overrides, torchrun
 from tests.dist.test_torchrun import data_root  # noqa: F401  (the fixture: same fake files)
 from trainkit.distributed.watchdog import EXIT_HUNG
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.serial]
 
 TIMEOUT = "trainer.hang_timeout_s=2"
 SLEEP_AT = ["+model.fault=sleep", "+model.fault_at=3"]  # rank 1 (FlatNet's default fault_rank)

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import REPO, offline_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def test_two_ranks_measure_and_rank_0_prints(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import offline_env, run_train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 ENV = offline_env(OMP_NUM_THREADS="1")  # as tests/integration/test_probe.py
 

@@ -221,6 +221,9 @@ def test_make_targets_run_what_the_readme_says() -> None:
                            cwd=REPO, capture_output=True, text=True, timeout=60, check=True).stdout
     assert "-m trainkit.train +exp=mnist data.batch_size=256" in shown, shown
     assert "-m ruff check ." in shown and "-m pytest" in shown, shown
+    # the suite in two workers, then the tests that measure time alone
+    assert '-m pytest -n 2 -m "not serial"' in shown and "-m pytest -m serial" in shown, shown
+    assert '"serial: ' in (REPO / "pyproject.toml").read_text()
     assert "-m benchmarks" in shown and ".[bench]" in shown, shown
     assert '"slow: ' in (REPO / "pyproject.toml").read_text()
 

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import run_train, tiny_run
 from trainkit.distributed.watchdog import EXIT_HUNG
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def test_a_stuck_step_with_abort_dumps_says_so_and_exits_with_a_hung_summary(

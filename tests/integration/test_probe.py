@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO, error_report, offline_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 # One intra-op thread: on a 2-core machine the step's threads and the loader's workers would
 # otherwise spin against each other and the figures would say more about the machine than the run.

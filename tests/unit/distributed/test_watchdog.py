@@ -23,6 +23,8 @@ from trainkit import CheckpointConfig, ConfigError, Trainer, TrainerConfig
 from trainkit.distributed.heartbeats import Board, behind_ranks, hang_line
 from trainkit.distributed.watchdog import Watchdog
 
+pytestmark = pytest.mark.serial  # timings: run alone (see pyproject.toml)
+
 BLOCK_AT = 8  # the first sample of the third batch of 4: steps 1 and 2 complete first
 
 

@@ -14,6 +14,8 @@ from tests.conftest import REPO
 from trainkit import Trainer, TrainerConfig
 from trainkit.config import CheckpointConfig
 
+pytestmark = pytest.mark.serial  # page faults counted: run alone (see pyproject.toml)
+
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 
 FAULTS = """
