@@ -125,7 +125,9 @@ def test_consolidate_on_a_run_of_single_files_says_nothing_needs_it(
     result = _run("-m", "trainkit", "checkpoint", "consolidate", str(run6), str(out))
     assert result.returncode == 2
     _, last = error_report(result.stderr)
-    assert f"this run's checkpoints are single files already (newest: {last_pt})" in last
+    # whole in the last line, or (a long temporary path) in the detail line above its shortening
+    assert f"this run's checkpoints are single files already (newest: {last_pt})" in result.stderr
+    assert "single files already" in last
     assert "nothing needs consolidating" in last and "checkpoints/last " not in last
     # its checkpoints folder, and the file itself (in this process: the same command)
     for source, words in ((run6 / "checkpoints", "single files already"),

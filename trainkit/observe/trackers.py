@@ -170,7 +170,8 @@ class MLflowSink:
             "kept": tracker_runs(run_dir).get("mlflow", {}), "send_every_s": self.send_every_s}})
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self._send({"log": [dict(metrics), step, int(time.time() * 1000)]})
+        values = {key: float(value) for key, value in metrics.items()}
+        self._send({"log": [values, step, int(time.time() * 1000)]})
 
     def finish(self, status: str, summary: Mapping[str, Any]) -> None:
         self._send({"finish": [status, dict(summary)]})
