@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ TIMEOUT_ENV = "TRAINKIT_DIST_TIMEOUT_S"
 _RUN_DIR_KEY = "trainkit/run_dir"
 _job_stores: list[Any] = []  # the store init_process_group joined (one at most)
 _cpu_group_cache: list[Any] = []  # [group] once made: a gloo group when the default has none
-_shutdowns: list[None] = []  # one entry per shutdown of a group that this process joined
+_shutdowns = itertools.count(1)  # numbers this process's shutdowns (every rank counts alike)
 
 
 def is_distributed() -> bool:
@@ -149,8 +150,7 @@ def _store_barrier(store: dist.Store) -> None:
     then needs the GIL of a finalizing interpreter and the process aborts ("terminate called
     without an active exception", exit -6) after a run that finished. The store holds nothing.
     """
-    _shutdowns.append(None)  # every rank shuts down the same number of times: a key per one
-    key = f"{_attempt_prefix()}/shutdown_{len(_shutdowns)}"
+    key = f"{_attempt_prefix()}/shutdown_{next(_shutdowns)}"
     if store.add(key, 1) == dist.get_world_size():
         store.set(f"{key}/all", "1")
     store.wait([f"{key}/all"])

@@ -9,15 +9,15 @@ is imported) and writes it one JSON line per event on its stdin:
 - ``{"start": {...}}``: where and what (tracking URI, experiment, run name, tags, params, the run
   to resume if any, how often to send);
 - ``{"log": [metrics, step, time_ms]}``: one logging step;
-- ``{"finish": [status, summary]}``: the run's end, as ``summary.json`` says it.
+- ``{"finish": [status, summary]}``: the run's end, as ``summary.json`` says it;
+- ``{"close": true}``: the last line (the sink's ``close``).
 
 It answers on stdout, one JSON line each: ``{"run": {...}}`` once the MLflow run exists (the sink
 keeps it in the run directory), ``{"note": "..."}`` for ``train.log``, and ``{"failed": "Type:
-message"}`` at its first error, after which it only reads until the end of its input. The end of
-its input (the sink closed, or the training process died) ends the MLflow run: FAILED when no
-``finish`` came. It ignores SIGINT, SIGTERM and SIGHUP, which reach the whole process group: it
-lives exactly as long as its input, so that a preempted run's last metrics and status still get
-out.
+message"}`` at its first error, after which it only reads on. ``close``, or the end of its input
+(the training process died), ends the MLflow run: FAILED when no ``finish`` came. It ignores
+SIGINT, SIGTERM and SIGHUP, which reach the whole process group: it lives until the sink closes
+it, so that a preempted run's last metrics and status still get out.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ import sys
 import time
 from typing import Any
 
+# The sink's last line. Its end of input alone would not do: DataLoader workers forked from the
+# training process hold the pipe's write end open for as long as they live.
+CLOSE = '{"close": true}\n'
 # summary.json's status -> MLflow's run status (a preempted run is resumed later: KILLED)
 _MLFLOW_STATUS = {"completed": "FINISHED", "stopped": "FINISHED", "preempted": "KILLED"}
 
@@ -142,10 +145,12 @@ def main() -> None:
     tracker: Tracker | None = None
     failed = False
     for line in sys.stdin:
-        if failed:
-            continue  # read to the end: the training process never waits on a full pipe
         if not line.endswith("\n"):
             break  # the training process died while writing this line: the input has ended
+        if line == CLOSE:
+            break
+        if failed:
+            continue  # read on: the training process never waits on a full pipe
         try:
             message = json.loads(line)
             if "start" in message:

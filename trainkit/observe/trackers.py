@@ -39,6 +39,7 @@ from typing import Any
 
 from trainkit.config import flatten
 from trainkit.errors import ConfigError
+from trainkit.observe.mlflow_process import CLOSE
 from trainkit.observe.sinks import remember_tracker_run, tracker_runs, warn_failed
 
 __all__ = ["MLflowSink", "WandbSink"]
@@ -177,17 +178,18 @@ class MLflowSink:
         self._send({"finish": [status, dict(summary)]})
 
     def close(self) -> None:
-        """Send what is left and end the process's input (which ends the MLflow run), then wait
-        up to ``close_timeout_s`` for it; a process still busy then is stopped, with a warning."""
-        proc, self._proc = self._proc, None
-        if proc is None:
+        """Send what is left and the last line (which ends the MLflow run), then wait up to
+        ``close_timeout_s`` for the process; one still busy then is stopped, with a warning."""
+        if self._proc is None:
             return
+        proc, self._proc = self._proc, None
+        self._unsent += CLOSE.encode()  # also after a failure: the process reads until this line
         deadline = time.monotonic() + self.close_timeout_s
-        while self._unsent and not self._failed and time.monotonic() < deadline:
+        while self._unsent and time.monotonic() < deadline:
             select.select([], [proc.stdin], [], max(0.0, deadline - time.monotonic()))
             self._write(proc)
         with contextlib.suppress(OSError):
-            proc.stdin.close()  # the end of its input: it ends the run and exits
+            proc.stdin.close()
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -216,6 +218,7 @@ class MLflowSink:
             return
         except OSError as err:  # the process is gone (it said why on stdout, or it crashed)
             self._fail(f"{type(err).__name__}: {err}")
+            self._unsent.clear()  # nothing more can reach it
             return
         del self._unsent[:written]
 

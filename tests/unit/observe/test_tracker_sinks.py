@@ -137,3 +137,35 @@ def test_mlflow_with_its_server_unreachable_costs_one_warning_line(
     assert len(warnings) == 1 and "metrics sink MLflowSink failed" in warnings[0]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 6, 6]
+
+
+def test_one_mlflow_sink_serves_two_fits_fed_by_a_dataloader_with_persistent_workers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's DataLoader: its workers, forked while the sink's process runs, hold that process's
+    input open for as long as they live; the sink's close must end the MLflow run anyway. The
+    same sink then serves a second fit in this process: a second MLflow run."""
+    mlflow = pytest.importorskip("mlflow")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"file:{tmp_path / 'mlruns'}"
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(48, 4, generator=g),
+                                    torch.randint(0, 3, (48,), generator=g)),
+                      batch_size=8, num_workers=2, persistent_workers=True)
+    sink = MLflowSink(uri)
+    for name in ("first", "second"):
+        model = nn.Sequential(nn.Linear(4, 3))
+        trainer = Trainer(TrainerConfig(device="cpu", max_epochs=1, log_every_n_steps=2),
+                          run_dir=tmp_path / name, checkpoint=CheckpointConfig(resume=None),
+                          sinks=[sink])
+        assert trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           data)["status"] == "completed"
+        assert "MLflowSink" not in (tmp_path / name / "train.log").read_text()
+    client = mlflow.tracking.MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("trainkit").experiment_id])
+    assert sorted(run.info.run_name for run in runs) == ["first", "second"]
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+        assert steps == [2, 4, 6]
