@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -60,11 +61,13 @@ def _start(run_dir: Path, mnist_root: Path, *extra: str) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "trainkit.train", *tiny_run(run_dir, mnist_root, *extra)],
             cwd=REPO, env=offline_env(), stdout=out, stderr=subprocess.STDOUT,
-            preexec_fn=hear_preemption_signals)
+            preexec_fn=hear_preemption_signals, start_new_session=True)
 
 
 def _preempt(run_dir: Path, mnist_root: Path, *extra: str) -> int:
-    """Start a run, SIGTERM it after some logged steps; the step it stopped at."""
+    """Start a run, SIGTERM its whole process group after some logged steps, as SLURM or
+    systemd would (a tracker's own process must not die before it has sent the run's end);
+    the step it stopped at."""
     proc = _start(run_dir, mnist_root, *extra)
     deadline = time.monotonic() + 120
     jsonl = run_dir / "metrics.jsonl"
@@ -72,7 +75,7 @@ def _preempt(run_dir: Path, mnist_root: Path, *extra: str) -> int:
         assert proc.poll() is None, f"the run ended (status {proc.returncode}) too early"
         assert time.monotonic() < deadline, "no logging steps in time"
         time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=120) == 75
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "preempted"

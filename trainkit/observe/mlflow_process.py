@@ -15,15 +15,15 @@ is imported) and writes it one JSON line per event on its stdin:
 It answers on stdout, one JSON line each: ``{"run": {...}}`` once the MLflow run exists (the sink
 keeps it in the run directory), ``{"note": "..."}`` for ``train.log``, and ``{"failed": "Type:
 message"}`` at its first error, after which it only reads on. ``close``, or the end of its input
-(the training process died), ends the MLflow run: FAILED when no ``finish`` came. It ignores
-SIGINT, SIGTERM and SIGHUP, which reach the whole process group: it lives until the sink closes
-it, so that a preempted run's last metrics and status still get out.
+(the training process died), ends the MLflow run: FAILED when no ``finish`` came. The sink
+starts it in a session of its own, out of reach of the signals sent to the training job's process
+group (Ctrl-C, SLURM, systemd): it lives until the sink closes it, so that a preempted run's last
+metrics and status still get out.
 """
 
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import time
 from typing import Any
@@ -140,8 +140,6 @@ def _answer(message: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(number, signal.SIG_IGN)
     tracker: Tracker | None = None
     failed = False
     for line in sys.stdin:

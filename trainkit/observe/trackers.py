@@ -156,7 +156,8 @@ class MLflowSink:
         self._proc = subprocess.Popen(
             [sys.executable, "-c", "import runpy, sys; runpy.run_path(sys.argv[1], "
              "run_name='__main__')", str(script)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            start_new_session=True)  # a signal to the job's group must not stop it before close
         os.set_blocking(self._proc.stdin.fileno(), False)  # the loop never waits on MLflow
         self._reader = threading.Thread(target=self._read, args=(self._proc, run_dir),
                                         name="trainkit-MLflowSink", daemon=True)
