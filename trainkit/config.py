@@ -157,6 +157,9 @@ class DataConfig:
     val_fraction: float = 0.1  # no val/ folder: this fraction of each class validates (seeded)
     skip_corrupt: bool = False  # an unreadable file: skip it (counted), instead of stopping
     decode: str = "cpu"  # JPEGs: cpu (in the loader's workers) or gpu (nvJPEG, batches of bytes)
+    # dataset._target_ returning a Hugging Face datasets.Dataset: its image and label columns
+    image_column: str = "image"
+    label_column: str = "label"
 
     def __post_init__(self) -> None:
         _check_int("data.batch_size", self.batch_size, minimum=1)
