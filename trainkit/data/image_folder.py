@@ -83,7 +83,7 @@ def _class_folders(folder: Path) -> list[str]:
                    if entry.is_dir() and not entry.name.startswith("."))
     if not names:
         raise TrainkitError(f"{folder} has no class folders: put each class's images in a "
-                            f"folder of its own, {folder}/<class name>/<image files>")
+                            "folder of its own, named for the class")
     return names
 
 
