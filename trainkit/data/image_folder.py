@@ -110,9 +110,8 @@ def _image_files(folder: Path) -> list[str]:
                 continue  # .DS_Store and the like
             path = os.path.join(top, name)
             if not name.lower().endswith(IMAGE_SUFFIXES):
-                raise TrainkitError(f"{path} is not an image file (one of "
-                                    f"{' '.join(IMAGE_SUFFIXES)}): move it out of the class "
-                                    "folders")
+                raise TrainkitError(f"a class folder holds a file that is not an image (one "
+                                    f"of {' '.join(IMAGE_SUFFIXES)}), move it out: {path}")
             found.append(path)
     return found
 

@@ -72,7 +72,8 @@ def test_a_non_image_file(tmp_path: Path) -> None:
     notes = tmp_path / "train" / "class_1" / "notes.txt"
     notes.write_text("labels were checked twice")
     (tmp_path / "train" / "class_1" / ".DS_Store").write_bytes(b"\0")  # hidden: ignored
-    assert f"{notes} is not an image file" in _layout_error(tmp_path)
+    assert _layout_error(tmp_path).endswith(f"not an image (one of .jpg .jpeg .png .ppm .bmp "
+                                           f".pgm .tif .tiff .webp .gif), move it out: {notes}")
 
 
 def test_bad_files_come_back_as_samples_not_exceptions(tmp_path: Path, folder: Path) -> None:
