@@ -115,8 +115,9 @@ def test_truncated_file_without_skip_stops_in_one_line_and_keeps_checkpoints(
     cut = truncate(sorted((root / "train" / "class_0").glob("*.jpg"))[0])
     result = run_train(*folder_run(run_dir, root, "trainer.max_epochs=2"))
     assert result.returncode == 2
-    _, last = error_report(result.stderr)
-    assert last.endswith(cut.name) and "skip_corrupt" in last, last
+    details, last = error_report(result.stderr)
+    assert last.endswith(cut.name), last
+    assert "data.skip_corrupt=true" in "\n".join(details), details  # the whole line, long
     assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == before
 
     cut.unlink()  # a class renamed (same count): the checkpoint's classes are not the data's

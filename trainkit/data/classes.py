@@ -57,9 +57,8 @@ def check_same_classes(saved: Sequence[str] | None, live: Sequence[str]) -> None
     gone, new = sorted(set(saved) - set(live)), sorted(set(live) - set(saved))
     what = (f"missing now: {_few(gone)}; new: {_few(new)}" if gone or new
             else "the same names in another order")
-    raise TrainkitError(f"the checkpoint's classes differ from the data's ({len(saved)} then, "
-                        f"{len(live)} now; {what}): resume with the same class folders, or "
-                        "start a new run (checkpoint.init_from=<checkpoint> to fine-tune)")
+    raise TrainkitError(f"the checkpoint's classes differ from the data's ({what}): resume "
+                        "with the same class folders, or start a new run")
 
 
 def _few(names: list[str]) -> str:
