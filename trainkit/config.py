@@ -18,7 +18,7 @@ PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
 PAD_MODES = ("constant", "reflect")
 HANG_ACTIONS = ("report", "abort")
 STRATEGIES = ("auto", "ddp", "fsdp")
-DECODERS = ("cpu", "gpu")
+DECODERS = ("cpu",)  # "gpu" (batches of JPEG bytes to nvJPEG) is planned
 
 
 @dataclass
@@ -156,7 +156,7 @@ class DataConfig:
     eval_transforms: list[Any] | None = None
     val_fraction: float = 0.1  # no val/ folder: this fraction of each class validates (seeded)
     skip_corrupt: bool = False  # an unreadable file: skip it (counted), instead of stopping
-    decode: str = "cpu"  # JPEGs: cpu (in the loader's workers) or gpu (nvJPEG, batches of bytes)
+    decode: str = "cpu"  # JPEGs decoded in the loader's workers; "gpu" (nvJPEG) is not built yet
     # dataset._target_ returning a Hugging Face datasets.Dataset: its image and label columns
     image_column: str = "image"
     label_column: str = "label"
@@ -199,7 +199,7 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
         _check_bool("data.skip_corrupt", self.skip_corrupt)
         if self.decode not in DECODERS:
-            raise ConfigError(f"data.decode={self.decode!r}: use 'cpu' or 'gpu'")
+            raise ConfigError(f"data.decode={self.decode!r}: use 'cpu'")
 
 
 @dataclass

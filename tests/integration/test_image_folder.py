@@ -161,3 +161,55 @@ def test_own_dataset_trains_and_resumes_mid_epoch_exactly(tmp_path: Path, target
         state = torch.load(path, map_location="cpu", weights_only=True)
         assert state["data"]["classes"] == ["class_0", "class_1", "class_2"]
     shutil.rmtree(tmp_path / "kept")
+
+
+def test_folder_experiment_and_resnet18_train_with_nothing_else_set(tmp_path: Path) -> None:
+    """The README's two commands, shrunk only in size: `data=image_folder model=resnet18` and
+    `+exp=folder` (AdamW, warmup-cosine, label smoothing, EMA, best.pt by val/acc)."""
+    root = make_folder(tmp_path / "images", classes=2, per_class=2, val_per_class=1)
+    shrink = ("data.image_size=32", "data.batch_size=2", "data.num_workers=1",
+              "trainer.max_epochs=1", "trainer.precision=32")
+    for name, command in (("plain", ("data=image_folder", f"data.root={root}", "model=resnet18")),
+                          ("exp", ("+exp=folder", f"data.root={root}"))):
+        result = run_train(*command, f"hydra.run.dir={tmp_path / name}", *shrink)
+        assert result.returncode == 0, result.stderr[-2000:]
+        state = last_checkpoint(tmp_path / name)
+        assert state["config"]["model"]["_target_"] == "torchvision.models.resnet18"
+        assert state["config"]["model"]["num_classes"] == 2  # ${data.num_classes}
+        assert state["config"]["metrics"]["acc"]["num_classes"] == 2
+    assert (tmp_path / "exp" / "checkpoints" / "best.pt").is_file()
+    assert state["ema"] is not None and state["config"]["loss"]["label_smoothing"] == 0.1
+
+
+def _mnist_as_png(raw_root: Path, out: Path) -> Path:
+    """Real MNIST written out as ``train/<digit>/*.png`` and ``val/<digit>/*.png``."""
+    from PIL import Image
+
+    from trainkit.data.datasets import load_mnist
+
+    for split, train in (("train", True), ("val", False)):
+        data = load_mnist(raw_root, train=train, download=False)
+        for digit in range(10):
+            (out / split / str(digit)).mkdir(parents=True)
+        for i, (image, label) in enumerate(zip(data.images.numpy(), data.labels.tolist())):
+            Image.fromarray(image[0]).save(out / split / str(label) / f"{i:05d}.png",
+                                           compress_level=1)
+    return out
+
+
+@pytest.mark.realdata
+def test_real_mnist_as_png_folders_reaches_98_5_percent(tmp_path: Path,
+                                                         real_mnist_root: Path) -> None:
+    """The image path learns as the tensor path does: MnistNet, one epoch of PNGs, grayscale."""
+    root = _mnist_as_png(real_mnist_root, tmp_path / "mnist")
+    result = run_train(
+        "data=image_folder", f"data.root={root}", f"hydra.run.dir={tmp_path / 'run'}",
+        "data.channels=1", "data.image_size=28", "data.scale=[1,1]", "data.ratio=[1,1]",
+        "data.crop_pct=1", "data.random_flip=false", "data.mean=[0.1307]", "data.std=[0.3081]",
+        "data.batch_size=256", "data.eval_batch_size=1000", "data.num_workers=2",
+        "model=mnist_net", "optim.lr=0.02", "loss.label_smoothing=0.1", "trainer.max_epochs=1",
+        "trainer.max_steps=188", "trainer.precision=auto", "trainer.channels_last=true",
+        timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["metrics"]["val/acc"] >= 0.985, summary
