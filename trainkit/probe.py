@@ -135,7 +135,8 @@ def _variants(cfg: Any, settings: TrainConfig, runtime: Runtime, seconds: float
         workers = data.num_workers if data.num_workers is not None else default_num_workers()
         more = max(2, 2 * workers)
         tries.append((f"data.num_workers={more}", dataclasses.replace(data, num_workers=more)))
-        tries.append(("data.loader=memory", dataclasses.replace(data, loader="memory")))
+        if data.name != "image_folder":  # files of any size: no in-memory form to try
+            tries.append(("data.loader=memory", dataclasses.replace(data, loader="memory")))
     measured = []
     for setting, changed in tries:
         try:
