@@ -135,6 +135,10 @@ class DataConfig:
     random_crop_padding: int = 0
     random_flip: bool = False
     pad_mode: str = "constant"  # what translation uncovers: constant (zeros) or reflect
+    # data.name=tokens (trainkit.data.tokens): tokens of context per window, and the token
+    # files' dtype (null: meta.json's, else uint16)
+    seq_len: int = 256
+    token_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("data.batch_size", self.batch_size, minimum=1)
@@ -147,6 +151,10 @@ class DataConfig:
         if self.pad_mode not in PAD_MODES:
             raise ConfigError(f"data.pad_mode={self.pad_mode!r} is not one of "
                               f"{', '.join(PAD_MODES)}")
+        _check_int("data.seq_len", self.seq_len, minimum=1)
+        if self.token_dtype not in (None, "uint16", "uint32"):
+            raise ConfigError(f"data.token_dtype={self.token_dtype!r}: use uint16, uint32 or "
+                              "null (from meta.json)")
 
 
 @dataclass
@@ -198,6 +206,8 @@ class TrainConfig:
     optim: Any = None
     sched: Any = None
     loss: Any = None  # null: plain cross-entropy
+    # forward(model, batch) -> (outputs, targets[, {name: scalar}]); null: model(inputs), labels
+    forward: Any = None
     metrics: Any = None  # {name: _target_ node}: evaluation metrics, reported as val/<name>
     dataset: Any = None  # null: the built-in data.name; else your reader(root, train) -> TensorData
     # more metrics sinks beside TensorBoard and metrics.jsonl, name -> `_target_` node, e.g.

@@ -13,6 +13,7 @@ from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.data.loaders import make_loader
 from trainkit.data.memory import InMemoryLoader
 from trainkit.data.prefetch import DevicePrefetcher
+from trainkit.data.tokens import token_loaders
 from trainkit.errors import ConfigError
 from trainkit.runtime import Runtime
 
@@ -43,10 +44,12 @@ def build_loaders(
         ConfigError: an unknown dataset name, or a batch size the data cannot fill.
         TrainkitError: the files are missing (offline), corrupt or malformed.
     """
+    if cfg.name == "tokens":  # a token corpus: windows from memory-mapped files
+        return token_loaders(cfg, runtime, seed=seed)  # type: ignore[return-value]
     if reader is not None:
         train, test = reader(root=cfg.root, train=True), reader(root=cfg.root, train=False)
     elif cfg.name not in READERS:
-        raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(READERS)}; "
+        raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(READERS)}, tokens; "
                           "for your own dataset set dataset._target_ (see the README)")
     else:
         read = READERS[cfg.name]
