@@ -124,9 +124,10 @@ def corpus_meta(root: Path) -> dict[str, Any]:
 
 
 def token_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0
-                  ) -> tuple[TokenLoader, TokenLoader, int | None]:
+                  ) -> tuple[TokenLoader, TokenLoader, int]:
     """Training and evaluation loaders over ``<data.root>/train.bin`` and ``val.bin``, and the
-    corpus's vocabulary size (from ``meta.json``; None without one).
+    vocabulary's size: ``data.num_classes`` when set (at least meta.json's: a model may have
+    unused tokens), else ``meta.json``'s (one of the two is needed).
 
     The dtype is ``data.token_dtype``, else meta.json's, else uint16 (nanoGPT's default).
     """
@@ -139,9 +140,16 @@ def token_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0
     if cfg.token_dtype and meta.get("dtype", cfg.token_dtype) != cfg.token_dtype:
         raise ConfigError(f"data.token_dtype={cfg.token_dtype} but {root / 'meta.json'} says "
                           f"{meta['dtype']}: drop data.token_dtype")
+    vocab = meta.get("vocab_size")
+    if cfg.num_classes is not None and vocab is not None and cfg.num_classes < vocab:
+        raise ConfigError(f"data.num_classes={cfg.num_classes} but {root / 'meta.json'} says "
+                          f"the vocabulary has {vocab} tokens: leave data.num_classes unset")
+    if cfg.num_classes is None and vocab is None:
+        raise ConfigError(f"{root} has no meta.json: set data.num_classes to the vocabulary's "
+                          "size (GPT-2's: 50257)")
     common = {"seq_len": cfg.seq_len, "dtype": dtype, "device": runtime.device, "seed": seed,
               "rank": runtime.rank, "world_size": runtime.world_size}
     return (TokenLoader(root / "train.bin", batch_size=cfg.batch_size, shuffle=True, **common),
             TokenLoader(root / "val.bin", batch_size=cfg.eval_batch_size, shuffle=False,
                         **common),
-            meta.get("vocab_size"))
+            cfg.num_classes or vocab)
