@@ -164,6 +164,13 @@ class DataConfig:
     # files' dtype (null: meta.json's, else uint16)
     seq_len: int = 256
     token_dtype: str | None = None
+    # data.name=webdataset (trainkit.data.shards): training and validation shards, a brace
+    # pattern or a list of paths/URLs (null: <root>/shards.json's); training samples per rank in
+    # an epoch (null: shards.json's total / ranks); the shuffle buffer's samples per worker
+    shards: Any = None
+    val_shards: Any = None
+    epoch_samples: int | None = None
+    shuffle_buffer: int = 1000
 
     def __post_init__(self) -> None:
         _check_int("data.batch_size", self.batch_size, minimum=1)
@@ -178,6 +185,9 @@ class DataConfig:
                               f"{', '.join(PAD_MODES)}")
         self._check_images()
         _check_int("data.seq_len", self.seq_len, minimum=1)
+        if self.epoch_samples is not None:
+            _check_int("data.epoch_samples", self.epoch_samples, minimum=1)
+        _check_int("data.shuffle_buffer", self.shuffle_buffer, minimum=1)
         if self.token_dtype not in (None, "uint16", "uint32"):
             raise ConfigError(f"data.token_dtype={self.token_dtype!r}: use uint16, uint32 or "
                               "null (from meta.json)")

@@ -4,9 +4,11 @@
     python -m trainkit.data verify --root DIR            # every dataset found under DIR
     python -m trainkit.data verify cifar10 --root DIR    # this one must be there
     python -m trainkit.data tokenize FILES_OR_FOLDERS OUT_DIR --tokenizer bytes|gpt2
+    python -m trainkit.data shards IMAGE_FOLDER OUT_DIR --samples-per-shard N
 
 Copy DIR to the offline cluster and point ``data.root`` (or ``TRAINKIT_DATA_DIR``) at it.
-``tokenize`` writes a token corpus (train.bin, val.bin, meta.json) for ``data=tokens``.
+``tokenize`` writes a token corpus (train.bin, val.bin, meta.json) for ``data=tokens``;
+``shards`` webdataset shards and their shards.json for ``data=webdataset``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from trainkit.data.datasets import (
     download_error_lines,
     download_mnist,
 )
+from trainkit.data.shard_writer import write_shards
 from trainkit.data.tokenize import TOKENIZERS, tokenize
 from trainkit.errors import TrainkitError, command_name, print_error
 
@@ -97,9 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     tok.add_argument("--val-fraction", type=float, default=0.1,
                      help="the corpus's last tokens kept for validation (default 0.1)")
     tok.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
+    shards = sub.add_parser("shards", help="an image folder to webdataset shards "
+                                           "(data=webdataset)")
+    shards.add_argument("folder", type=Path, help="train/<class>/ (and val/<class>/) images")
+    shards.add_argument("out_dir", type=Path, help="where the shards and shards.json go")
+    shards.add_argument("--samples-per-shard", type=int, default=1000)
     args = parser.parse_args(argv)
     if args.command == "tokenize":
         return _tokenize(args)
+    if args.command == "shards":
+        return _shards(args)
     unknown = [n for n in args.names if n not in DATASETS]
     if unknown:
         parser.error(f"unknown dataset {', '.join(unknown)}: use {', '.join(DATASETS)}")
@@ -128,6 +138,19 @@ def _tokenize(args: argparse.Namespace) -> int:
         return 2
     print(f"{args.out_dir}: {corpus.train_tokens} training and {corpus.val_tokens} validation "
           f"tokens from {corpus.files} files; train with +exp=lm data.root={args.out_dir}")
+    return 0
+
+
+def _shards(args: argparse.Namespace) -> int:
+    try:
+        index = write_shards(args.folder, args.out_dir, args.samples_per_shard)
+    except TrainkitError as err:
+        print_error(str(err), err.details)
+        return 2
+    counts = ", ".join(f"{len(index[s])} {s} shards ({sum(e['samples'] for e in index[s])} "
+                       "samples)" for s in ("train", "val") if s in index)
+    print(f"{args.out_dir}: {counts}, {len(index['classes'])} classes; train with "
+          f"data=webdataset data.root={args.out_dir}")
     return 0
 
 
