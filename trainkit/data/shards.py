@@ -264,7 +264,7 @@ def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
            if cfg.val_shards is not None or index.get("val") else None)
     wrap = {"mean": mean, "std": std, "channels_last": channels_last, "normalize_float": False}
     return (DevicePrefetcher(_Pairs(train), runtime.device, **wrap),
-            DevicePrefetcher(_Pairs(val), runtime.device, **wrap) if val else None,
+            DevicePrefetcher(_Pairs(val), runtime.device, **wrap) if val is not None else None,
             int(num_classes))
 
 
