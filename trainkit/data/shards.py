@@ -250,7 +250,7 @@ def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
     # Imported here, once: the workers (forked anew each pass) have them instead of importing
     # them each (~1 s a worker); and a missing extra is said before anything starts.
     _webdataset()
-    import torchvision.io  # noqa: F401  (decode_image's JPEG path)
+    import torchvision.io  # decode_image's JPEG path
     import torchvision.transforms.v2.functional  # noqa: F401  (the crops and resizes)
     root = Path(cfg.root)
     index = read_index(root)

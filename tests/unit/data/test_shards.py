@@ -68,6 +68,7 @@ def test_epoch_is_fixed_batches_and_resume_hands_out_the_same_batches(shards: Pa
     assert [b.keys for b in loader] == whole[2:]
     images, labels = next(iter(train))
     assert images.shape == (2, 3, 8, 8) and images.dtype == torch.float32
+    assert labels.dtype == torch.int64 and set(labels.tolist()) <= {0, 1}
     assert [len(y) for _, y in val] == [2, 2]  # 4 validation images, in order
 
 
@@ -78,12 +79,12 @@ def test_own_shards_by_pattern_and_pipe_url(shards: Path) -> None:
     train, val, _ = shard_loaders(cfg, CPU)
     assert len(train) == 3
     assert sum(len(y) for _, y in val) == 3
-    with pytest.raises(ConfigError, match="data.epoch_samples is needed"):
+    with pytest.raises(ConfigError, match=r"data\.epoch_samples is needed"):
         shard_loaders(config(shards, shards=pattern), CPU)
 
 
 def test_fewer_shards_than_ranks_times_workers_is_one_line(shards: Path) -> None:
     runtime = Runtime(torch.device("cpu"), rank=0, world_size=2)
-    with pytest.raises(ConfigError, match="4 training shards for 2 rank.s. x 3 worker.s.: each "
-                                          "needs one"):
+    with pytest.raises(ConfigError, match=r"4 training shards for 2 rank\(s\) x 3 worker\(s\): "
+                                          "each needs one"):
         shard_loaders(config(shards, num_workers=3), runtime)
