@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from typing import Any
@@ -34,3 +35,33 @@ class Boom:
 
     def on_step_end(self, trainer: Any, step: int) -> None:
         raise ValueError(f"boom at step {step}")
+
+
+class PauseAt:
+    """At the end of step ``step``, writes ``marker`` and waits for a signal (the test sends
+    SIGTERM to the whole process group once it sees the file): a preemption at a known step."""
+
+    def __init__(self, step: int, marker: str) -> None:
+        self.step, self.marker = step, marker
+
+    def on_step_end(self, trainer: Any, step: int) -> None:
+        if step == self.step:
+            with open(self.marker, "w") as file:
+                file.write(str(os.getpid()))
+            signal.pause()  # returns once the trainer's handler has seen the signal
+
+
+class CountBatches:
+    """Counts this rank's training steps; writes ``<folder>/rank<R>.json`` when the fit ends."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.steps = folder, 0
+
+    def on_step_end(self, trainer: Any, step: int) -> None:
+        self.steps += 1
+
+    def on_fit_end(self, trainer: Any, summary: Any) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        path = os.path.join(self.folder, f"rank{trainer.runtime.rank}.json")
+        with open(path, "w") as file:
+            json.dump({"steps": self.steps}, file)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 # One of each kind a folder of photos and scans holds: format, Pillow mode, save options.
@@ -76,3 +77,41 @@ def truncate(path: Path, keep: float = 0.5) -> Path:
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])
     return path
+
+
+class TinyNet(torch.nn.Module):
+    """A small conv net for image-folder runs of a few steps (any image size, 1 or 3 channels)."""
+
+    def __init__(self, num_classes: int, channels: int = 3, width: int = 8) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(channels, width, 3, stride=2, padding=1), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+        self.head = torch.nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class Pictures(torch.utils.data.Dataset):
+    """A torch Dataset as users write them for other projects: PIL images of mixed sizes and
+    their labels (``classes`` names them), from files it lists itself."""
+
+    def __init__(self, root: str, train: bool = True) -> None:
+        from torchvision.datasets import ImageFolder
+
+        self.folder = ImageFolder(str(Path(root) / ("train" if train else "val")))
+        self.classes = self.folder.classes
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        return self.folder[index]
+
+
+def hf_split(root: str, train: bool = True) -> object:
+    """A Hugging Face ``datasets.Dataset`` from local files (``imagefolder``)."""
+    from trainkit.data.hf import load_split
+
+    return load_split(root, train, path="imagefolder", eval_split="validation")

@@ -21,10 +21,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from trainkit.data.transforms import IMAGE_SUFFIXES, UnreadableImage, load_image
+from trainkit.data.transforms import IMAGE_SUFFIXES, UnreadableImage, load_image, normalize
 from trainkit.errors import TrainkitError
 
 Transform = Callable[[torch.Tensor], Any]
+Stats = tuple[Sequence[float], Sequence[float]]
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def _class_folders(folder: Path) -> list[str]:
                    if entry.is_dir() and not entry.name.startswith("."))
     if not names:
         raise TrainkitError(f"{folder} has no class folders: put each class's images in a "
-                            f"folder of its own, {folder}/<class name>/<image files>")
+                            "folder of its own, named for the class")
     return names
 
 
@@ -109,9 +110,8 @@ def _image_files(folder: Path) -> list[str]:
                 continue  # .DS_Store and the like
             path = os.path.join(top, name)
             if not name.lower().endswith(IMAGE_SUFFIXES):
-                raise TrainkitError(f"{path} is not an image file (one of "
-                                    f"{' '.join(IMAGE_SUFFIXES)}): move it out of the class "
-                                    "folders")
+                raise TrainkitError(f"a class folder holds a file that is not an image (one "
+                                    f"of {' '.join(IMAGE_SUFFIXES)}), move it out: {path}")
             found.append(path)
     return found
 
@@ -209,12 +209,26 @@ class ImageBatch(NamedTuple):
     bad: list[BadFile]
 
 
-def collate_images(samples: list[Any]) -> ImageBatch:
+def collate_images(samples: list[Any], stats: Stats | None = None,
+                   channels_last: bool = False) -> ImageBatch:
     """Stack :class:`ImageFiles` samples; bad ones travel as they are, to fail in the main
-    process (``default_collate`` puts the images in shared memory inside a worker)."""
+    process (``default_collate`` puts the images in shared memory inside a worker).
+
+    ``stats``: ``(mean, std)`` to normalise uint8 images here, in the worker (training on the
+    CPU: the main process is busy training); else they stay uint8, normalised on the device.
+    """
     bad = [s for s in samples if isinstance(s, BadFile)]
     if bad:
         return ImageBatch(None, torch.empty(0, dtype=torch.int64), [], bad)
-    images = default_collate([s[0] for s in samples])
+    first = samples[0][0]
+    if isinstance(first, torch.Tensor) and first.dim() == 3 and first.stride(0) == 1:
+        # channels-last images (decoders' and the transforms' layout): stacked as [B, H, W, C],
+        # one plain copy each, viewed as [B, C, H, W] (normalize writes the layout asked for)
+        images = default_collate([s[0].permute(1, 2, 0) for s in samples]).permute(0, 3, 1, 2)
+    else:
+        images = default_collate([s[0] for s in samples])
+    if stats is not None and isinstance(images, torch.Tensor) and images.dim() == 4:
+        images = normalize(images, *stats, memory_format=torch.channels_last if channels_last
+                           else torch.contiguous_format)
     labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
     return ImageBatch(images, labels, [p for s in samples for p in s[2]], [])

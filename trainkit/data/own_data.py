@@ -15,6 +15,7 @@ prefetcher, normalisation on the device, bad-file handling, class names in check
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -98,12 +99,17 @@ def dataset_loaders(train: Any, val: Any, cfg: DataConfig, runtime: Runtime, *, 
 def _loader(dataset: Dataset, cfg: DataConfig, runtime: Runtime, seed: int,
             channels_last: bool, classes: Sequence[str] | None, *,
             training: bool) -> ImageLoader:
+    mean, std = stats_for(cfg)
+    # Training on a CPU, the workers normalise (the main process trains meanwhile); on a GPU,
+    # batches travel as uint8 (a quarter of the bytes) and the GPU normalises.
+    on_cpu = torch.device(runtime.device).type == "cpu"
+    collate = functools.partial(collate_images, stats=(mean, std) if on_cpu else None,
+                                channels_last=channels_last)
     loader = make_loader(
         dataset, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
         device=runtime.device, seed=seed, rank=runtime.rank, world_size=runtime.world_size,
         num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
-        drop_last=cfg.drop_last and training, collate_fn=collate_images)
-    mean, std = stats_for(cfg)
+        drop_last=cfg.drop_last and training, collate_fn=collate)
     return ImageLoader(loader, runtime.device, mean=mean, std=std, classes=classes,
                        channels_last=channels_last)
 

@@ -118,7 +118,10 @@ class DevicePrefetcher:
         x = batch[0]
         if isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
             # one multiply-add after the cast (trainkit.data.transforms.normalize)
-            x = normalize(x, *self._stats) if self._stats else x.float().div_(255)
+            layout = torch.channels_last if self.channels_last and x.dim() == 4 else (
+                torch.contiguous_format)
+            x = (normalize(x, *self._stats, memory_format=layout) if self._stats
+                 else x.float().div_(255))
         elif isinstance(x, torch.Tensor) and self._mean is not None and self.normalize_float:
             x = (x - self._mean) / self._std
         if self.channels_last and isinstance(x, torch.Tensor) and x.dim() == 4:

@@ -1,0 +1,162 @@
+"""``python -m trainkit.train data=image_folder``: a folder of mixed files trains, is preempted
+mid-epoch and resumes bitwise; runs under torchrun; bad data stops it in one line; your own
+torch and Hugging Face datasets train through ``dataset._target_`` and resume exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import (
+    REPO,
+    assert_same_weights,
+    error_report,
+    last_checkpoint,
+    offline_env,
+    run_train,
+    start_in_own_group,
+)
+from tests.image_files import make_folder, truncate
+from trainkit.signals import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.slow
+
+
+def folder_run(run_dir: Path, root: Path, *extra: str) -> list[str]:
+    """Overrides for a few steps of a tiny conv net on a generated folder, 2 loader workers."""
+    return ["data=image_folder", f"data.root={root}", f"hydra.run.dir={run_dir}",
+            "model._target_=tests.image_files.TinyNet", "~model.widths",
+            "data.image_size=24", "data.batch_size=4", "data.eval_batch_size=8",
+            "data.num_workers=2", "trainer.precision=32", "trainer.log_every_n_steps=1",
+            "trainer.max_epochs=2", "sched=constant", *extra]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 classes x 6 training files of every kind (5 batches of 4 an epoch), one truncated."""
+    root = make_folder(tmp_path_factory.mktemp("images"), per_class=6, val_per_class=2)
+    truncate(next((root / "train" / "class_1").glob("*.jpg")))
+    return root
+
+
+def test_sigterm_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
+        tmp_path: Path, folder: Path) -> None:
+    common = ("data.skip_corrupt=true",)
+    straight = run_train(*folder_run(tmp_path / "straight", folder, *common))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    assert summary["data/skipped_files"] == 1 and summary["global_step"] == 10
+    assert "skipped unreadable file" in (tmp_path / "straight" / "train.log").read_text()
+    assert json.loads((tmp_path / "straight" / "classes.json").read_text()) == {
+        "classes": ["class_0", "class_1", "class_2"]}
+
+    run_dir, marker = tmp_path / "preempted", tmp_path / "at-step-3"
+    command = [sys.executable, "-m", "trainkit.train",
+               *folder_run(run_dir, folder, *common, "+callbacks.pause._target_="
+                           "tests.callbacks.PauseAt", "+callbacks.pause.step=3",
+                           f"+callbacks.pause.marker={marker}")]
+    proc = start_in_own_group(command, tmp_path / "out.txt")
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():  # step 3 of 5 done; the run waits for the signal
+            assert proc.poll() is None, (tmp_path / "out.txt").read_text()[-2000:]
+            assert time.monotonic() < deadline, "step 3 never came"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)  # the whole group: main process and its 2 workers
+        assert proc.wait(timeout=120) == EXIT_PREEMPTED, (tmp_path / "out.txt").read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert last_checkpoint(run_dir)["global_step"] == 3
+    resumed = subprocess.run(command, cwd=REPO, env=offline_env(), capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "at step 3 (epoch 1, batch 3)" in resumed.stdout
+    assert_same_weights(last_checkpoint(tmp_path / "straight")["model"],
+                        last_checkpoint(run_dir)["model"])
+    assert last_checkpoint(run_dir)["data"]["classes"] == ["class_0", "class_1", "class_2"]
+    assert json.loads((run_dir / "summary.json").read_text())["data/skipped_files"] == 1
+
+
+@pytest.mark.dist
+def test_two_ranks_under_torchrun_take_equal_batches(tmp_path: Path, folder: Path) -> None:
+    counts = tmp_path / "counts"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "--monitor-interval=0.1", "-m", "trainkit.train",
+         *folder_run(tmp_path / "run", folder, "data.skip_corrupt=true",
+                     "+callbacks.count._target_=tests.callbacks.CountBatches",
+                     f"+callbacks.count.folder={counts}")],
+        cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"), capture_output=True,
+        text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    per_rank = [json.loads((counts / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # 18 files in shards of 9, batches of 4: 3 a rank an epoch, 2 epochs
+    assert per_rank[0] == per_rank[1] == {"steps": 6}
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
+
+
+def test_truncated_file_without_skip_stops_in_one_line_and_keeps_checkpoints(
+        tmp_path: Path) -> None:
+    root = make_folder(tmp_path / "images", per_class=4, val_per_class=1)
+    run_dir = tmp_path / "run"
+    first = run_train(*folder_run(run_dir, root, "trainer.max_epochs=1"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()}
+    cut = truncate(sorted((root / "train" / "class_0").glob("*.jpg"))[0])
+    result = run_train(*folder_run(run_dir, root, "trainer.max_epochs=2"))
+    assert result.returncode == 2
+    _, last = error_report(result.stderr)
+    assert last.endswith(cut.name) and "skip_corrupt" in last, last
+    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == before
+
+    cut.unlink()  # a class renamed (same count): the checkpoint's classes are not the data's
+    for split in ("train", "val"):
+        (root / split / "class_2").rename(root / split / "class_z")
+    result = run_train(*folder_run(run_dir, root, "trainer.max_epochs=2"))
+    assert result.returncode == 2
+    _, last = error_report(result.stderr)
+    assert "classes differ" in last and "class_2" in last and "class_z" in last, last
+    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == before
+
+
+def test_a_layout_error_is_one_line_through_the_entry_point(tmp_path: Path) -> None:
+    root = make_folder(tmp_path / "images", classes=2, per_class=1, val_per_class=1)
+    (root / "train" / "class_0" / "labels.csv").write_text("a,b\n")
+    result = run_train(*folder_run(tmp_path / "run", root))
+    assert result.returncode == 2
+    _, last = error_report(result.stderr)
+    assert "not an image" in last and last.endswith("labels.csv"), last
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("target", ["tests.image_files.Pictures", "tests.image_files.hf_split"],
+                         ids=["torch-Dataset", "hf-datasets"])
+def test_own_dataset_trains_and_resumes_mid_epoch_exactly(tmp_path: Path, target: str) -> None:
+    if target.endswith("hf_split"):
+        pytest.importorskip("datasets")
+    root = make_folder(tmp_path / "images", per_class=4, val_per_class=1)
+    overrides = [o for o in folder_run(tmp_path / "unused", root) if "hydra.run.dir" not in o]
+    (tmp_path / "kept").mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "trainkit.verify_resume", "--steps", "5", "--stop-at", "2",
+         f"--keep={tmp_path / 'kept'}", *overrides, "data.name=own",
+         f"+dataset._target_={target}"],
+        cwd=REPO, env=offline_env(HF_HOME=str(tmp_path / "hf"), HF_DATASETS_OFFLINE="1"),
+        capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    checkpoints = list((tmp_path / "kept").rglob("last.pt"))
+    assert checkpoints
+    for path in checkpoints:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        assert state["data"]["classes"] == ["class_0", "class_1", "class_2"]
+    shutil.rmtree(tmp_path / "kept")
