@@ -79,8 +79,8 @@ def _webdataset() -> Any:
 class ShardStream(IterableDataset):
     """One rank's batches of one pass, produced by the DataLoader's workers (module docstring).
 
-    The main process sets ``epoch`` and ``start`` before each pass; workers are started anew for
-    each pass, so each sees them.
+    The main process sets ``epoch`` and ``start`` before each pass. They live in a shared-memory
+    tensor, so persistent workers (started once) read each pass's values when it begins.
     """
 
     def __init__(self, shards: Sequence[str], *, batch_size: int, batches: int | None,
@@ -91,53 +91,70 @@ class ShardStream(IterableDataset):
         self.training, self.transform, self.channels = training, transform, channels
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.shuffle_buffer = shuffle_buffer
-        self.epoch = self.start = 0
+        self._pass = torch.zeros(2, dtype=torch.int64).share_memory_()  # epoch, start batch
 
-    def worker_shards(self, role: int, workers: int, repeat: int = 0) -> list[str]:
-        """The shards worker ``role`` reads in this epoch (``repeat``: its n-th time through)."""
+    @property
+    def epoch(self) -> int:
+        return int(self._pass[0])
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._pass[0] = value
+
+    @property
+    def start(self) -> int:
+        return int(self._pass[1])
+
+    @start.setter
+    def start(self, value: int) -> None:
+        self._pass[1] = value
+
+    def worker_shards(self, epoch: int, role: int, workers: int, repeat: int = 0) -> list[str]:
+        """The shards worker ``role`` reads in ``epoch`` (``repeat``: its n-th time through)."""
         order = list(range(len(self.shards)))
         if self.training:
-            generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch))
+            generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
             order = torch.randperm(len(self.shards), generator=generator).tolist()
         mine = order[self.rank::self.world_size][role::workers]
         if repeat:
-            random.Random(mix_seed(self.seed, self.epoch, self.rank, role, repeat)).shuffle(mine)
+            random.Random(mix_seed(self.seed, epoch, self.rank, role, repeat)).shuffle(mine)
         return [self.shards[i] for i in mine]
 
-    def _raw(self, role: int, workers: int) -> Iterator[dict[str, Any]]:
+    def _raw(self, epoch: int, role: int, workers: int) -> Iterator[dict[str, Any]]:
         """The worker's undecoded samples: through its shards once (evaluation), or again and
         again through a seeded shuffle buffer (training)."""
         wds = _webdataset()
         if not self.training:
-            return iter(wds.DataPipeline(wds.SimpleShardList(self.worker_shards(role, workers)),
-                                         wds.tarfile_to_samples()))
-        rounds = (wds.DataPipeline(wds.SimpleShardList(self.worker_shards(role, workers, r)),
+            shards = self.worker_shards(epoch, role, workers)
+            return iter(wds.DataPipeline(wds.SimpleShardList(shards), wds.tarfile_to_samples()))
+        rounds = (wds.DataPipeline(wds.SimpleShardList(self.worker_shards(epoch, role, workers, r)),
                                    wds.tarfile_to_samples()) for r in itertools.count())
-        rng = random.Random(mix_seed(self.seed, self.epoch, self.rank, role))
+        rng = random.Random(mix_seed(self.seed, epoch, self.rank, role))
         return wds.shuffle(self.shuffle_buffer, self.shuffle_buffer, rng=rng)(
             itertools.chain.from_iterable(rounds))
 
     def __iter__(self) -> Iterator[ShardBatch]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info else (1, 0)
-        role = (self.start + worker) % workers  # batches start, start + 1, ... in round robin
-        samples = self._raw(role, workers)
+        epoch, start = self.epoch, self.start  # this pass's, read once
+        role = (start + worker) % workers  # batches start, start + 1, ... in round robin
+        samples = self._raw(epoch, role, workers)
         if not self.training:
-            yield from self._batches(samples, itertools.count())
+            yield from self._batches(samples, itertools.count(), epoch)
             return
         mine = range(role, self.batches, workers)
-        done = len([b for b in mine if b < self.start])  # handed out before a resume
+        done = len([b for b in mine if b < start])  # handed out before a resume
         samples = itertools.islice(samples, done * self.batch_size, None)  # not decoded
-        yield from self._batches(samples, mine[done:])
+        yield from self._batches(samples, mine[done:], epoch)
 
-    def _batches(self, samples: Iterator[dict[str, Any]],
-                 numbers: Iterator[int] | range) -> Iterator[ShardBatch]:
+    def _batches(self, samples: Iterator[dict[str, Any]], numbers: Iterator[int] | range,
+                 epoch: int) -> Iterator[ShardBatch]:
         for b in numbers:
             chunk = list(itertools.islice(samples, self.batch_size))
             if not chunk:
                 return
             if get_worker_info() is not None:  # augmentation a function of the batch's place
-                seed = mix_seed(self.seed, self.epoch, self.rank, b)
+                seed = mix_seed(self.seed, epoch, self.rank, b)
                 random.seed(seed)
                 np.random.seed(seed % 2**32)
                 torch.default_generator.manual_seed(seed)
@@ -168,8 +185,9 @@ class ShardLoader:
         self.stream, self.num_workers, self._batches = stream, num_workers, batches
         self.batch_size = stream.batch_size
         self.position = DataPosition()
-        # workers anew each pass (not persistent): each reads the pass's epoch and start
+        # persistent workers: started once, each pass's epoch and start read from shared memory
         self.loader = DataLoader(stream, batch_size=None, num_workers=num_workers,
+                                 persistent_workers=num_workers > 0,
                                  worker_init_fn=shielded_worker_init(None) if num_workers
                                  else None)
 
@@ -247,8 +265,8 @@ def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
                   eval_transforms: Transforms = None) -> tuple[DevicePrefetcher, Any, int]:
     """Training and validation loaders of ``data=webdataset``, and the class count;
     ``train_transforms`` / ``eval_transforms`` replace the default transforms when given."""
-    # Imported here, once: the workers (forked anew each pass) have them instead of importing
-    # them each (~1 s a worker); and a missing extra is said before anything starts.
+    # Imported here, once: the forked workers have them instead of importing them each (~1 s a
+    # worker); and a missing extra is said before anything starts.
     _webdataset()
     import torchvision.io  # decode_image's JPEG path
     import torchvision.transforms.v2.functional  # noqa: F401  (the crops and resizes)
