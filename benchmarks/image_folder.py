@@ -15,7 +15,10 @@ normalised float32:
 * trainkit: the loader ``data=image_folder`` trains from (libjpeg-turbo on the file bytes, crop
   and resize on uint8 tensors, uint8 batches, normalisation in one pass where the batch lands);
 * ceiling: one process reading, decoding and cropping the same files with trainkit's transform,
-  no loader: the per-core rate no loader of that work can beat.
+  no loader: the per-core rate no loader of that work can beat;
+* webdataset: ``data=webdataset``'s loader on the same files written as shards (``python -m
+  trainkit.data shards``; the same transforms), reported beside trainkit's (no goal: streaming
+  tars trades the random access of files for sequential reads a network store serves well).
 
 Same worker count and batch size for both loaders; a rate counts the batches after the ones
 ready when the clock starts (workers fill their prefetch queue while the other side runs).
@@ -94,6 +97,24 @@ def trainkit_loader(root: Path, workers: int, batch_size: int) -> Any:
     return image_folder_loaders(cfg, Runtime.from_env(device))[0]
 
 
+def webdataset_loader(root: Path, workers: int, batch_size: int) -> Any:
+    """The training loader of ``data=webdataset`` on ``root``'s images as shards (written once,
+    beside the folder), on this machine's device."""
+    from trainkit.config import DataConfig
+    from trainkit.data.shard_writer import write_shards
+    from trainkit.data.shards import shard_loaders
+    from trainkit.runtime import Runtime
+
+    shards = root.with_name(root.name + "-shards")
+    if not (shards / "shards.json").is_file():
+        per_shard = max(1, sum(1 for _ in root.glob("*/*.jpg")) // (4 * max(1, workers)))
+        write_shards(root, shards, per_shard, val_fraction=0.0)
+    cfg = DataConfig(name="webdataset", root=str(shards), batch_size=batch_size,
+                     num_workers=workers, random_flip=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return shard_loaders(cfg, Runtime.from_env(device))[0]
+
+
 def ceiling(files: list[str]) -> Callable[[int], float]:
     """Images/s of one process decoding and cropping ``n`` files, as a worker does."""
     from trainkit.data.transforms import load_image, train_transform
@@ -125,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     root = photo_folder(args.images)
     files = sorted(str(p) for p in root.glob("*/*.jpg"))
     streams = {"hand": Stream(hand_loader(root, args.workers, args.batch_size)),
-               "trainkit": Stream(trainkit_loader(root, args.workers, args.batch_size))}
+               "trainkit": Stream(trainkit_loader(root, args.workers, args.batch_size)),
+               "webdataset": Stream(webdataset_loader(root, args.workers, args.batch_size))}
     ready = max(1, args.workers) * 2  # what the workers' prefetch holds when a turn starts
     for stream in streams.values():  # workers started and warm before any clock runs
         stream.rate(1, ready)
@@ -135,7 +157,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hand": lambda: streams["hand"].rate(args.batches, ready),
         "trainkit": lambda: streams["trainkit"].rate(args.batches, ready),
         "ceiling": lambda: per_core(args.batches * args.batch_size // 2),
+        "webdataset": lambda: streams["webdataset"].rate(args.batches, ready),
     }, args.rounds)
+    shards_vs_files = ratio(samples, "webdataset", "trainkit")
     speedup = ratio(samples, "trainkit", "hand")
     # workers x ceiling: the rate of `workers` cores doing nothing but the work itself
     of_ceiling = ratio(samples, "trainkit", "ceiling") / max(1, args.workers)
@@ -143,12 +167,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"images/s, {args.workers} workers, batch {args.batch_size}: hand "
           f"{rates['hand']:.0f}, trainkit {rates['trainkit']:.0f} ({speedup:.2f}x); one-process "
           f"ceiling {rates['ceiling']:.0f}/core, trainkit = {of_ceiling:.2f} x workers x "
-          f"ceiling (machine: {os.cpu_count()} logical cores, shared)", flush=True)
+          f"ceiling; webdataset {rates['webdataset']:.0f} ({shards_vs_files:.2f}x trainkit's) "
+          f"(machine: {os.cpu_count()} logical cores, shared)", flush=True)
     return {
         "benchmark": "image_folder",
         "files": len(files), "workers": args.workers, "batch_size": args.batch_size,
         "images_per_s": rates, "samples": samples, "rounds": args.rounds,
-        "ratios": {"trainkit/hand": speedup, "trainkit/(workers x ceiling)": of_ceiling},
+        "ratios": {"trainkit/hand": speedup, "trainkit/(workers x ceiling)": of_ceiling,
+                   "webdataset/trainkit": shards_vs_files},
         "goal": "trainkit >= 1.5x the hand-written loader's images/s at 2 workers; >= 0.85x "
                 "workers x the one-process ceiling",
         "rows": [

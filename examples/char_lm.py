@@ -4,9 +4,11 @@
     python examples/char_lm.py --run-dir runs/lm --files a.txt b.txt  # your own text
     torchrun --nproc_per_node=2 examples/char_lm.py --run-dir runs/lm_ddp --device cpu
 
-Research code that is not image classification, in trainkit's terms: dict batches
-(``{"tokens": ...}``) and a ``forward`` of its own that also returns a scalar of its own (the
-z-loss, logged as ``train/z_loss``); evaluation every ``--eval-every`` steps on at most
+Research code that is not image classification, in trainkit's terms (the model and its parts are
+trainkit's, :mod:`trainkit.models.gpt`; ``python -m trainkit.train +exp=lm`` trains the same
+model on a token corpus from the entry point): dict batches (``{"tokens": ...}``) and a
+``forward`` of its own that also returns a scalar of its own (the z-loss, logged as
+``train/z_loss``); evaluation every ``--eval-every`` steps on at most
 ``--eval-batches`` batches, with perplexity as a metric; a callback that prints a short sample
 after each evaluation (rank 0 only) and keeps its random stream in the checkpoints; early stopping
 on ``val/loss``. By default it reads the Python standard library's own ``.py`` sources, so it runs
@@ -17,17 +19,14 @@ again); a run stopped early, or completed, exits 0.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import sysconfig
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import Dataset
 
 from trainkit import (
@@ -41,8 +40,8 @@ from trainkit import (
     make_loader,
     seed_everything,
 )
-from trainkit.distributed.group import sum_across_ranks
 from trainkit.errors import print_error
+from trainkit.models import GPT, Perplexity, PrintSample, lm_forward, lm_loss
 from trainkit.observe.logging import log_to_file
 
 # -- data ---------------------------------------------------------------------------------------
@@ -82,123 +81,10 @@ class Chunks(Dataset):
         return {"tokens": self.data[start:start + self.block + 1].long()}
 
 
-# -- model --------------------------------------------------------------------------------------
+# -- model: trainkit's small GPT, its forward (with the z-loss), loss, perplexity, sample callback
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
-
-
-class ByteGPT(nn.Module):
-    """A GPT over bytes (256 tokens): embeddings, causal blocks, a tied output layer."""
-
-    def __init__(self, block: int = 128, dim: int = 128, layers: int = 4, heads: int = 4) -> None:
-        super().__init__()
-        self.block = block
-        self.tokens, self.positions = nn.Embedding(256, dim), nn.Embedding(block, dim)
-        self.blocks = nn.Sequential(*(Block(dim, heads) for _ in range(layers)))
-        self.ln = nn.LayerNorm(dim)
-        for param in self.parameters():  # GPT-2's small initial weights (also the output layer's)
-            if param.dim() > 1:
-                nn.init.normal_(param, std=0.02)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
-        return self.ln(self.blocks(x)) @ self.tokens.weight.T  # logits (batch, time, 256)
-
-
-def forward(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
-    """Next-byte logits and targets, and a scalar of our own: the z-loss (PaLM's), how far the
-    softmax's log-normalizer drifts from 0; logged as train/z_loss, averaged on the device."""
-    tokens = batch["tokens"]
-    logits = model(tokens[:, :-1])
-    z_loss = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
-    return logits, tokens[:, 1:], {"z_loss": z_loss}
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-class Perplexity:
-    """exp(mean next-byte loss) over an evaluation, summed over ranks (a torchmetrics-like metric:
-    ``torchmetrics.text.Perplexity`` does the same, at ~2 s more import time)."""
-
-    def to(self, device: torch.device) -> Perplexity:
-        return self
-
-    def reset(self) -> None:
-        self.nll, self.count = 0.0, 0
-
-    def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        self.nll = self.nll + F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                              reduction="sum")
-        self.count += targets.numel()
-
-    def compute(self) -> float:
-        nll, count = sum_across_ranks(self.nll, self.count)
-        return math.exp(nll / max(count, 1))
-
-
-# -- a callback ---------------------------------------------------------------------------------
-
-
-class PrintSample:
-    """After each evaluation, rank 0 prints a few bytes the model writes after ``prompt``.
-
-    Stateful: its random stream and count are in every checkpoint (``state_key``), so a resumed
-    run prints what the uninterrupted one would. Callbacks run on every rank: this one acts on
-    rank 0 only.
-    """
-
-    state_key = "sample"
-
-    def __init__(self, model: nn.Module, prompt: bytes = b"def ", length: int = 60) -> None:
-        self.model, self.prompt, self.length = model, prompt, length
-        self.generator = torch.Generator().manual_seed(0)
-        self.printed = 0
-
-    def on_evaluation_end(self, trainer: Trainer, results: Mapping[str, float],
-                          step: int) -> None:
-        if not trainer.runtime.is_main:
-            return
-        text = generate(self.model, self.prompt, self.length, self.generator)
-        self.printed += 1
-        print(f"sample at step {step}: {text!r}", flush=True)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"printed": self.printed, "generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.printed = int(state["printed"])
-        self.generator.set_state(state["generator"])
-
-
-@torch.no_grad()
-def generate(model: nn.Module, prompt: bytes, length: int, generator: torch.Generator) -> str:
-    """``length`` bytes sampled after ``prompt`` (temperature 1)."""
-    was_training, device = model.training, next(model.parameters()).device
-    model.eval()
-    ids = torch.tensor([list(prompt)], device=device)
-    for _ in range(length):
-        probs = model(ids[:, -model.block:])[0, -1].float().softmax(-1).cpu()
-        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator).to(device)[None]],
-                        dim=1)
-    model.train(was_training)
-    return bytes(ids[0].tolist()).decode("utf-8", errors="replace")
+forward = lm_forward  # what Trainer.fit calls with (model, batch); tests replace it
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -242,7 +128,7 @@ def train(args: argparse.Namespace, callbacks: Sequence[Any] = ()) -> dict[str, 
     val_data = make_loader(Chunks(data[split:], args.block), shuffle=False,
                            **{**loader, "num_workers": 0})
     seed_everything(args.seed)  # the same initial weights on every rank
-    model = ByteGPT(args.block, args.dim, args.layers)
+    model = GPT(vocab_size=256, block=args.block, dim=args.dim, layers=args.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     trainer = Trainer(
         TrainerConfig(max_epochs=1000, max_steps=args.steps, precision=args.precision,
@@ -252,8 +138,8 @@ def train(args: argparse.Namespace, callbacks: Sequence[Any] = ()) -> dict[str, 
         run_dir=args.run_dir, runtime=runtime,
         checkpoint=CheckpointConfig(every_n_steps=args.checkpoint_every, monitor="val/loss",
                                     mode="min"),
-        callbacks=[PrintSample(model), EarlyStopping("val/loss", patience=args.patience,
-                                                    min_delta=args.min_delta),
+        callbacks=[PrintSample(model, prompt="def "),
+                   EarlyStopping("val/loss", patience=args.patience, min_delta=args.min_delta),
                    *callbacks],
     )
     return trainer.fit(model, optimizer, train_data, val_data=val_data, criterion=lm_loss,

@@ -160,6 +160,17 @@ class DataConfig:
     # dataset._target_ returning a Hugging Face datasets.Dataset: its image and label columns
     image_column: str = "image"
     label_column: str = "label"
+    # data.name=tokens (trainkit.data.tokens): tokens of context per window, and the token
+    # files' dtype (null: meta.json's, else uint16)
+    seq_len: int = 256
+    token_dtype: str | None = None
+    # data.name=webdataset (trainkit.data.shards): training and validation shards, a brace
+    # pattern or a list of paths/URLs (null: <root>/shards.json's); training samples per rank in
+    # an epoch (null: shards.json's total / ranks); the shuffle buffer's samples per worker
+    shards: Any = None
+    val_shards: Any = None
+    epoch_samples: int | None = None
+    shuffle_buffer: int = 1000
 
     def __post_init__(self) -> None:
         _check_int("data.batch_size", self.batch_size, minimum=1)
@@ -173,6 +184,13 @@ class DataConfig:
             raise ConfigError(f"data.pad_mode={self.pad_mode!r} is not one of "
                               f"{', '.join(PAD_MODES)}")
         self._check_images()
+        _check_int("data.seq_len", self.seq_len, minimum=1)
+        if self.epoch_samples is not None:
+            _check_int("data.epoch_samples", self.epoch_samples, minimum=1)
+        _check_int("data.shuffle_buffer", self.shuffle_buffer, minimum=1)
+        if self.token_dtype not in (None, "uint16", "uint32"):
+            raise ConfigError(f"data.token_dtype={self.token_dtype!r}: use uint16, uint32 or "
+                              "null (from meta.json)")
 
     def _check_images(self) -> None:
         if self.num_classes is not None:
@@ -251,6 +269,8 @@ class TrainConfig:
     optim: Any = None
     sched: Any = None
     loss: Any = None  # null: plain cross-entropy
+    # forward(model, batch) -> (outputs, targets[, {name: scalar}]); null: model(inputs), labels
+    forward: Any = None
     metrics: Any = None  # {name: _target_ node}: evaluation metrics, reported as val/<name>
     dataset: Any = None  # null: the built-in data.name; else your reader(root, train) -> TensorData
     # more metrics sinks beside TensorBoard and metrics.jsonl, name -> `_target_` node, e.g.

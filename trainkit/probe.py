@@ -36,7 +36,7 @@ from trainkit.entry.errors import errors_as_one_line
 from trainkit.errors import TrainkitError
 from trainkit.loop import throughput
 from trainkit.loop.cuda_settings import use_device
-from trainkit.loop.step import WindowStep, default_forward
+from trainkit.loop.step import WindowStep
 from trainkit.loop.throughput import Phase
 from trainkit.loop.trainer import Trainer
 from trainkit.observe.logging import setup_logging
@@ -115,7 +115,7 @@ def _window_step(trainer: Trainer, parts: Any) -> WindowStep:
     model = torch.compile(model) if cfg.compile else model
     model.train()
     return WindowStep(model, optimizer=parts.optimizer, precision=trainer.precision,
-                      criterion=parts.criterion, forward=default_forward,
+                      criterion=parts.criterion, forward=parts.forward,
                       device=trainer.runtime.device, clip_val=cfg.gradient_clip_val,
                       clip_algorithm=cfg.gradient_clip_algorithm)
 

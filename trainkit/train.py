@@ -29,6 +29,7 @@ from trainkit.entry.own_data import build_data, save_classes
 from trainkit.entry.run_dir import removed_if_unused
 from trainkit.errors import ConfigError
 from trainkit.loop.cuda_settings import use_device
+from trainkit.loop.step import default_forward
 from trainkit.loop.trainer import Trainer
 from trainkit.observe.logging import setup_logging
 from trainkit.rng import seed_everything
@@ -60,6 +61,9 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
     # Your callbacks: a `callbacks` node of name -> `_target_` (null drops one), on every rank.
     callbacks = [instantiate(node, _convert_="all")
                  for node in (cfg.get("callbacks") or {}).values() if node is not None]
+    for callback in callbacks:  # one that samples from the model (PrintSample) gets it
+        if hasattr(callback, "set_model"):
+            callback.set_model(parts.model)
     trainer = Trainer(settings.trainer, run_dir=run_dir, checkpoint=settings.checkpoint,
                       runtime=runtime, run_config=OmegaConf.to_container(cfg, resolve=True),
                       sinks=sinks, callbacks=callbacks)
@@ -68,7 +72,8 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
         total_steps = trainer.planned_steps(len(parts.train_data))
         scheduler = instantiate(cfg.sched, optimizer=parts.optimizer, total_steps=total_steps)
 
-    metrics = {name: instantiate(node) for name, node in (cfg.get("metrics") or {}).items()}
+    metrics = {name: instantiate(node) for name, node in (cfg.get("metrics") or {}).items()
+               if node is not None}  # an experiment drops one with `name: null`
     for name, metric in metrics.items():  # a class count of another dataset fails late, obscurely
         classes = getattr(metric, "num_classes", None)
         if isinstance(classes, int) and classes != parts.num_classes:
@@ -78,11 +83,16 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
     summary = trainer.fit(
         parts.model, parts.optimizer, parts.train_data, criterion=parts.criterion,
         scheduler=scheduler, val_data=parts.val_data, metrics=metrics, stop_at_step=stop_at_step,
+        forward=parts.forward,
     )
     if summary["status"] == "stopped":
         log.info("done: stopped at step %d (%s); run dir %s", summary["global_step"],
                  summary["stop_reason"], run_dir)
-    if summary["status"] == "completed":
+    if summary["status"] == "completed" and "val/acc" not in summary["metrics"]:
+        log.info("done: val/loss %.4f after %d steps in %.1f s; run dir %s",
+                 summary["metrics"].get("val/loss", float("nan")), summary["global_step"],
+                 summary["wall_time_s"], run_dir)
+    elif summary["status"] == "completed":
         log.info("done: test accuracy %.4f after %d steps in %.1f s; run dir %s",
                  summary["metrics"].get("val/acc", float("nan")), summary["global_step"],
                  summary["wall_time_s"], run_dir)
@@ -98,6 +108,7 @@ class RunParts(NamedTuple):
     model: Any
     optimizer: Any
     criterion: Any
+    forward: Any
 
 
 def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> RunParts:
@@ -111,7 +122,13 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
     optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
     # A criterion from the config (e.g. label smoothing); default: plain cross-entropy.
     criterion = instantiate(cfg.loss) if cfg.get("loss") is not None else F.cross_entropy
-    return RunParts(train_data, val_data, num_classes, model, optimizer, criterion)
+    # A forward of the config's (a language model's lm_forward); default: model(inputs), labels
+    forward = instantiate(cfg.forward) if cfg.get("forward") is not None else default_forward
+    vocab = getattr(model, "vocab_size", None)
+    if isinstance(vocab, int) and isinstance(num_classes, int) and vocab < num_classes:
+        raise ConfigError(f"model.vocab_size={vocab} but the data's tokens go up to "
+                          f"{num_classes}: set model.vocab_size={num_classes}")
+    return RunParts(train_data, val_data, num_classes, model, optimizer, criterion, forward)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")

@@ -199,6 +199,20 @@ README_RUN_BY = {
     "python -m trainkit.train +exp=folder data.root=/data/pets": (
         "tests/integration/test_image_folder.py::test_folder_experiment_and_resnet18_train_with_"
         "nothing_else_set", '"+exp=folder"'),
+    "python -m trainkit.data tokenize my_texts/ corpus/ --tokenizer bytes": (
+        "tests/integration/test_lm_entry.py::corpus", '"tokenize"'),
+    "python -m trainkit.train +exp=lm data.root=corpus": (
+        "tests/integration/test_lm_entry.py::test_lm_learns_logs_its_scalars_and_resumes_"
+        "bitwise_after_sigterm", '"+exp=lm"'),
+    "torchrun --standalone --nproc-per-node=2 -m trainkit.train +exp=lm data.root=corpus": (
+        "tests/dist/test_lm_torchrun.py::test_lm_trains_under_torchrun_with_two_ranks",
+        '"--nproc-per-node=2"'),
+    "python -m trainkit.data shards /data/pets /data/pets-shards --samples-per-shard 1000": (
+        "tests/integration/test_shards_entry.py::test_shards_then_the_entry_point_trains_on_them",
+        '"--samples-per-shard"'),
+    "python -m trainkit.train +exp=folder data=webdataset data.root=/data/pets-shards": (
+        "tests/integration/test_shards_entry.py::test_shards_then_the_entry_point_trains_on_them",
+        '"data=webdataset"'),
     ".venv/bin/python -m benchmarks --quick": (
         "tests/integration/test_benchmarks.py::test_runner_quick_writes_json_and_table",
         '"--quick"'),

@@ -8,8 +8,11 @@ Two paths, one interface -- :class:`ResumableData`: ``len``, iteration,
 * :func:`make_loader` -> :class:`ResumableLoader` -- torch's DataLoader over any map-style
   dataset with sensible workers, pinning, seeding and resumable sharded order; wrap it in
   :class:`DevicePrefetcher` to overlap copies with compute. The standard path, done right.
+* :class:`TokenLoader` -- windows of a memory-mapped token corpus (``data=tokens``); image
+  shards stream through :mod:`trainkit.data.shards` (``data=webdataset``).
 
-``python -m trainkit.data download|verify`` fetches and checks the files for offline clusters.
+``python -m trainkit.data download|verify`` fetches and checks the files for offline clusters;
+``tokenize`` and ``shards`` write token corpora and image shards.
 """
 
 from trainkit.data.augment import crop_flip
@@ -24,6 +27,7 @@ from trainkit.data.memory import InMemoryLoader
 from trainkit.data.order import epoch_order
 from trainkit.data.prefetch import DevicePrefetcher
 from trainkit.data.resumable import ResumableData
+from trainkit.data.tokens import TokenLoader
 from trainkit.rng import mix_seed
 
 __all__ = [
@@ -32,6 +36,7 @@ __all__ = [
     "ResumableBatchSampler",
     "ResumableData",
     "ResumableLoader",
+    "TokenLoader",
     "build_loaders",
     "crop_flip",
     "default_num_workers",

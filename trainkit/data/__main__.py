@@ -3,8 +3,12 @@
     python -m trainkit.data download mnist cifar10 --root DIR
     python -m trainkit.data verify --root DIR            # every dataset found under DIR
     python -m trainkit.data verify cifar10 --root DIR    # this one must be there
+    python -m trainkit.data tokenize FILES_OR_FOLDERS OUT_DIR --tokenizer bytes|gpt2
+    python -m trainkit.data shards IMAGE_FOLDER OUT_DIR --samples-per-shard N
 
 Copy DIR to the offline cluster and point ``data.root`` (or ``TRAINKIT_DATA_DIR``) at it.
+``tokenize`` writes a token corpus (train.bin, val.bin, meta.json) for ``data=tokens``;
+``shards`` webdataset shards and their shards.json for ``data=webdataset``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from trainkit.data.datasets import (
     download_error_lines,
     download_mnist,
 )
+from trainkit.data.shard_writer import write_shards
+from trainkit.data.tokenize import TOKENIZERS, tokenize
 from trainkit.errors import TrainkitError, command_name, print_error
 
 
@@ -86,7 +92,24 @@ def main(argv: list[str] | None = None) -> int:
     # no `choices` here: argparse (3.11) checks an empty list against them and fails
     check.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(DATASETS)}")
     check.add_argument("--root", default=default_root, help="default: $TRAINKIT_DATA_DIR or ./data")
+    tok = sub.add_parser("tokenize", help="text files to train.bin/val.bin (data=tokens)")
+    tok.add_argument("inputs", nargs="+", type=Path, help="text files or folders of them")
+    tok.add_argument("out_dir", type=Path, help="where train.bin, val.bin, meta.json go")
+    tok.add_argument("--tokenizer", default="bytes", choices=TOKENIZERS,
+                     help="bytes: each byte a token; gpt2: GPT-2's BPE (needs tiktoken)")
+    tok.add_argument("--val-fraction", type=float, default=0.1,
+                     help="the corpus's last tokens kept for validation (default 0.1)")
+    tok.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"])
+    shards = sub.add_parser("shards", help="an image folder to webdataset shards "
+                                           "(data=webdataset)")
+    shards.add_argument("folder", type=Path, help="train/<class>/ (and val/<class>/) images")
+    shards.add_argument("out_dir", type=Path, help="where the shards and shards.json go")
+    shards.add_argument("--samples-per-shard", type=int, default=1000)
     args = parser.parse_args(argv)
+    if args.command == "tokenize":
+        return _tokenize(args)
+    if args.command == "shards":
+        return _shards(args)
     unknown = [n for n in args.names if n not in DATASETS]
     if unknown:
         parser.error(f"unknown dataset {', '.join(unknown)}: use {', '.join(DATASETS)}")
@@ -104,6 +127,31 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print_error(problem)
     return 2 if problems else 0
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    try:
+        corpus = tokenize(args.inputs, args.out_dir, args.tokenizer, args.val_fraction,
+                          args.dtype)
+    except TrainkitError as err:
+        print_error(str(err), err.details)
+        return 2
+    print(f"{args.out_dir}: {corpus.train_tokens} training and {corpus.val_tokens} validation "
+          f"tokens from {corpus.files} files; train with +exp=lm data.root={args.out_dir}")
+    return 0
+
+
+def _shards(args: argparse.Namespace) -> int:
+    try:
+        index = write_shards(args.folder, args.out_dir, args.samples_per_shard)
+    except TrainkitError as err:
+        print_error(str(err), err.details)
+        return 2
+    counts = ", ".join(f"{len(index[s])} {s} shards ({sum(e['samples'] for e in index[s])} "
+                       "samples)" for s in ("train", "val") if s in index)
+    print(f"{args.out_dir}: {counts}, {len(index['classes'])} classes; train with "
+          f"data=webdataset data.root={args.out_dir}")
+    return 0
 
 
 if __name__ == "__main__":

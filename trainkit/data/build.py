@@ -14,6 +14,8 @@ from trainkit.data.loaders import make_loader
 from trainkit.data.memory import InMemoryLoader
 from trainkit.data.own_data import dataset_loaders, image_folder_loaders
 from trainkit.data.prefetch import DevicePrefetcher
+from trainkit.data.shards import shard_loaders
+from trainkit.data.tokens import token_loaders
 from trainkit.errors import ConfigError
 from trainkit.runtime import Runtime
 
@@ -50,8 +52,12 @@ def build_loaders(
         ConfigError: an unknown dataset name, or a batch size the data cannot fill.
         TrainkitError: the files are missing (offline), corrupt or malformed.
     """
+    if cfg.name == "tokens":  # a token corpus: windows from memory-mapped files
+        return token_loaders(cfg, runtime, seed=seed)  # type: ignore[return-value]
     own = {"seed": seed, "channels_last": channels_last, "train_transforms": train_transforms,
            "eval_transforms": eval_transforms}
+    if cfg.name == "webdataset":  # image shards streamed by every rank and worker
+        return shard_loaders(cfg, runtime, **own)
     if reader is None and cfg.name == "image_folder":
         return image_folder_loaders(cfg, runtime, **own)
     if reader is not None:
@@ -60,7 +66,7 @@ def build_loaders(
             return dataset_loaders(train, test, cfg, runtime, **own)
     elif cfg.name not in READERS:
         raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(READERS)}, "
-                          "image_folder; "
+                          "image_folder, tokens, webdataset; "
                           "for your own dataset set dataset._target_ (see the README)")
     else:
         read = READERS[cfg.name]

@@ -530,6 +530,9 @@ class Trainer:
     def _log_train(self, run: _Run) -> None:
         """The window's figures to the sinks, the console and train.log."""
         scalars = run.meter.read()
+        per_sample = getattr(run.data, "tokens_per_sample", None)  # token loaders: tokens/s too
+        if per_sample:
+            scalars["throughput/tokens_per_s"] = scalars["throughput/samples_per_s"] * per_sample
         scalars["train/lr"] = run.optimizer.param_groups[0]["lr"]
         scalars["amp/skipped_steps"] = self.state.skipped_steps
         if self.precision.scaler is not None:

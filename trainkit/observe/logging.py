@@ -65,10 +65,12 @@ def log_start(model: str, runtime: Any, total_steps: int, per_epoch: int, config
 def log_window(scalars: Mapping[str, float], epoch: int, step: int, total_steps: int) -> None:
     """One logging step's line: loss, LR, throughput, data wait, memory."""
     memory = scalars.get("memory/cuda_peak_allocated_gib", scalars["memory/cpu_rss_gib"])
+    tokens = scalars.get("throughput/tokens_per_s")  # token loaders (a language model's)
     logging.getLogger(LOGGER_NAME).info(
-        "epoch %d step %d/%d loss %.4f lr %.3g %.0f samples/s data wait %.0f%% mem %.2f GiB",
+        "epoch %d step %d/%d loss %.4f lr %.3g %.0f samples/s%s data wait %.0f%% mem %.2f GiB",
         epoch, step, total_steps, scalars["train/loss"], scalars["train/lr"],
-        scalars["throughput/samples_per_s"], scalars["time/data_wait_pct"], memory)
+        scalars["throughput/samples_per_s"], "" if tokens is None else f" {tokens:.0f} tokens/s",
+        scalars["time/data_wait_pct"], memory)
 
 
 def log_to_file(lines: Sequence[str]) -> None:

@@ -1,0 +1,326 @@
+"""``data=webdataset``: image shards (webdataset tars) streamed by every rank and worker.
+
+Shards are tar files of samples (``<key>.jpg`` or another image, ``<key>.cls``: the class
+index), local paths or any URL webdataset opens (``https://``, ``pipe:aws s3 cp ... -``), given
+as a brace pattern (``train-{000000..000127}.tar``) or a list. ``python -m trainkit.data shards``
+writes them from an image folder, with ``shards.json`` beside them (each shard's sample count,
+the class names), which ``data.root`` points at. Images are decoded and augmented by
+:mod:`trainkit.data.transforms`, as ``data=image_folder`` does, and normalised on the device.
+
+What a run sees, exactly (training):
+
+* an epoch is ``data.epoch_samples`` samples per rank (default: the training shards' samples in
+  ``shards.json`` divided by the ranks), cut to whole batches: every rank runs the same number
+  of batches, whatever the shards hold, so DDP never waits on a rank that ran dry.
+* the shard order of epoch ``e`` is a permutation fixed by ``(seed, e)``; rank ``r`` takes shards
+  ``r, r + world_size, ...`` of it, and worker ``w`` of the rank's DataLoader takes every
+  ``num_workers``-th of those from its ``w``-th. Fewer shards than ranks x workers is an error.
+* each worker's samples pass a shuffle buffer (``data.shuffle_buffer``) seeded with
+  ``(seed, epoch, rank, worker)``; a worker whose shards run out before its share of the epoch
+  reads them again (another order, another buffer seed), so with uneven shards a sample may come
+  twice in an epoch and another not at all -- but no rank runs short.
+* batch ``b`` of the rank comes from worker ``b % num_workers`` (the DataLoader's round robin),
+  its augmentation seeded with ``(seed, epoch, rank, b)``.
+
+Resume: the samples, their order and their augmentation are a function of ``(seed, epoch, rank,
+batch)`` for a fixed ``num_workers``: a run resumed at batch ``b`` of an epoch reads on from
+the sample after the last one handed out (the samples before it are read from the tars but not
+decoded) and hands out exactly the batches the uninterrupted run would have. Resuming with
+another ``num_workers`` or world size keeps the epoch's shard order but not its samples.
+
+Evaluation reads the validation shards once each, in order, rank ``r`` taking every
+``world_size``-th; the last batch of each worker may be short.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from trainkit.config import DataConfig
+from trainkit.data.prefetch import DevicePrefetcher
+from trainkit.data.resumable import DataPosition, saved_position
+from trainkit.data.transforms import IMAGE_SUFFIXES, decode_image, stats_for, transform_for
+from trainkit.errors import ConfigError, TrainkitError
+from trainkit.rng import mix_seed
+from trainkit.runtime import Runtime
+from trainkit.signals import shielded_worker_init
+
+IMAGE_KEYS = tuple(suffix[1:] for suffix in IMAGE_SUFFIXES)
+INDEX = "shards.json"
+Transforms = Sequence[Callable[..., Any]] | None
+
+
+class ShardBatch(NamedTuple):
+    """uint8 images ``[B, C, H, W]``, int64 labels, and each sample's ``__key__``."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    keys: list[str]
+
+
+def _webdataset() -> Any:
+    try:
+        import webdataset
+    except ImportError:
+        raise ConfigError("data=webdataset needs the webdataset library: pip install "
+                          "'trainkit[shards]'") from None
+    return webdataset
+
+
+class ShardStream(IterableDataset):
+    """One rank's batches of one pass, produced by the DataLoader's workers (module docstring).
+
+    The main process sets ``epoch`` and ``start`` before each pass. They live in a shared-memory
+    tensor, so persistent workers (started once) read each pass's values when it begins.
+    """
+
+    def __init__(self, shards: Sequence[str], *, batch_size: int, batches: int | None,
+                 training: bool, transform: Callable[[torch.Tensor], torch.Tensor],
+                 channels: int, seed: int, rank: int, world_size: int,
+                 shuffle_buffer: int) -> None:
+        self.shards, self.batch_size, self.batches = list(shards), batch_size, batches
+        self.training, self.transform, self.channels = training, transform, channels
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.shuffle_buffer = shuffle_buffer
+        self._pass = torch.zeros(2, dtype=torch.int64).share_memory_()  # epoch, start batch
+
+    @property
+    def epoch(self) -> int:
+        return int(self._pass[0])
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._pass[0] = value
+
+    @property
+    def start(self) -> int:
+        return int(self._pass[1])
+
+    @start.setter
+    def start(self, value: int) -> None:
+        self._pass[1] = value
+
+    def worker_shards(self, epoch: int, role: int, workers: int, repeat: int = 0) -> list[str]:
+        """The shards worker ``role`` reads in ``epoch`` (``repeat``: its n-th time through)."""
+        order = list(range(len(self.shards)))
+        if self.training:
+            generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
+            order = torch.randperm(len(self.shards), generator=generator).tolist()
+        mine = order[self.rank::self.world_size][role::workers]
+        if repeat:
+            random.Random(mix_seed(self.seed, epoch, self.rank, role, repeat)).shuffle(mine)
+        return [self.shards[i] for i in mine]
+
+    def _raw(self, epoch: int, role: int, workers: int) -> Iterator[dict[str, Any]]:
+        """The worker's undecoded samples: through its shards once (evaluation), or again and
+        again through a seeded shuffle buffer (training)."""
+        wds = _webdataset()
+        if not self.training:
+            shards = self.worker_shards(epoch, role, workers)
+            return iter(wds.DataPipeline(wds.SimpleShardList(shards), wds.tarfile_to_samples()))
+        rounds = (wds.DataPipeline(wds.SimpleShardList(self.worker_shards(epoch, role, workers, r)),
+                                   wds.tarfile_to_samples()) for r in itertools.count())
+        rng = random.Random(mix_seed(self.seed, epoch, self.rank, role))
+        return wds.shuffle(self.shuffle_buffer, self.shuffle_buffer, rng=rng)(
+            itertools.chain.from_iterable(rounds))
+
+    def __iter__(self) -> Iterator[ShardBatch]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        epoch, start = self.epoch, self.start  # this pass's, read once
+        role = (start + worker) % workers  # batches start, start + 1, ... in round robin
+        samples = self._raw(epoch, role, workers)
+        if not self.training:
+            yield from self._batches(samples, itertools.count(), epoch)
+            return
+        mine = range(role, self.batches, workers)
+        done = len([b for b in mine if b < start])  # handed out before a resume
+        samples = itertools.islice(samples, done * self.batch_size, None)  # not decoded
+        yield from self._batches(samples, mine[done:], epoch)
+
+    def _batches(self, samples: Iterator[dict[str, Any]], numbers: Iterator[int] | range,
+                 epoch: int) -> Iterator[ShardBatch]:
+        for b in numbers:
+            chunk = list(itertools.islice(samples, self.batch_size))
+            if not chunk:
+                return
+            if get_worker_info() is not None:  # augmentation a function of the batch's place
+                seed = mix_seed(self.seed, epoch, self.rank, b)
+                random.seed(seed)
+                np.random.seed(seed % 2**32)
+                torch.default_generator.manual_seed(seed)
+            yield ShardBatch(torch.stack([self._image(s) for s in chunk]),
+                             torch.tensor([_label(s) for s in chunk], dtype=torch.int64),
+                             [s["__key__"] for s in chunk])
+
+    def _image(self, sample: Mapping[str, Any]) -> torch.Tensor:
+        key = next((k for k in IMAGE_KEYS if k in sample), None)
+        if key is None:
+            raise TrainkitError(f"sample {sample['__key__']} of {sample.get('__url__')} has no "
+                                f"image (its files: {', '.join(sorted(sample))})")
+        image = decode_image(sample[key], channels=self.channels, name=sample["__key__"])
+        return self.transform(image)
+
+
+def _label(sample: Mapping[str, Any]) -> int:
+    if "cls" not in sample:
+        raise TrainkitError(f"sample {sample['__key__']} of {sample.get('__url__')} has no "
+                            ".cls file (its class index)")
+    return int(sample["cls"])
+
+
+class ShardLoader:
+    """One rank's :class:`ShardBatch` es; the resume protocol of every trainkit loader."""
+
+    def __init__(self, stream: ShardStream, *, num_workers: int, batches: int | None) -> None:
+        self.stream, self.num_workers, self._batches = stream, num_workers, batches
+        self.batch_size = stream.batch_size
+        self.position = DataPosition()
+        # persistent workers: started once, each pass's epoch and start read from shared memory
+        self.loader = DataLoader(stream, batch_size=None, num_workers=num_workers,
+                                 persistent_workers=num_workers > 0,
+                                 worker_init_fn=shielded_worker_init(None) if num_workers
+                                 else None)
+
+    def __len__(self) -> int:
+        if self._batches is None:
+            raise TypeError("the batch count of these shards is unknown (no shards.json)")
+        return self._batches
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Serve ``epoch`` from batch ``start_batch`` on (the samples before are not decoded)."""
+        self.position.set(epoch, start_batch)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.position.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.set_epoch(*saved_position(state))
+
+    def __iter__(self) -> Iterator[ShardBatch]:
+        self.stream.start = self.position.begin_pass()
+        self.stream.epoch = self.position.epoch
+        for batch in self.loader:
+            self.position.batch += 1
+            yield batch
+
+
+class _Pairs:
+    """A :class:`ShardLoader`'s batches as ``(images, labels)``, for the device prefetcher."""
+
+    def __init__(self, loader: ShardLoader) -> None:
+        self.loader = loader
+        self.batch_size = loader.batch_size
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.loader.set_epoch(epoch, start_batch)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in self.loader:
+            yield batch.images, batch.labels
+
+
+def read_index(root: Path) -> dict[str, Any]:
+    """``shards.json`` of ``root`` (``{}`` when there is none)."""
+    path = root / INDEX
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def shard_list(spec: str | Sequence[str] | None, index: Mapping[str, Any], split: str,
+               root: Path) -> tuple[list[str], int | None]:
+    """The shards of ``split`` (a brace pattern, a list, or shards.json's) and, when known from
+    shards.json, their samples."""
+    if spec is None:
+        entries = index.get(split)
+        if not entries:
+            key = "shards" if split == "train" else "val_shards"
+            raise ConfigError(f"no {split} shards: set data.{key} or point data.root at a "
+                              f"folder with {INDEX} (python -m trainkit.data shards writes one)")
+        return [str(root / e["shard"]) for e in entries], sum(e["samples"] for e in entries)
+    wds = _webdataset()
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    return [url for s in specs for url in wds.shardlists.expand_urls(s)], None
+
+
+def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
+                  channels_last: bool = False, train_transforms: Transforms = None,
+                  eval_transforms: Transforms = None) -> tuple[DevicePrefetcher, Any, int]:
+    """Training and validation loaders of ``data=webdataset``, and the class count;
+    ``train_transforms`` / ``eval_transforms`` replace the default transforms when given."""
+    # Imported here, once: the forked workers have them instead of importing them each (~1 s a
+    # worker); and a missing extra is said before anything starts.
+    _webdataset()
+    import torchvision.io  # decode_image's JPEG path
+    import torchvision.transforms.v2.functional  # noqa: F401  (the crops and resizes)
+    root = Path(cfg.root)
+    index = read_index(root)
+    classes = index.get("classes")
+    num_classes = cfg.num_classes or (len(classes) if classes else None)
+    if not num_classes:
+        raise ConfigError(f"no {INDEX} in {root} to tell the classes: set data.num_classes")
+    mean, std = stats_for(cfg)
+    train = _loader(cfg, runtime, seed, index, train_transforms, training=True)
+    val = (_loader(cfg, runtime, seed, index, eval_transforms, training=False)
+           if cfg.val_shards is not None or index.get("val") else None)
+    wrap = {"mean": mean, "std": std, "channels_last": channels_last, "normalize_float": False}
+    return (DevicePrefetcher(_Pairs(train), runtime.device, **wrap),
+            DevicePrefetcher(_Pairs(val), runtime.device, **wrap) if val is not None else None,
+            int(num_classes))
+
+
+def _loader(cfg: DataConfig, runtime: Runtime, seed: int, index: Mapping[str, Any],
+            custom: Transforms, *, training: bool) -> ShardLoader:
+    shards, samples = shard_list(cfg.shards if training else cfg.val_shards, index,
+                                 "train" if training else "val", Path(cfg.root))
+    workers = cfg.num_workers if cfg.num_workers is not None else 2
+    world = runtime.world_size
+    if not training:  # each rank reads its shards once, a worker each at most (none: nothing)
+        workers = min(workers, len(shards[runtime.rank::world]))
+    elif len(shards) < world * max(workers, 1):
+        raise ConfigError(f"{len(shards)} training shards for {world} rank(s) x "
+                          f"{max(workers, 1)} worker(s): each needs one; write smaller shards "
+                          "or lower data.num_workers")
+    batch_size = cfg.batch_size if training else cfg.eval_batch_size
+    if training:
+        per_rank = cfg.epoch_samples or (samples // world if samples else None)
+        if not per_rank:
+            raise ConfigError("data.epoch_samples is needed with shards of your own (no "
+                              f"{INDEX}): the training samples per rank in an epoch")
+        batches = per_rank // batch_size
+        if batches == 0:
+            raise ConfigError(f"data.batch_size={batch_size} is larger than an epoch's "
+                              f"{per_rank} samples per rank")
+    else:
+        batches = None if cfg.val_shards is not None else _eval_batches(
+            index["val"], runtime, workers, batch_size)
+    stream = ShardStream(shards, batch_size=batch_size, batches=batches, training=training,
+                         transform=transform_for(cfg, training=training, custom=custom),
+                         channels=cfg.channels, seed=seed, rank=runtime.rank,
+                         world_size=world, shuffle_buffer=cfg.shuffle_buffer)
+    return ShardLoader(stream, num_workers=workers, batches=batches)
+
+
+def _eval_batches(entries: Sequence[Mapping[str, Any]], runtime: Runtime, workers: int,
+                  batch_size: int) -> int:
+    """This rank's validation batches: each worker's samples in batches, the last one short."""
+    mine = list(entries)[runtime.rank::runtime.world_size]
+    return sum(-(-sum(e["samples"] for e in mine[w::max(workers, 1)]) // batch_size)
+               for w in range(max(workers, 1)))

@@ -1,0 +1,155 @@
+"""``data=tokens``: windows of a token corpus read through a memory map (nanoGPT's format).
+
+A corpus is a folder with ``train.bin`` and ``val.bin``, flat arrays of token ids (uint16, or
+uint32), as ``python -m trainkit.data tokenize`` (or nanoGPT's ``prepare.py``) writes them, and
+optionally the ``meta.json`` the former writes (dtype, vocabulary size). Nothing is read whole:
+each batch gathers its windows from the page cache, so a corpus may be far larger than memory.
+
+What a run sees, exactly:
+
+* training: an epoch is ``(tokens - 1) // seq_len // (world_size * batch_size)`` batches per rank
+  (as many windows as the file holds end to end, cut to equal shares). Batch ``b`` of ``epoch``
+  on ``rank`` is ``batch_size`` windows of ``seq_len + 1`` tokens at offsets drawn uniformly from
+  a generator seeded with ``(seed, epoch, rank, b)``: a function of its place alone, so a resumed
+  run reads the very windows an uninterrupted one would, without touching the batches before.
+* evaluation: the windows end to end from the file's start (window ``i`` at ``i * seq_len``),
+  rank ``r`` taking windows ``r, r + world_size, ...`` in order; the last batch may be short.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainkit.config import DataConfig
+from trainkit.data.resumable import DataPosition, saved_position
+from trainkit.errors import ConfigError
+from trainkit.rng import mix_seed
+from trainkit.runtime import Runtime
+
+DTYPES = ("uint16", "uint32")
+
+
+class TokenLoader:
+    """Batches ``{"tokens": int64 [batch, seq_len + 1]}`` from a memory-mapped token file.
+
+    A :class:`~trainkit.data.ResumableData`: ``set_epoch(epoch, start_batch)`` points it
+    anywhere; ``len()`` is the epoch's batch count. See the module's docstring for the order.
+
+    Args:
+        path: the token file (``train.bin``).
+        seq_len: tokens of context per window (each window has one more: the last target).
+        batch_size: windows per batch on this rank.
+        shuffle: random windows fixed by ``(seed, epoch, rank, batch)`` (training), or the
+            file's windows end to end, in order (evaluation).
+        dtype: ``uint16`` or ``uint32``, as the file was written.
+        device: where batches go (pinned and copied asynchronously when it is CUDA).
+        seed, rank, world_size: the run's seed and this process's place among the ranks.
+    """
+
+    def __init__(self, path: str | Path, seq_len: int, batch_size: int, *, shuffle: bool,
+                 dtype: str = "uint16", device: torch.device | str = "cpu", seed: int = 0,
+                 rank: int = 0, world_size: int = 1) -> None:
+        path = Path(path)
+        if dtype not in DTYPES:
+            raise ConfigError(f"token dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if not path.is_file():
+            raise ConfigError(f"{path} does not exist: write it with `python -m trainkit.data "
+                              "tokenize <text files or folder> <folder>` and set data.root")
+        size, item = path.stat().st_size, np.dtype(dtype).itemsize
+        if size % item:
+            raise ConfigError(f"{path} is {size} bytes, not a whole number of {dtype} tokens: "
+                              "is it a token file, and of this dtype (data.token_dtype)?")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+        self.path, self.seq_len, self.batch_size, self.shuffle = path, seq_len, batch_size, shuffle
+        self.device, self.seed = torch.device(device), seed
+        self.rank, self.world_size = rank, world_size
+        self.tokens_per_sample = seq_len  # the tokens a window trains on: tokens/s in the log
+        windows = max(0, (len(self.tokens) - 1) // seq_len)
+        self._order = None if shuffle else np.arange(rank, windows, world_size)
+        self._batches = (windows // (world_size * batch_size) if shuffle
+                         else -(-len(self._order) // batch_size))
+        if self._batches == 0:
+            raise ConfigError(
+                f"{path} has {len(self.tokens)} tokens: not one batch of {batch_size} windows of "
+                f"{seq_len + 1} for each of {world_size} rank(s); lower data.batch_size or "
+                "data.seq_len, or give a larger corpus")
+        self._span = np.arange(seq_len + 1)
+        self.position = DataPosition()
+
+    def __len__(self) -> int:
+        return self._batches
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Serve ``epoch`` from batch ``start_batch`` on; the batches before are never read."""
+        self.position.set(epoch, start_batch)
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch and the batches of it already handed out."""
+        return self.position.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s position with the next iteration."""
+        self.set_epoch(*saved_position(state))
+
+    def offsets(self, epoch: int, batch: int) -> np.ndarray:
+        """Where batch ``batch`` of ``epoch``'s windows start on this rank."""
+        if not self.shuffle:
+            return self._order[batch * self.batch_size:(batch + 1) * self.batch_size] * self.seq_len
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, epoch, self.rank, batch))
+        high = len(self.tokens) - self.seq_len  # the last window ends at the file's last token
+        return torch.randint(high, (self.batch_size,), generator=generator).numpy()
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        cuda = self.device.type == "cuda"
+        for b in range(self.position.begin_pass(), self._batches):
+            # one gather from the memory map: only these windows' pages are read
+            rows = self.tokens[self.offsets(self.position.epoch, b)[:, None] + self._span]
+            tokens = torch.from_numpy(rows.astype(np.int64))
+            if cuda:
+                tokens = tokens.pin_memory().to(self.device, non_blocking=True)
+            self.position.batch += 1
+            yield {"tokens": tokens}
+
+
+def corpus_meta(root: Path) -> dict[str, Any]:
+    """``meta.json`` beside the token files, or ``{}`` when there is none (nanoGPT's own)."""
+    meta = root / "meta.json"
+    return json.loads(meta.read_text()) if meta.is_file() else {}
+
+
+def token_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0
+                  ) -> tuple[TokenLoader, TokenLoader, int]:
+    """Training and evaluation loaders over ``<data.root>/train.bin`` and ``val.bin``, and the
+    vocabulary's size: ``data.num_classes`` when set (at least meta.json's: a model may have
+    unused tokens), else ``meta.json``'s (one of the two is needed).
+
+    The dtype is ``data.token_dtype``, else meta.json's, else uint16 (nanoGPT's default).
+    """
+    root = Path(cfg.root)
+    if not root.is_dir():
+        raise ConfigError(f"data.root={cfg.root} is not a folder: point it at the folder of "
+                          "train.bin and val.bin (python -m trainkit.data tokenize writes them)")
+    meta = corpus_meta(root)
+    dtype = cfg.token_dtype or meta.get("dtype", "uint16")
+    if cfg.token_dtype and meta.get("dtype", cfg.token_dtype) != cfg.token_dtype:
+        raise ConfigError(f"data.token_dtype={cfg.token_dtype} but {root / 'meta.json'} says "
+                          f"{meta['dtype']}: drop data.token_dtype")
+    vocab = meta.get("vocab_size")
+    if cfg.num_classes is not None and vocab is not None and cfg.num_classes < vocab:
+        raise ConfigError(f"data.num_classes={cfg.num_classes} but {root / 'meta.json'} says "
+                          f"the vocabulary has {vocab} tokens: leave data.num_classes unset")
+    if cfg.num_classes is None and vocab is None:
+        raise ConfigError(f"{root} has no meta.json: set data.num_classes to the vocabulary's "
+                          "size (GPT-2's: 50257)")
+    common = {"seq_len": cfg.seq_len, "dtype": dtype, "device": runtime.device, "seed": seed,
+              "rank": runtime.rank, "world_size": runtime.world_size}
+    return (TokenLoader(root / "train.bin", batch_size=cfg.batch_size, shuffle=True, **common),
+            TokenLoader(root / "val.bin", batch_size=cfg.eval_batch_size, shuffle=False,
+                        **common),
+            cfg.num_classes or vocab)
