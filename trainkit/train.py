@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import hydra
-import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
@@ -26,8 +25,8 @@ from trainkit.distributed import group
 from trainkit.distributed.entry_ranks import join_ranks
 from trainkit.entry.config_dir import config_dir
 from trainkit.entry.errors import errors_as_one_line
+from trainkit.entry.rebuild import build_criterion, build_metrics
 from trainkit.entry.run_dir import removed_if_unused
-from trainkit.errors import ConfigError
 from trainkit.loop.cuda_settings import use_device
 from trainkit.loop.trainer import Trainer
 from trainkit.observe.logging import setup_logging
@@ -67,13 +66,7 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
         total_steps = trainer.planned_steps(len(parts.train_data))
         scheduler = instantiate(cfg.sched, optimizer=parts.optimizer, total_steps=total_steps)
 
-    metrics = {name: instantiate(node) for name, node in (cfg.get("metrics") or {}).items()}
-    for name, metric in metrics.items():  # a class count of another dataset fails late, obscurely
-        classes = getattr(metric, "num_classes", None)
-        if isinstance(classes, int) and classes != parts.num_classes:
-            raise ConfigError(f"metrics.{name}.num_classes={classes} but the data has "
-                              f"{parts.num_classes} classes: set metrics.{name}.num_classes="
-                              f"{parts.num_classes}")
+    metrics = build_metrics(cfg, parts.num_classes)  # checked against the data's classes
     summary = trainer.fit(
         parts.model, parts.optimizer, parts.train_data, criterion=parts.criterion,
         scheduler=scheduler, val_data=parts.val_data, metrics=metrics, stop_at_step=stop_at_step,
@@ -116,8 +109,7 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
     train_data, val_data, num_classes = build_data(cfg, settings, runtime)
     model = instantiate(cfg.model, _convert_="all")
     optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
-    # A criterion from the config (e.g. label smoothing); default: plain cross-entropy.
-    criterion = instantiate(cfg.loss) if cfg.get("loss") is not None else F.cross_entropy
+    criterion = build_criterion(cfg)  # the config's (e.g. label smoothing), or cross-entropy
     return RunParts(train_data, val_data, num_classes, model, optimizer, criterion)
 
 

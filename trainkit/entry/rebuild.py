@@ -1,0 +1,128 @@
+"""A finished run rebuilt for ``trainkit evaluate``, ``predict`` and ``export``: its checkpoint,
+its own config (with the command's overrides), its model with the chosen weights, its data.
+
+The run's config is the one its checkpoint stores (resolved, as it trained), checked by the
+same schema as training; the data and metrics are built by the functions training builds them
+with (:func:`trainkit.train.build_data`), so an evaluation sees the same batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from trainkit.checkpoint.export import Inputs
+from trainkit.checkpoint.load import build_model
+from trainkit.checkpoint.select import find_checkpoint, model_weights, read_checkpoint
+from trainkit.config import TrainConfig
+from trainkit.data.build import READERS
+from trainkit.data.datasets import TensorData
+from trainkit.errors import ConfigError, TrainkitError
+
+
+@dataclass
+class Rebuilt:
+    """A run's checkpoint, config and model (on the CPU, eval mode, the chosen weights)."""
+
+    name: str  # the ckpt as the user named it: best, last, step_N, or the file's stem
+    state: dict[str, Any]
+    cfg: DictConfig
+    settings: TrainConfig
+    model: nn.Module
+    weights: str  # "ema" or "raw"
+
+    @property
+    def step(self) -> int:
+        return int(self.state["global_step"])
+
+
+def split_args(args: Sequence[str], options: dict[str, str], usage: str
+               ) -> tuple[Path, dict[str, str], list[str]]:
+    """``RUN_DIR key=value ...`` as the run folder, the command's own options (``options``:
+    their defaults) and the config overrides (every other ``key=value``)."""
+    positional = [a for a in args if "=" not in a]
+    if len(positional) != 1:
+        raise TrainkitError(f"give one run folder, then key=value settings: {usage}")
+    chosen, overrides = dict(options), []
+    for arg in args:
+        if "=" in arg:
+            key, value = arg.split("=", 1)
+            if key in options:
+                chosen[key] = value
+            else:
+                overrides.append(arg.removeprefix("+"))
+    return Path(positional[0]), chosen, overrides
+
+
+def rebuild(run_dir: Path, ckpt: str, weights: str, overrides: Sequence[str]) -> Rebuilt:
+    """The run's checkpoint ``ckpt`` with its model built from the run's config."""
+    path = find_checkpoint(run_dir, ckpt)
+    state = read_checkpoint(path)
+    saved = state.get("config")
+    if not saved:
+        raise TrainkitError(f"checkpoint {path} holds no config (not written by the trainkit "
+                            "entry point): use trainkit.load_model's building blocks by hand")
+    saved = {k: v for k, v in saved.items() if k not in ("sinks", "callbacks")}  # not rebuilt
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), saved,
+                          OmegaConf.from_dotlist(list(overrides)))
+    settings: TrainConfig = OmegaConf.to_object(cfg)
+    chosen, which = model_weights(state, weights)
+    model = build_model(OmegaConf.to_container(cfg.model, resolve=True), chosen, path=path)
+    name = ckpt if path != Path(ckpt) else path.name.removesuffix(".pt")
+    return Rebuilt(name, state, cfg, settings, model.eval(), which)
+
+
+def on_device(model: nn.Module, settings: TrainConfig, device: torch.device) -> nn.Module:
+    """``model`` on ``device`` in the memory layout training evaluated it in (channels_last
+    weights give other sums than contiguous ones: the recorded values need the same)."""
+    model = model.to(device)
+    if settings.trainer.channels_last and settings.trainer.strategy != "fsdp":
+        model = model.to(memory_format=torch.channels_last)  # as Trainer.prepare_model does
+    return model
+
+
+def read_split(cfg: DictConfig, settings: TrainConfig, *, train: bool) -> TensorData:
+    """One split of the run's dataset, whole, as the loaders read it."""
+    from hydra.utils import instantiate
+
+    data = settings.data
+    if cfg.get("dataset") is not None:
+        return instantiate(cfg.dataset, _partial_=True)(root=data.root, train=train)
+    if data.name not in READERS:
+        raise TrainkitError(f"data.name={data.name!r} is not one of {', '.join(READERS)}")
+    return READERS[data.name](data.root, train=train, verify=data.verify, download=data.download)
+
+
+def inputs_of(split: TensorData) -> Inputs:
+    """What the model takes, from a split of its data: mean/std, image size, class names."""
+    classes = getattr(split, "classes", None) or [str(i) for i in range(split.num_classes)]
+    return Inputs(tuple(split.mean), tuple(split.std), tuple(split.images.shape[1:]),
+                  list(classes))
+
+
+def build_metrics(cfg: DictConfig, num_classes: int) -> dict[str, Any]:
+    """The run's ``metrics`` node built, each checked against the data's class count."""
+    from hydra.utils import instantiate
+
+    metrics = {name: instantiate(node) for name, node in (cfg.get("metrics") or {}).items()}
+    for name, metric in metrics.items():  # a class count of another dataset fails late, obscurely
+        classes = getattr(metric, "num_classes", None)
+        if isinstance(classes, int) and classes != num_classes:
+            raise ConfigError(f"metrics.{name}.num_classes={classes} but the data has "
+                              f"{num_classes} classes: set metrics.{name}.num_classes="
+                              f"{num_classes}")
+    return metrics
+
+
+def build_criterion(cfg: DictConfig) -> Any:
+    """The run's loss: its ``loss`` node (e.g. label smoothing), else plain cross-entropy."""
+    from hydra.utils import instantiate
+
+    return instantiate(cfg.loss) if cfg.get("loss") is not None else F.cross_entropy
