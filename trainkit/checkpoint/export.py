@@ -16,8 +16,8 @@ run's manifest (versions, git commit, config hash).
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +86,9 @@ def export(model: nn.Module, out: str | Path, *, fmt: str, dtype: str, inputs: I
         raise TrainkitError(f"cannot write {out}: folder {out.parent} does not exist")
     model = model.to("cpu", DTYPES[dtype]).eval()
     file = f"model.{fmt}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # mkdir: the umask's permissions
+    shutil.rmtree(tmp, ignore_errors=True)  # this process's own, left by a kill
+    tmp.mkdir()
     try:
         _write_weights(model, tmp / file, fmt, DTYPES[dtype], inputs)
         record = {"format": fmt, "file": file, "dtype": str(DTYPES[dtype]).removeprefix("torch."),

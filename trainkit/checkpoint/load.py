@@ -62,6 +62,8 @@ def load_model(source: str | Path, ckpt: str = "best", *, device: str | torch.de
     target = resolve_device(device)  # "auto", "cuda:1", ...: checked to exist here
     if (source / MODEL_JSON).is_file():
         model = load_export(source)
+        if isinstance(model, torch.fx.GraphModule):  # a pt2 program: traced in eval mode
+            return model.to(target)
     else:
         state = read_checkpoint(find_checkpoint(source, ckpt))
         chosen, _ = model_weights(state, weights)
