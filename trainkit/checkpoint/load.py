@@ -18,7 +18,7 @@ from torch import nn
 from trainkit.checkpoint.contents import check_weights_fit
 from trainkit.checkpoint.select import find_checkpoint, model_weights, read_checkpoint
 from trainkit.device import resolve_device
-from trainkit.errors import TrainkitError
+from trainkit.errors import TrainkitError, chain_lines
 
 MODEL_JSON = "model.json"
 
@@ -32,7 +32,13 @@ def build_model(node: Mapping[str, Any], weights: Mapping[str, torch.Tensor], *,
 
     if not isinstance(node, Mapping) or "_target_" not in node:
         raise TrainkitError(f"{path} names no model to build (no model._target_ in its config)")
-    model = instantiate(dict(node), _convert_="all")
+    try:
+        model = instantiate(dict(node), _convert_="all")
+    except Exception as err:  # a class renamed, moved or uninstalled since the run
+        raise TrainkitError(
+            f"the model this run trained, model._target_={node['_target_']}, no longer builds "
+            f"here: install or fix its module, or name another with model._target_=...",
+            details=[f"weights: {path}", *chain_lines(err)]) from None
     check_weights_fit(model.state_dict(), weights, key="ckpt", path=path)
     model.load_state_dict(weights)
     return model

@@ -43,8 +43,8 @@ def find_checkpoint(run_dir: str | Path, ckpt: str = "best") -> Path:
                             "finished run")
     have = available(folder)
     if not have:
-        raise TrainkitError(f"{run_dir} has no checkpoints (no {folder}/last.pt or last/): "
-                            "train it first, or give another run folder")
+        raise TrainkitError(f"{run_dir} has no checkpoints: train it first, or give another "
+                            "run folder", details=[f"no last.pt or last/ in {folder}"])
     if ckpt in have:
         return have[ckpt]
     if ckpt == "best":

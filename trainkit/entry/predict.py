@@ -36,7 +36,7 @@ USAGE = ("RUN_DIR inputs=FOLDER|test|train out=FILE.jsonl|FILE.pt [ckpt=best] [t
          "[predict=pkg.module.function] [key=value ...]")
 OPTIONS = {"ckpt": "best", "weights": "auto", "inputs": "", "out": "", "topk": "5",
            "predict": ""}
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,13 +107,13 @@ def _source(spec: str, run: Any) -> tuple[list[Any], Callable[[list[int]], torch
 
 def read_image(path: Path, size: Sequence[int]) -> torch.Tensor:
     """``path`` as uint8 ``[C, H, W]`` in the run's image mode (gray or RGB) and size."""
-    from torchvision.io import ImageReadMode, decode_image
+    from PIL import Image, UnidentifiedImageError
     from torchvision.transforms.v2 import functional
 
-    mode = ImageReadMode.GRAY if size[0] == 1 else ImageReadMode.RGB
     try:
-        image = decode_image(str(path), mode=mode)
-    except (RuntimeError, OSError) as err:
+        with Image.open(path) as file:
+            image = functional.pil_to_tensor(file.convert("L" if size[0] == 1 else "RGB"))
+    except (UnidentifiedImageError, OSError) as err:
         raise TrainkitError(f"cannot read image {path} ({one_line(err, 80)})") from None
     if tuple(image.shape[-2:]) != tuple(size[-2:]):
         image = functional.resize(image, list(size[-2:]), antialias=True)
