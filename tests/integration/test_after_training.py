@@ -19,7 +19,7 @@ import torch
 
 from tests.conftest import REPO, error_report, offline_env, run_train, tiny_run
 from trainkit import load_model
-from trainkit.data.datasets import load_mnist
+from trainkit.data.datasets import load_cifar10, load_mnist
 from trainkit.entry import cli
 from trainkit.entry.evaluate import evaluate_run
 from trainkit.entry.export import export_run
@@ -204,3 +204,28 @@ def test_bad_input_is_one_line_exit_2_and_nothing_overwritten(
     assert "exists" in fails("predict", str(run), "inputs=test", f"out={out}")
     assert [p.name for p in kept.iterdir()] == ["mine.txt"] and out.read_text() == "mine"
     assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_torchvision_model_exports_safetensors_that_instantiate_without_trainkit(
+        tmp_path: Path, cifar_root: Path) -> None:
+    """A run of torchvision's ResNet-18 (a class the user has): safetensors + model.json
+    rebuilt by ``hydra.utils.instantiate`` in a Python without trainkit, same logits."""
+    run_dir = tmp_path / "resnet"
+    result = run_train(
+        "+exp=cifar", f"hydra.run.dir={run_dir}", f"data.root={cifar_root}", "data.verify=false",
+        "data.download=false", "data.batch_size=16", "data.eval_batch_size=64",
+        "trainer.precision=32", "trainer.max_steps=2", "trainer.eval_max_batches=1",
+        "model._target_=torchvision.models.resnet18", "~model.widths", "~model.logit_scale",
+        "~model.tta_flip")
+    assert result.returncode == 0, result.stderr[-3000:]
+    export_run([str(run_dir), "ckpt=last"], fmt="safetensors", out=tmp_path / "export")
+    info = json.loads((tmp_path / "export" / "model.json").read_text())
+    assert info["model"] == {"_target_": "torchvision.models.resnet18", "num_classes": 10}
+    images = load_cifar10(cifar_root, train=False, verify=False, download=False).images[:8]
+    shape = (1, 3, 1, 1)
+    batch = (images.to(torch.float32).sub(torch.tensor(info["mean"]).view(shape) * 255)
+             .div(torch.tensor(info["std"]).view(shape) * 255))
+    theirs = run_without_trainkit(LOAD_SAFETENSORS, tmp_path / "export", batch, tmp_path)
+    with torch.no_grad():
+        ours = load_model(run_dir, ckpt="last")(batch)
+    assert torch.equal(theirs, ours)
