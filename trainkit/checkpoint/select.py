@@ -22,15 +22,18 @@ _STEP = re.compile(r"^step_(\d+)(\.pt)?$")
 WEIGHTS = ("auto", "ema", "raw")
 
 
-def find_checkpoint(run_dir: str | Path, ckpt: str = "best") -> Path:
+def find_checkpoint(run_dir: str | Path, ckpt: str | None = "best") -> Path:
     """The checkpoint ``ckpt`` names in ``run_dir``: ``best``, ``last``, ``step_N`` (as the log
-    numbers steps) or a path (a ``.pt`` file or a sharded checkpoint directory).
+    numbers steps) or a path (a ``.pt`` file or a sharded checkpoint directory); None: ``best``
+    where the run kept one, else ``last`` (the commands' default when no ckpt is given).
 
     Raises:
         TrainkitError: the run has no checkpoints, or none by that name (the message lists
             those it has); ``best`` in a run that monitored no metric.
     """
     run_dir = Path(run_dir)
+    if ckpt is None:
+        ckpt = "best" if "best" in available(run_dir / "checkpoints") else "last"
     if ckpt not in ("best", "last") and not _STEP.match(ckpt):
         path = Path(ckpt)
         if not path.exists():

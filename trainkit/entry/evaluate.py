@@ -1,14 +1,14 @@
 """``trainkit evaluate RUN_DIR [ckpt=best|last|step_N|PATH] [weights=auto|ema|raw] [key=value]``.
 
-Evaluates a finished run's checkpoint on its validation data with its own metrics: the model and
-the data are rebuilt from the config the checkpoint stores, changed by the ``key=value``
-overrides (``data.root=/other/copy``, ``data.eval_batch_size=500``, ``trainer.device=cpu``). The
-EMA's weights are used when the run kept an EMA, as its own evaluations did (``weights=raw``: the
-others), so evaluating ``best`` gives the value the run recorded for that step. Prints one line
-and writes ``RUN_DIR/eval_<ckpt>.json`` (``eval_<ckpt>_raw.json`` with ``weights=raw``). Works
-on a sharded (FSDP) run in one process, and under torchrun (``torchrun --nproc-per-node=2
---no-python trainkit evaluate RUN_DIR``), each rank evaluating its share. Exit status: 0 when
-evaluated, 2 on bad input (nothing written).
+Evaluates a finished run's checkpoint (default: ``best`` where the run kept one, else ``last``) on
+its validation data with its own metrics: the model and the data are rebuilt from the config the
+checkpoint stores, changed by the ``key=value`` overrides (``data.root=/other/copy``,
+``data.eval_batch_size=500``, ``trainer.device=cpu``). The EMA's weights are used when the run kept
+an EMA, as its own evaluations did (``weights=raw``: the others), so evaluating ``best`` gives the
+value the run recorded for that step. Prints one line and writes ``RUN_DIR/eval_<ckpt>.json``
+(``eval_<ckpt>_raw.json`` with ``weights=raw``). Works on a sharded (FSDP) run in one process, and
+under torchrun (``torchrun --nproc-per-node=2 --no-python trainkit evaluate RUN_DIR``), each rank
+evaluating its share. Exit status: 0 when evaluated, 2 on bad input (nothing written).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from trainkit.runtime import Runtime
 from trainkit.train import build_data
 
 USAGE = ("RUN_DIR [ckpt=best|last|step_N|PATH] [weights=auto|ema|raw] [key=value ...]")
-OPTIONS = {"ckpt": "best", "weights": "auto"}
+OPTIONS = {"ckpt": "", "weights": "auto"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,8 @@ arguments, class names, mean/std, image size, the run's manifest). A sharded (FS
 consolidated on the way, in this process. ``pt2`` is a ``torch.export`` program with the input
 normalisation inside: it loads with torch alone (``torch.export.load``). The data is read for
 its facts (mean/std, image size, classes): ``data.root=...`` where it moved. Exit status: 0 when
-written, 2 on bad input (nothing written, an existing folder left as it is).
+written, 2 on bad input (nothing written, an existing folder left as it is). Without ckpt=: ``best``
+where the run kept one, else ``last``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 def export_run(args: list[str], *, fmt: str = "safetensors", dtype: str = "fp32",
                weights: str = "auto", out: Path | None = None) -> Path:
     """Export the run ``args`` names (``RUN_DIR [ckpt=...] [overrides]``); return the folder."""
-    run_dir, options, overrides = split_args(args, {"ckpt": "best"}, USAGE)
+    run_dir, options, overrides = split_args(args, {"ckpt": ""}, USAGE)
     if out is not None and out.exists():  # before the slow part; export() checks again
         raise TrainkitError(f"export folder {out} exists: remove it, or give another --out")
     run = rebuild(run_dir, options["ckpt"], weights, overrides)

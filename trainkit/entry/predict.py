@@ -9,7 +9,8 @@ rows ``{"input": path or index, "classes": top-k names, "probs": their probabili
 classifier names a function of its own, ``predict=pkg.module.function``, called as
 ``function(outputs, inputs)`` for each batch and returning a list of JSON rows. Under torchrun
 each rank predicts its share and rank 0 writes the rows in order. Exit status: 0 when written, 2
-on bad input (an existing ``out`` is left as it is).
+on bad input (an existing ``out`` is left as it is). Without ckpt=: ``best`` where the run kept one,
+else ``last``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from trainkit.runtime import Runtime
 
 USAGE = ("RUN_DIR inputs=FOLDER|test|train out=FILE.jsonl|FILE.pt [ckpt=best] [topk=5] "
          "[predict=pkg.module.function] [key=value ...]")
-OPTIONS = {"ckpt": "best", "weights": "auto", "inputs": "", "out": "", "topk": "5",
+OPTIONS = {"ckpt": "", "weights": "auto", "inputs": "", "out": "", "topk": "5",
            "predict": ""}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 

@@ -8,6 +8,7 @@ with (:func:`trainkit.train.build_data`), so an evaluation sees the same batches
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,8 +63,9 @@ def split_args(args: Sequence[str], options: dict[str, str], usage: str
 
 
 def rebuild(run_dir: Path, ckpt: str, weights: str, overrides: Sequence[str]) -> Rebuilt:
-    """The run's checkpoint ``ckpt`` with its model built from the run's config."""
-    path = find_checkpoint(run_dir, ckpt)
+    """The run's checkpoint ``ckpt`` with its model built from the run's config; ``ckpt=""``:
+    ``best`` where the run kept one, else ``last``."""
+    path = find_checkpoint(run_dir, ckpt or None)
     state = read_checkpoint(path)
     saved = state.get("config")
     if not saved:
@@ -75,7 +77,8 @@ def rebuild(run_dir: Path, ckpt: str, weights: str, overrides: Sequence[str]) ->
     settings: TrainConfig = OmegaConf.to_object(cfg)
     chosen, which = model_weights(state, weights)
     model = build_model(OmegaConf.to_container(cfg.model, resolve=True), chosen, path=path)
-    name = ckpt if path != Path(ckpt) else path.name.removesuffix(".pt")
+    name = path.name.removesuffix(".pt") if not ckpt or path == Path(ckpt) else ckpt
+    name = re.sub(r"^step_0+(?=\d)", "step_", name)  # step_000000008 -> step_8, as ckpt= says
     return Rebuilt(name, state, cfg, settings, model.eval(), which)
 
 
