@@ -108,9 +108,7 @@ def images(mnist_root: Path) -> torch.Tensor:
 
 
 def test_evaluate_best_reproduces_the_value_the_run_recorded_bitwise(run: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "trainkit.evaluate", str(run), "ckpt=best"],
-                            cwd=REPO, env=offline_env(), capture_output=True, text=True,
-                            timeout=300)
+    result = trainkit_command("evaluate", str(run), "ckpt=best")
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads((run / "eval_best.json").read_text())
     evaluations = recorded(run)
@@ -218,7 +216,9 @@ def test_torchvision_model_exports_safetensors_that_instantiate_without_trainkit
         "model._target_=torchvision.models.resnet18", "~model.widths", "~model.logit_scale",
         "~model.tta_flip")
     assert result.returncode == 0, result.stderr[-3000:]
-    export_run([str(run_dir), "ckpt=last"], fmt="safetensors", out=tmp_path / "export")
+    result = trainkit_command("export", str(run_dir), "--format", "safetensors", "--out",
+                              str(tmp_path / "export"))  # its last checkpoint: no best kept
+    assert result.returncode == 0, result.stderr[-3000:]
     info = json.loads((tmp_path / "export" / "model.json").read_text())
     assert info["model"] == {"_target_": "torchvision.models.resnet18", "num_classes": 10}
     images = load_cifar10(cifar_root, train=False, verify=False, download=False).images[:8]
