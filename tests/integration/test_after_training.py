@@ -19,7 +19,8 @@ import torch
 
 from tests.conftest import REPO, error_report, offline_env, run_train, tiny_run
 from trainkit import load_model
-from trainkit.data.datasets import load_cifar10, load_mnist
+from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
+from trainkit.data.memory import InMemoryLoader
 from trainkit.entry import cli
 from trainkit.entry.evaluate import evaluate_run
 from trainkit.entry.export import export_run
@@ -66,11 +67,11 @@ def trainkit_command(*args: str) -> subprocess.CompletedProcess[str]:
                           env=offline_env(), capture_output=True, text=True, timeout=300)
 
 
-def normalised(images: torch.Tensor) -> torch.Tensor:
-    """MNIST uint8 images as the run's loaders hand them to the model."""
-    shape = (1, 1, 1, 1)
-    return (images.to(torch.float32).sub(torch.tensor((0.1307,)).view(shape) * 255)
-            .div(torch.tensor((0.3081,)).view(shape) * 255))
+def normalised(images: torch.Tensor, split: TensorData) -> torch.Tensor:
+    """``images`` as the run's loader hands them to the model (``split``'s mean/std)."""
+    data = TensorData(images, torch.zeros(len(images), dtype=torch.int64), split.mean,
+                      split.std, split.num_classes)
+    return next(iter(InMemoryLoader(data, len(images), shuffle=False)))[0]
 
 
 def write_pngs(images: torch.Tensor, folder: Path) -> Path:
@@ -103,8 +104,13 @@ def recorded(run_dir: Path) -> dict[int, dict[str, float]]:
 
 
 @pytest.fixture(scope="module")
-def images(mnist_root: Path) -> torch.Tensor:
-    return load_mnist(mnist_root, train=False, verify=False, download=False).images[:50]
+def mnist_test(mnist_root: Path) -> TensorData:
+    return load_mnist(mnist_root, train=False, verify=False, download=False)
+
+
+@pytest.fixture(scope="module")
+def images(mnist_test: TensorData) -> torch.Tensor:
+    return mnist_test.images[:50]
 
 
 def test_evaluate_best_reproduces_the_value_the_run_recorded_bitwise(run: Path) -> None:
@@ -129,13 +135,13 @@ def test_evaluate_last_and_step_n_equal_the_summary_and_their_evaluations(run: P
 
 
 def test_export_pt2_runs_with_torch_alone_and_gives_trainkits_logits(
-        run: Path, images: torch.Tensor, tmp_path: Path) -> None:
+        run: Path, images: torch.Tensor, mnist_test: TensorData, tmp_path: Path) -> None:
     result = trainkit_command("export", str(run), "--format", "pt2", "--out",
                               str(tmp_path / "pt2"))
     assert result.returncode == 0, result.stderr[-3000:]
     theirs = run_without_trainkit(LOAD_PT2, tmp_path / "pt2", images, tmp_path)
     with torch.no_grad():  # trainkit's model of the best checkpoint, on the loaders' inputs
-        ours = load_model(run, ckpt="best")(normalised(images))
+        ours = load_model(run, ckpt="best")(normalised(images, mnist_test))
     assert torch.equal(theirs, ours)
     info = json.loads((tmp_path / "pt2" / "model.json").read_text())
     assert info["model"]["_target_"] == "trainkit.models.MnistNet"
@@ -160,13 +166,13 @@ def test_exported_weights_are_the_emas_unless_raw_is_asked(run: Path, tmp_path: 
 
 
 def test_predict_over_a_folder_of_50_images_writes_50_rows_in_order(
-        run: Path, images: torch.Tensor, tmp_path: Path) -> None:
+        run: Path, images: torch.Tensor, mnist_test: TensorData, tmp_path: Path) -> None:
     folder = write_pngs(images, tmp_path / "images")
     out = tmp_path / "predictions.jsonl"
     assert cli.main(["predict", str(run), f"inputs={folder}", f"out={out}", "topk=3"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     with torch.no_grad():
-        logits = load_model(run)(normalised(images))
+        logits = load_model(run)(normalised(images, mnist_test))
     assert [row["input"] for row in rows] == [str(folder / f"digit_{i:02d}.png")
                                               for i in range(50)]
     assert [row["classes"][0] for row in rows] == [str(i) for i in logits.argmax(1).tolist()]
@@ -221,10 +227,9 @@ def test_torchvision_model_exports_safetensors_that_instantiate_without_trainkit
     assert result.returncode == 0, result.stderr[-3000:]
     info = json.loads((tmp_path / "export" / "model.json").read_text())
     assert info["model"] == {"_target_": "torchvision.models.resnet18", "num_classes": 10}
-    images = load_cifar10(cifar_root, train=False, verify=False, download=False).images[:8]
-    shape = (1, 3, 1, 1)
-    batch = (images.to(torch.float32).sub(torch.tensor(info["mean"]).view(shape) * 255)
-             .div(torch.tensor(info["std"]).view(shape) * 255))
+    split = load_cifar10(cifar_root, train=False, verify=False, download=False)
+    assert info["mean"] == list(split.mean) and info["image_size"] == [3, 32, 32]
+    batch = normalised(split.images[:8], split)
     theirs = run_without_trainkit(LOAD_SAFETENSORS, tmp_path / "export", batch, tmp_path)
     with torch.no_grad():
         ours = load_model(run_dir, ckpt="last")(batch)
