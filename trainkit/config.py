@@ -18,6 +18,7 @@ PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
 PAD_MODES = ("constant", "reflect")
 HANG_ACTIONS = ("report", "abort")
 STRATEGIES = ("auto", "ddp", "fsdp")
+DECODERS = ("cpu", "gpu")
 
 
 @dataclass
@@ -135,6 +136,30 @@ class DataConfig:
     random_crop_padding: int = 0
     random_flip: bool = False
     pad_mode: str = "constant"  # what translation uncovers: constant (zeros) or reflect
+    # Known once the data is read (an image folder's class folders); model and metrics configs
+    # take it as ${data.num_classes}. null: from the data; a number: checked against the data.
+    num_classes: int | None = None
+    # Image files (data=image_folder, trainkit.data.transforms): decoded to `channels` (3: RGB,
+    # 1: grayscale); training: random-resized crop to image_size (area fraction in `scale`,
+    # aspect ratio in `ratio`) and random_flip; evaluation: resize to image_size / crop_pct,
+    # centre crop. mean/std on the 0-1 scale; null: ImageNet's.
+    image_size: int = 224
+    channels: int = 3
+    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    crop_pct: float = 0.875
+    mean: list[float] | None = None
+    std: list[float] | None = None
+    # Lists of `_target_` nodes (torchvision.transforms.v2 or any callable) applied to the uint8
+    # [C, H, W] image; they replace the default transforms when set.
+    train_transforms: list[Any] | None = None
+    eval_transforms: list[Any] | None = None
+    val_fraction: float = 0.1  # no val/ folder: this fraction of each class validates (seeded)
+    skip_corrupt: bool = False  # an unreadable file: skip it (counted), instead of stopping
+    decode: str = "cpu"  # JPEGs: cpu (in the loader's workers) or gpu (nvJPEG, batches of bytes)
+    # dataset._target_ returning a Hugging Face datasets.Dataset: its image and label columns
+    image_column: str = "image"
+    label_column: str = "label"
 
     def __post_init__(self) -> None:
         _check_int("data.batch_size", self.batch_size, minimum=1)
@@ -147,6 +172,34 @@ class DataConfig:
         if self.pad_mode not in PAD_MODES:
             raise ConfigError(f"data.pad_mode={self.pad_mode!r} is not one of "
                               f"{', '.join(PAD_MODES)}")
+        self._check_images()
+
+    def _check_images(self) -> None:
+        if self.num_classes is not None:
+            _check_int("data.num_classes", self.num_classes, minimum=1)
+        _check_int("data.image_size", self.image_size, minimum=1)
+        if self.channels not in (1, 3):
+            raise ConfigError(f"data.channels={self.channels!r}: use 3 (RGB) or 1 (grayscale)")
+        for key, pair, low in (("scale", self.scale, 0.0), ("ratio", self.ratio, 0.0)):
+            pair = [float(v) for v in pair]
+            if len(pair) != 2 or not low < pair[0] <= pair[1]:
+                raise ConfigError(f"data.{key} must be [low, high] with 0 < low <= high, got "
+                                  f"{list(pair)}")
+            setattr(self, key, pair)
+        if not 0 < self.crop_pct <= 1.5:
+            raise ConfigError(f"data.crop_pct must be in (0, 1.5], got {self.crop_pct}")
+        for key in ("mean", "std"):
+            values = getattr(self, key)
+            if values is not None and len(values) != self.channels:
+                raise ConfigError(f"data.{key} has {len(values)} values but data.channels="
+                                  f"{self.channels}: give one per channel")
+        if self.std is not None and not all(v > 0 for v in self.std):
+            raise ConfigError(f"data.std must be > 0, got {list(self.std)}")
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        _check_bool("data.skip_corrupt", self.skip_corrupt)
+        if self.decode not in DECODERS:
+            raise ConfigError(f"data.decode={self.decode!r}: use 'cpu' or 'gpu'")
 
 
 @dataclass

@@ -20,11 +20,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit.config import TrainConfig
-from trainkit.data import build_loaders
 from trainkit.distributed import group
 from trainkit.distributed.entry_ranks import join_ranks
 from trainkit.entry.config_dir import config_dir
 from trainkit.entry.errors import errors_as_one_line
+from trainkit.entry.own_data import build_data, save_classes
 from trainkit.entry.rebuild import build_criterion, build_metrics
 from trainkit.entry.run_dir import removed_if_unused
 from trainkit.loop.cuda_settings import use_device
@@ -55,6 +55,7 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
     seed_everything(settings.trainer.seed)
 
     parts = build_parts(cfg, settings, runtime)
+    save_classes(run_dir, parts.train_data, runtime)  # <run_dir>/classes.json, image data
     # Your callbacks: a `callbacks` node of name -> `_target_` (null drops one), on every rank.
     callbacks = [instantiate(node, _convert_="all")
                  for node in (cfg.get("callbacks") or {}).values() if node is not None]
@@ -90,14 +91,6 @@ class RunParts(NamedTuple):
     model: Any
     optimizer: Any
     criterion: Any
-
-
-def build_data(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> tuple[Any, Any, int]:
-    """The training and evaluation loaders ``cfg.data`` (and ``cfg.dataset``) describe."""
-    # Your own dataset (a `dataset._target_` node) replaces the built-in one named by data.name.
-    reader = instantiate(cfg.dataset, _partial_=True) if cfg.get("dataset") is not None else None
-    return build_loaders(settings.data, runtime, seed=settings.trainer.seed,
-                         channels_last=settings.trainer.channels_last, reader=reader)
 
 
 def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> RunParts:

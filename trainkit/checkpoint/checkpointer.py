@@ -227,6 +227,9 @@ class Checkpointer:
         data = self.parts["data"]
         if saved is None or data is None:
             return
+        if hasattr(data, "resume_check"):  # a loader that checks its own (an ImageLoader)
+            data.resume_check(saved)
+            saved = {key: value for key, value in saved.items() if key in data.state_dict()}
         live = data.state_dict()
         changed = [f"{key} {value} -> {live.get(key)}" for key, value in saved.items()
                    if key not in _POSITION and live.get(key) != value]

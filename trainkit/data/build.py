@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -12,18 +12,20 @@ from trainkit.config import DataConfig
 from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.data.loaders import make_loader
 from trainkit.data.memory import InMemoryLoader
+from trainkit.data.own_data import dataset_loaders, image_folder_loaders
 from trainkit.data.prefetch import DevicePrefetcher
 from trainkit.errors import ConfigError
 from trainkit.runtime import Runtime
 
 READERS = {"mnist": load_mnist, "cifar10": load_cifar10}  # the built-in datasets, by data.name
-# A user's own dataset: called as ``reader(root=data.root, train=True/False)``, returns one split.
-Reader = Callable[..., TensorData]
+# A user's own dataset: called as ``reader(root=data.root, train=True/False)``, returns one split:
+Reader = Callable[..., Any]  # TensorData, a torch Dataset or a datasets.Dataset
 
 
 def build_loaders(
     cfg: DataConfig, runtime: Runtime, *, seed: int = 0, channels_last: bool = False,
-    reader: Reader | None = None,
+    reader: Reader | None = None, train_transforms: Sequence[Callable[..., Any]] | None = None,
+    eval_transforms: Sequence[Callable[..., Any]] | None = None,
 ) -> tuple[Any, Any, int]:
     """Training and evaluation loaders for the dataset ``cfg.name``, and its number of classes.
 
@@ -31,6 +33,11 @@ def build_loaders(
     returns a :class:`~trainkit.data.datasets.TensorData` (uint8 images ``[N, C, H, W]``, int64
     labels, per-channel mean/std in 0..1, the number of classes); ``cfg.name`` then only names it.
     The entry point builds it from the config's ``dataset`` node (``_target_`` and its keys).
+
+    ``data.name=image_folder`` reads an image folder at ``cfg.root``, and a ``reader`` may also
+    return any map-style ``Dataset`` (torch's, or Hugging Face's ``datasets.Dataset``): both
+    load through workers (:mod:`trainkit.data.own_data`), with ``train_transforms`` /
+    ``eval_transforms`` (callables) replacing the default transforms when given.
 
     ``data.loader=memory`` (the default) serves each split from memory on ``runtime.device``
     (GPU-resident on CUDA) and augments whole batches there. ``data.loader=dataloader`` is the
@@ -43,10 +50,17 @@ def build_loaders(
         ConfigError: an unknown dataset name, or a batch size the data cannot fill.
         TrainkitError: the files are missing (offline), corrupt or malformed.
     """
+    own = {"seed": seed, "channels_last": channels_last, "train_transforms": train_transforms,
+           "eval_transforms": eval_transforms}
+    if reader is None and cfg.name == "image_folder":
+        return image_folder_loaders(cfg, runtime, **own)
     if reader is not None:
         train, test = reader(root=cfg.root, train=True), reader(root=cfg.root, train=False)
+        if not isinstance(train, TensorData):
+            return dataset_loaders(train, test, cfg, runtime, **own)
     elif cfg.name not in READERS:
-        raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(READERS)}; "
+        raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(READERS)}, "
+                          "image_folder; "
                           "for your own dataset set dataset._target_ (see the README)")
     else:
         read = READERS[cfg.name]

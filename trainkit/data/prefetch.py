@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from trainkit.data.resumable import DataPosition, saved_position, set_epoch
+from trainkit.data.transforms import normalize
 from trainkit.device import move_to_device
 from trainkit.tree import tensors
 
@@ -33,6 +34,8 @@ class DevicePrefetcher:
         device: where the batches go.
         mean, std: per-channel statistics on the 0-1 scale; None skips normalisation.
         channels_last: make 4-D inputs NHWC-strided on the device.
+        normalize_float: also normalise float inputs with ``mean``/``std``; False takes them
+            as they are (transforms that normalised already).
 
     Example:
         >>> loader = DevicePrefetcher(make_loader(ds, 256, shuffle=True, device="cuda"),
@@ -42,14 +45,17 @@ class DevicePrefetcher:
 
     def __init__(self, loader: Iterable[Any], device: torch.device | str, *,
                  mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
-                 channels_last: bool = False) -> None:
+                 channels_last: bool = False, normalize_float: bool = True) -> None:
         if (mean is None) != (std is None):
             raise ValueError("give both mean and std, or neither")
         self.loader = loader
         self.device = torch.device(device)
         self.channels_last = channels_last
+        self.normalize_float = normalize_float
         self._mean = self._std = None
+        self._stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
         if mean is not None and std is not None:
+            self._stats = (tuple(mean), tuple(std))
             self._mean = torch.tensor(mean, device=self.device).view(1, -1, 1, 1)
             self._std = torch.tensor(std, device=self.device).view(1, -1, 1, 1)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -110,11 +116,14 @@ class DevicePrefetcher:
         if not isinstance(batch, (tuple, list)) or not batch:
             return batch
         x = batch[0]
-        if isinstance(x, torch.Tensor) and (x.dtype == torch.uint8 or self._mean is not None):
-            if x.dtype == torch.uint8:
-                x = x.float().div_(255)
-            if self._mean is not None:
-                x = (x - self._mean) / self._std
+        if isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
+            # one multiply-add after the cast (trainkit.data.transforms.normalize)
+            layout = torch.channels_last if self.channels_last and x.dim() == 4 else (
+                torch.contiguous_format)
+            x = (normalize(x, *self._stats, memory_format=layout) if self._stats
+                 else x.float().div_(255))
+        elif isinstance(x, torch.Tensor) and self._mean is not None and self.normalize_float:
+            x = (x - self._mean) / self._std
         if self.channels_last and isinstance(x, torch.Tensor) and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         return type(batch)([x, *batch[1:]]) if isinstance(batch, list) else (x, *batch[1:])

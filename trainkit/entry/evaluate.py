@@ -20,6 +20,7 @@ from typing import Any
 
 from trainkit.distributed import group
 from trainkit.entry.errors import errors_as_one_line
+from trainkit.entry.own_data import build_data
 from trainkit.entry.rebuild import build_criterion, build_metrics, on_device, rebuild, split_args
 from trainkit.errors import command_name
 from trainkit.loop import evaluation
@@ -27,7 +28,6 @@ from trainkit.loop.cuda_settings import use_device
 from trainkit.loop.precision import Precision
 from trainkit.loop.step import default_forward
 from trainkit.runtime import Runtime
-from trainkit.train import build_data
 
 USAGE = ("RUN_DIR [ckpt=best|last|step_N|PATH] [weights=auto|ema|raw] [key=value ...]")
 OPTIONS = {"ckpt": "", "weights": "auto"}

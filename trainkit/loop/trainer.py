@@ -315,7 +315,8 @@ class Trainer:
             self.checkpointer.close()  # a write still in flight ends whole, however fit ends
         reason = self.state.stop_reason
         summary = self._finish(status, results, begun, meter,
-                               **({"stop_reason": reason} if status == "stopped" else {}))
+                               **({"stop_reason": reason} if status == "stopped" else {}),
+                               **getattr(run.data, "report", dict)())  # data/skipped_files
         if results and self.runtime.is_main:
             write_hparams(self.run_dir, self.run_config or asdict(self.config), results)
         self.callbacks.fire("on_fit_end", self, summary)

@@ -1,0 +1,235 @@
+"""Image folders in torchvision's ImageFolder layout: ``<root>/train/<class>/*``, ``val/...``.
+
+:func:`read_image_folder` lists the files (classes sorted by name, as ImageFolder numbers them)
+and checks the layout, each problem one line naming its path. :class:`ImageFiles` is the
+map-style dataset over one split: each sample a decoded, transformed uint8 ``[C, H, W]`` tensor
+and its label. Bad files never raise inside a loader worker (where the error would arrive as a
+traceback wrapped in another): the sample comes back as a :class:`BadFile`, and
+:func:`collate_images` carries it to the main process, which stops with one line or, with
+``skip_corrupt``, counts it (:mod:`trainkit.data.image_loader`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from trainkit.data.transforms import IMAGE_SUFFIXES, UnreadableImage, load_image, normalize
+from trainkit.errors import TrainkitError
+
+Transform = Callable[[torch.Tensor], Any]
+Stats = tuple[Sequence[float], Sequence[float]]
+
+
+@dataclass(frozen=True)
+class Split:
+    """The files of one split and their class indices."""
+
+    files: list[str]
+    labels: list[int]
+
+
+class FolderData(NamedTuple):
+    """What :func:`read_image_folder` found: class names by index, the two splits."""
+
+    classes: list[str]
+    train: Split
+    val: Split | None
+
+
+def read_image_folder(root: str | Path, *, val_fraction: float = 0.1,
+                      seed: int = 0) -> FolderData:
+    """List ``<root>/train/<class>/*`` and ``<root>/val/<class>/*`` (or ``<root>/<class>/*``).
+
+    Without a ``val/`` folder, ``val_fraction`` of each class (at least one file of a class of
+    two or more) validates, chosen by ``seed``; ``val_fraction=0`` means no validation.
+
+    Raises:
+        TrainkitError: the root is missing, has no class folders, a class folder is empty or
+            holds a non-image file, or ``val/``'s classes differ from ``train/``'s.
+    """
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise TrainkitError(f"data.root={root} is not a folder: point it at a folder holding "
+                            "train/<class>/ (and val/<class>/) image folders")
+    train_dir = root / "train" if (root / "train").is_dir() else root
+    classes = _class_folders(train_dir)
+    train = _list_split(train_dir, classes)
+    val_dir = root / "val"
+    if train_dir == root or not val_dir.is_dir():
+        if val_fraction <= 0:
+            return FolderData(classes, train, None)
+        train, val = _split_off(train, val_fraction, seed)
+        return FolderData(classes, train, val)
+    val_classes = _class_folders(val_dir)
+    if val_classes != classes:
+        gone = sorted(set(classes) - set(val_classes))
+        extra = sorted(set(val_classes) - set(classes))
+        raise TrainkitError(f"{val_dir} has other class folders than {train_dir} (missing in "
+                            f"val: {_few(gone)}; only in val: {_few(extra)}): give both the "
+                            "same class folders")
+    return FolderData(classes, train, _list_split(val_dir, classes))
+
+
+def _class_folders(folder: Path) -> list[str]:
+    names = sorted(entry.name for entry in os.scandir(folder)
+                   if entry.is_dir() and not entry.name.startswith("."))
+    if not names:
+        raise TrainkitError(f"{folder} has no class folders: put each class's images in a "
+                            "folder of its own, named for the class")
+    return names
+
+
+def _list_split(folder: Path, classes: list[str]) -> Split:
+    files: list[str] = []
+    labels: list[int] = []
+    for index, name in enumerate(classes):
+        found = _image_files(folder / name)
+        if not found:
+            raise TrainkitError(f"class folder {folder / name} holds no images: add some, or "
+                                "remove the folder")
+        files += found
+        labels += [index] * len(found)
+    return Split(files, labels)
+
+
+def _image_files(folder: Path) -> list[str]:
+    """The image files under ``folder`` (recursively, sorted); any other file is an error."""
+    found = []
+    for top, dirs, names in os.walk(folder, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(names):
+            if name.startswith("."):
+                continue  # .DS_Store and the like
+            path = os.path.join(top, name)
+            if not name.lower().endswith(IMAGE_SUFFIXES):
+                raise TrainkitError(f"{path} is not an image file (one of "
+                                    f"{' '.join(IMAGE_SUFFIXES)}): move it out of the class "
+                                    "folders")
+            found.append(path)
+    return found
+
+
+def _split_off(split: Split, fraction: float, seed: int) -> tuple[Split, Split]:
+    """Per class, ``fraction`` of the files to a validation split, picked by ``seed``."""
+    labels = np.asarray(split.labels)
+    rng = np.random.default_rng(seed)
+    val_mask = np.zeros(len(labels), dtype=bool)
+    for label in np.unique(labels):
+        members = np.flatnonzero(labels == label)
+        # each side keeps at least one file of a class of two or more
+        take = (min(max(round(len(members) * fraction), 1), len(members) - 1)
+                if len(members) >= 2 else 0)
+        val_mask[rng.permutation(members)[:take]] = True
+    pick = lambda mask: Split([split.files[i] for i in np.flatnonzero(mask)],  # noqa: E731
+                              labels[mask].tolist())
+    return pick(~val_mask), pick(val_mask)
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" (+{len(names) - 5})" if len(names) > 5 else "") or "none"
+
+
+class BadFile(NamedTuple):
+    """A sample that could not be loaded: its file and why."""
+
+    path: str
+    message: str
+
+
+class PathTable:
+    """File paths as one byte buffer and offsets: loader workers read them without touching
+    Python objects' reference counts, so their copy-on-write pages stay shared (a list of a
+    million ``str`` grows every worker by its size; pytorch/pytorch#13246)."""
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        encoded = [os.fsencode(p) for p in paths]
+        self._offsets = np.cumsum([0] + [len(b) for b in encoded], dtype=np.int64)
+        self._bytes = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, i: int) -> str:
+        return os.fsdecode(self._bytes[self._offsets[i]:self._offsets[i + 1]].tobytes())
+
+
+class ImageFiles(Dataset):
+    """One split as ``(uint8 image [C, H, W] after ``transform``, label)`` samples.
+
+    Args:
+        files: image paths.
+        labels: their class indices.
+        transform: applied to the decoded uint8 tensor (:mod:`trainkit.data.transforms`).
+        channels: 3 (RGB) or 1 (grayscale).
+        skip_corrupt: an unreadable file's sample is the next readable file's (the epoch keeps
+            its length and order), and the sample carries the skipped path; else the sample is
+            a :class:`BadFile`.
+    """
+
+    def __init__(self, files: Sequence[str], labels: Sequence[int], transform: Transform | None,
+                 *, channels: int = 3, skip_corrupt: bool = False) -> None:
+        self.paths = PathTable(files)
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.transform, self.channels, self.skip_corrupt = transform, channels, skip_corrupt
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[Any, int, list[str]] | BadFile:
+        skipped: list[str] = []
+        for step in range(len(self)):
+            i = (index + step) % len(self)
+            path = self.paths[i]
+            try:
+                image = load_image(path, channels=self.channels)
+            except UnreadableImage as err:
+                if not self.skip_corrupt:
+                    return BadFile(path, str(err))
+                skipped.append(path)
+                continue
+            if self.transform is not None:
+                image = self.transform(image)
+            return image, int(self.labels[i]), skipped
+        return BadFile(self.paths[index], "no file of this split can be decoded")
+
+
+class ImageBatch(NamedTuple):
+    """A collated batch: images, labels, the files skipped for it, and any file that failed."""
+
+    images: Any
+    labels: torch.Tensor
+    skipped: list[str]
+    bad: list[BadFile]
+
+
+def collate_images(samples: list[Any], stats: Stats | None = None,
+                   channels_last: bool = False) -> ImageBatch:
+    """Stack :class:`ImageFiles` samples; bad ones travel as they are, to fail in the main
+    process (``default_collate`` puts the images in shared memory inside a worker).
+
+    ``stats``: ``(mean, std)`` to normalise uint8 images here, in the worker (training on the
+    CPU: the main process is busy training); else they stay uint8, normalised on the device.
+    """
+    bad = [s for s in samples if isinstance(s, BadFile)]
+    if bad:
+        return ImageBatch(None, torch.empty(0, dtype=torch.int64), [], bad)
+    first = samples[0][0]
+    if isinstance(first, torch.Tensor) and first.dim() == 3 and first.stride(0) == 1:
+        # channels-last images (decoders' and the transforms' layout): stacked as [B, H, W, C],
+        # one plain copy each, viewed as [B, C, H, W] (normalize writes the layout asked for)
+        images = default_collate([s[0].permute(1, 2, 0) for s in samples]).permute(0, 3, 1, 2)
+    else:
+        images = default_collate([s[0] for s in samples])
+    if stats is not None and isinstance(images, torch.Tensor) and images.dim() == 4:
+        images = normalize(images, *stats, memory_format=torch.channels_last if channels_last
+                           else torch.contiguous_format)
+    labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
+    return ImageBatch(images, labels, [p for s in samples for p in s[2]], [])
