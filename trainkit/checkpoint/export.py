@@ -42,25 +42,36 @@ class Inputs:
     std: tuple[float, ...]
     image_size: tuple[int, ...]  # (C, H, W)
     classes: Sequence[str]
+    # how the run's loaders normalise, for outputs equal to its own: the tensor datasets'
+    # (x - 255 mean) / (255 std), or image files' x / (255 std) - mean / std (one multiply-add)
+    fused: bool = False
+    transform: dict[str, Any] | None = None  # image files: how they are resized and cropped
 
 
 class Normalized(nn.Module):
     """``model`` with the data's normalisation in front: uint8 images in, outputs out.
 
-    The same operations, in the same float32 arithmetic, as the loaders
-    (:class:`~trainkit.data.memory.InMemoryLoader`), so its outputs equal the run's own.
+    The same operations, in the same float32 arithmetic, as the run's loaders
+    (:class:`~trainkit.data.memory.InMemoryLoader`, or :func:`trainkit.data.transforms.normalize`
+    for image files), so its outputs equal the run's own.
     """
 
-    def __init__(self, model: nn.Module, mean: Sequence[float], std: Sequence[float],
+    def __init__(self, model: nn.Module, inputs: Inputs,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.model, self.dtype = model, dtype
-        shape = (1, len(mean), 1, 1)
-        self.register_buffer("mean", torch.tensor(mean).view(shape) * 255)
-        self.register_buffer("std", torch.tensor(std).view(shape) * 255)
+        self.model, self.dtype, self.fused = model, dtype, inputs.fused
+        mean, std, shape = inputs.mean, inputs.std, (1, len(inputs.mean), 1, 1)
+        if self.fused:  # trainkit.data.transforms.normalize's constants
+            self.register_buffer("a", torch.tensor([1 / (255 * s) for s in std]).view(shape))
+            self.register_buffer("b", torch.tensor([-m / s for m, s in zip(mean, std)]
+                                                   ).view(shape))
+        else:  # trainkit.data.memory.InMemoryLoader's
+            self.register_buffer("a", torch.tensor(mean).view(shape) * 255)
+            self.register_buffer("b", torch.tensor(std).view(shape) * 255)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.to(torch.float32).sub(self.mean).div(self.std)
+        x = images.to(torch.float32)
+        x = torch.addcmul(self.b, x, self.a) if self.fused else x.sub(self.a).div(self.b)
         return self.model(x.to(self.dtype))
 
 
@@ -94,7 +105,8 @@ def export(model: nn.Module, out: str | Path, *, fmt: str, dtype: str, inputs: I
         record = {"format": fmt, "file": file, "dtype": str(DTYPES[dtype]).removeprefix("torch."),
                   **info, "classes": list(inputs.classes), "num_classes": len(inputs.classes),
                   "mean": list(inputs.mean), "std": list(inputs.std),
-                  "image_size": list(inputs.image_size), "input": _input_words(fmt)}
+                  "image_size": list(inputs.image_size), "input": _input_words(fmt),
+                  **({"eval_transform": inputs.transform} if inputs.transform else {})}
         (tmp / MODEL_JSON).write_text(json.dumps(record, indent=2, default=str) + "\n")
         tmp.rename(out)
     except BaseException:
@@ -120,7 +132,7 @@ def _write_weights(model: nn.Module, path: Path, fmt: str, dtype: torch.dtype,
 def program(model: nn.Module, inputs: Inputs, dtype: torch.dtype = torch.float32
             ) -> torch.export.ExportedProgram:
     """``model`` with its normalisation as a ``torch.export`` program for any batch size."""
-    wrapped = Normalized(model, inputs.mean, inputs.std, dtype).eval()
+    wrapped = Normalized(model, inputs, dtype).eval()
     example = torch.zeros((2, *inputs.image_size), dtype=torch.uint8)
     batch = torch.export.Dim("batch", min=1)
     try:
@@ -134,5 +146,5 @@ def program(model: nn.Module, inputs: Inputs, dtype: torch.dtype = torch.float32
 
 def _input_words(fmt: str) -> str:
     if fmt == "pt2":
-        return "uint8 images [N, C, H, W]; the program normalises them (mean/std inside)"
-    return "float32 images [N, C, H, W]: (pixels - 255 * mean) / (255 * std) per channel"
+        return "uint8 images [N, C, H, W] of image_size; the program normalises them"
+    return "float32 images [N, C, H, W] of image_size: (pixels / 255 - mean) / std per channel"

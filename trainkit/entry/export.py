@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from trainkit.checkpoint.export import DTYPES, FORMATS, export
 from trainkit.checkpoint.select import WEIGHTS
 from trainkit.entry.errors import errors_as_one_line
-from trainkit.entry.rebuild import inputs_of, read_split, rebuild, split_args
+from trainkit.entry.rebuild import image_source, rebuild, split_args
 from trainkit.errors import TrainkitError, command_name
 
 USAGE = "RUN_DIR [ckpt=best|last|step_N|PATH] [--format F] [--dtype D] [--weights W] [--out DIR]"
@@ -54,7 +54,7 @@ def export_run(args: list[str], *, fmt: str = "safetensors", dtype: str = "fp32"
         raise TrainkitError(f"export folder {out} exists: remove it, or give another --out")
     run = rebuild(run_dir, options["ckpt"], weights, overrides)
     out = out if out is not None else run_dir / f"export_{run.name}"
-    inputs = inputs_of(read_split(run.cfg, run.settings, train=False))
+    inputs, _ = image_source(run)  # mean/std, image size, classes
     from trainkit import __version__
 
     info = {"model": OmegaConf.to_container(run.cfg.model, resolve=True),

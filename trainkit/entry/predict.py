@@ -1,16 +1,17 @@
 """``trainkit predict RUN_DIR inputs=FOLDER|test|train out=FILE [ckpt=best] [topk=5]
 [predict=pkg.module.function] [key=value ...]``.
 
-Runs a finished run's model over a folder of images (``.png``/``.jpg``/..., in sorted order,
-read in the run's image mode and size and normalised as its loaders normalise) or over a split
+Runs a finished run's model over a folder of images (``.png``/``.jpg``/..., its subfolders' too, in
+sorted order, read as the run read its evaluation images -- an image-folder run's resize and centre
+crop, a tensor dataset's mode and size -- and normalised as its loaders normalise) or over a split
 of its dataset (``test``, ``train``), and writes one row per input, in input order: ``out.jsonl``
 rows ``{"input": path or index, "classes": top-k names, "probs": their probabilities}``, or
 ``out.pt`` with the raw outputs (``{"inputs": [...], "outputs": tensor}``). A model that is not a
 classifier names a function of its own, ``predict=pkg.module.function``, called as
-``function(outputs, inputs)`` for each batch and returning a list of JSON rows. Under torchrun
-each rank predicts its share and rank 0 writes the rows in order. Exit status: 0 when written, 2
-on bad input (an existing ``out`` is left as it is). Without ckpt=: ``best`` where the run kept one,
-else ``last``.
+``function(outputs, inputs)`` for each batch and returning a list of JSON rows. Under torchrun each
+rank predicts its share and rank 0 writes the rows in order. Exit status: 0 when written, 2 on bad
+input (an existing ``out`` is left as it is). Without ckpt=: ``best`` where the run kept one, else
+``last``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from typing import Any
 import torch
 
 from trainkit.checkpoint.export import Inputs, Normalized
+from trainkit.data.transforms import IMAGE_SUFFIXES
 from trainkit.distributed import group
 from trainkit.entry.errors import errors_as_one_line
-from trainkit.entry.rebuild import inputs_of, read_split, rebuild, split_args
-from trainkit.errors import TrainkitError, command_name, one_line
+from trainkit.entry.rebuild import image_source, inputs_of, read_split, rebuild, split_args
+from trainkit.errors import TrainkitError, command_name
 from trainkit.loop.cuda_settings import use_device
 from trainkit.loop.precision import Precision
 from trainkit.runtime import Runtime
@@ -37,7 +39,6 @@ USAGE = ("RUN_DIR inputs=FOLDER|test|train out=FILE.jsonl|FILE.pt [ckpt=best] [t
          "[predict=pkg.module.function] [key=value ...]")
 OPTIONS = {"ckpt": "", "weights": "auto", "inputs": "", "out": "", "topk": "5",
            "predict": ""}
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +67,7 @@ def predict_run(run_dir: Path, options: dict[str, str], overrides: Sequence[str]
     use_device(runtime.device)
     group.init_process_group(runtime)
     names, read, inputs = _source(options["inputs"], run)
-    model = Normalized(run.model, inputs.mean, inputs.std).to(runtime.device).eval()
+    model = Normalized(run.model, inputs).to(runtime.device).eval()
     precision = Precision(run.settings.trainer.precision, runtime.device)
     rows = _rows_of(options, inputs)
     mine = list(range(runtime.rank, len(names), runtime.world_size))  # this rank's share
@@ -97,28 +98,13 @@ def _source(spec: str, run: Any) -> tuple[list[Any], Callable[[list[int]], torch
     if not spec or not folder.is_dir():
         raise TrainkitError(f"inputs={spec}: give a folder of images, or test or train for a "
                             "split of the run's dataset")
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    # in sorted order, subfolders too (an image folder's val/<class>/ as ImageFolder orders it)
+    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise TrainkitError(f"inputs={spec}: no images ({', '.join(IMAGE_SUFFIXES)}) in it")
-    inputs = inputs_of(read_split(run.cfg, run.settings, train=False))
-    return ([str(f) for f in files],
-            lambda index: torch.stack([read_image(files[i], inputs.image_size) for i in index]),
+    inputs, read = image_source(run)
+    return ([str(f) for f in files], lambda index: torch.stack([read(files[i]) for i in index]),
             inputs)
-
-
-def read_image(path: Path, size: Sequence[int]) -> torch.Tensor:
-    """``path`` as uint8 ``[C, H, W]`` in the run's image mode (gray or RGB) and size."""
-    from PIL import Image, UnidentifiedImageError
-    from torchvision.transforms.v2 import functional
-
-    try:
-        with Image.open(path) as file:
-            image = functional.pil_to_tensor(file.convert("L" if size[0] == 1 else "RGB"))
-    except (UnidentifiedImageError, OSError) as err:
-        raise TrainkitError(f"cannot read image {path} ({one_line(err, 80)})") from None
-    if tuple(image.shape[-2:]) != tuple(size[-2:]):
-        image = functional.resize(image, list(size[-2:]), antialias=True)
-    return image
 
 
 def _rows_of(options: dict[str, str], inputs: Inputs) -> Callable[[torch.Tensor, list], list]:

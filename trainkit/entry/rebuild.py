@@ -9,7 +9,7 @@ with (:func:`trainkit.train.build_data`), so an evaluation sees the same batches
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,13 +25,14 @@ from trainkit.checkpoint.select import find_checkpoint, model_weights, read_chec
 from trainkit.config import TrainConfig
 from trainkit.data.build import READERS
 from trainkit.data.datasets import TensorData
-from trainkit.errors import ConfigError, TrainkitError
+from trainkit.errors import ConfigError, TrainkitError, one_line
 
 
 @dataclass
 class Rebuilt:
     """A run's checkpoint, config and model (on the CPU, eval mode, the chosen weights)."""
 
+    run_dir: Path
     name: str  # the ckpt as the user named it: best, last, step_N, or the file's stem
     state: dict[str, Any]
     cfg: DictConfig
@@ -79,7 +80,7 @@ def rebuild(run_dir: Path, ckpt: str, weights: str, overrides: Sequence[str]) ->
     model = build_model(OmegaConf.to_container(cfg.model, resolve=True), chosen, path=path)
     name = path.name.removesuffix(".pt") if not ckpt or path == Path(ckpt) else ckpt
     name = re.sub(r"^step_0+(?=\d)", "step_", name)  # step_000000008 -> step_8, as ckpt= says
-    return Rebuilt(name, state, cfg, settings, model.eval(), which)
+    return Rebuilt(Path(run_dir), name, state, cfg, settings, model.eval(), which)
 
 
 def on_device(model: nn.Module, settings: TrainConfig, device: torch.device) -> nn.Module:
@@ -99,7 +100,9 @@ def read_split(cfg: DictConfig, settings: TrainConfig, *, train: bool) -> Tensor
     if cfg.get("dataset") is not None:
         return instantiate(cfg.dataset, _partial_=True)(root=data.root, train=train)
     if data.name not in READERS:
-        raise TrainkitError(f"data.name={data.name!r} is not one of {', '.join(READERS)}")
+        raise TrainkitError(f"data.name={data.name!r}: only the built-in datasets "
+                            f"({', '.join(READERS)}) have test and train splits here; give a "
+                            "folder of images instead")
     return READERS[data.name](data.root, train=train, verify=data.verify, download=data.download)
 
 
@@ -129,3 +132,45 @@ def build_criterion(cfg: DictConfig) -> Any:
     from hydra.utils import instantiate
 
     return instantiate(cfg.loss) if cfg.get("loss") is not None else F.cross_entropy
+
+
+def image_source(run: Rebuilt) -> tuple[Inputs, Callable[[Path], torch.Tensor]]:
+    """What the model takes, and a reader of an image file into it (uint8 ``[C, H, W]``): an
+    image-folder run's own evaluation transform (:mod:`trainkit.data.transforms`), or for a run
+    on tensor data (MNIST, CIFAR-10, yours) the file in that data's mode and size."""
+    data = run.settings.data
+    if data.name != "image_folder" or run.cfg.get("dataset") is not None:
+        inputs = inputs_of(read_split(run.cfg, run.settings, train=False))
+        return inputs, lambda path: read_image(path, inputs.image_size)
+    from hydra.utils import instantiate
+
+    from trainkit.data.classes import read_classes
+    from trainkit.data.transforms import load_image, stats_for, transform_for
+
+    classes = (read_classes(run.state) or read_classes(run.run_dir)
+               or [str(i) for i in range(data.num_classes or 0)])
+    nodes = run.cfg.data.get("eval_transforms")
+    custom = [instantiate(node, _convert_="all") for node in nodes] if nodes else None
+    transform = transform_for(data, training=False, custom=custom)
+    described = ({"eval_transforms": OmegaConf.to_container(nodes, resolve=True)} if nodes
+                 else {"resize_short_side": int(data.image_size / data.crop_pct),
+                       "center_crop": data.image_size})
+    mean, std = stats_for(data)
+    inputs = Inputs(mean, std, (data.channels, data.image_size, data.image_size), classes,
+                    fused=True, transform=described)
+    return inputs, lambda path: transform(load_image(path, channels=data.channels))
+
+
+def read_image(path: Path, size: Sequence[int]) -> torch.Tensor:
+    """``path`` as uint8 ``[C, H, W]`` in a tensor dataset's mode (gray or RGB) and size."""
+    from PIL import Image, UnidentifiedImageError
+    from torchvision.transforms.v2 import functional
+
+    try:
+        with Image.open(path) as file:
+            image = functional.pil_to_tensor(file.convert("L" if size[0] == 1 else "RGB"))
+    except (UnidentifiedImageError, OSError) as err:
+        raise TrainkitError(f"cannot read image {path} ({one_line(err, 80)})") from None
+    if tuple(image.shape[-2:]) != tuple(size[-2:]):
+        image = functional.resize(image, list(size[-2:]), antialias=True)
+    return image
