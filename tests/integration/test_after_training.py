@@ -18,12 +18,16 @@ import pytest
 import torch
 
 from tests.conftest import REPO, error_report, offline_env, run_train, tiny_run
+from tests.image_files import make_folder
 from trainkit import load_model
 from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.data.memory import InMemoryLoader
 from trainkit.entry import cli
 from trainkit.entry.evaluate import evaluate_run
 from trainkit.entry.export import export_run
+from trainkit.entry.own_data import build_data
+from trainkit.entry.rebuild import image_source, rebuild
+from trainkit.runtime import Runtime
 
 pytestmark = pytest.mark.slow
 SITE = sysconfig.get_paths()["purelib"]
@@ -234,3 +238,36 @@ def test_torchvision_model_exports_safetensors_that_instantiate_without_trainkit
     with torch.no_grad():
         ours = load_model(run_dir, ckpt="last")(batch)
     assert torch.equal(theirs, ours)
+
+
+def test_image_folder_run_predicts_and_exports_what_its_own_loader_evaluates(
+        tmp_path: Path) -> None:
+    """``+exp=folder`` (ResNet-18, image files, EMA, best by val/acc): predict over its val/
+    folder gives, file for file, the outputs of the run's own validation loader (its resize,
+    centre crop and normalisation), with its class names; the pt2 export gives them too."""
+    folder = make_folder(tmp_path / "images")
+    run_dir = tmp_path / "run"
+    result = run_train("+exp=folder", f"hydra.run.dir={run_dir}", f"data.root={folder}",
+                       "data.image_size=32", "data.batch_size=8", "data.eval_batch_size=16",
+                       "data.num_workers=0", "trainer.max_steps=2", "trainer.precision=32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    raw, rows = tmp_path / "val.pt", tmp_path / "val.jsonl"
+    assert cli.main(["predict", str(run_dir), f"inputs={folder / 'val'}", f"out={raw}"]) == 0
+    assert cli.main(["predict", str(run_dir), f"inputs={folder / 'val'}", f"out={rows}"]) == 0
+    outputs = torch.load(raw, weights_only=True)["outputs"]
+    run = rebuild(run_dir, "best", "auto", [])
+    _, val_data, _ = build_data(run.cfg, run.settings, Runtime.from_env("cpu"))
+    with torch.no_grad():  # contiguous inputs, as predict's: the pixels are what is compared
+        theirs = torch.cat([run.model(x.contiguous()) for x, _ in val_data])
+    assert torch.equal(outputs, theirs)
+    names = ["class_0", "class_1", "class_2"]
+    first = [json.loads(line)["classes"][0] for line in rows.read_text().splitlines()]
+    assert first == [names[i] for i in theirs.argmax(1).tolist()]
+    out = export_run([str(run_dir)], fmt="pt2", out=tmp_path / "export")
+    info = json.loads((out / "model.json").read_text())
+    assert info["classes"] == names and info["image_size"] == [3, 32, 32]
+    assert info["eval_transform"] == {"resize_short_side": 36, "center_crop": 32}
+    _, read = image_source(run)
+    files = sorted(p for p in (folder / "val").rglob("*") if p.is_file())
+    with torch.no_grad():
+        assert torch.equal(load_model(out)(torch.stack([read(f) for f in files])), outputs)
