@@ -20,7 +20,7 @@ import torch
 from tests.conftest import REPO, error_report, offline_env, run_train, tiny_run
 from tests.image_files import make_folder
 from trainkit import load_model
-from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
+from trainkit.data.datasets import TensorData, load_mnist
 from trainkit.data.memory import InMemoryLoader
 from trainkit.entry import cli
 from trainkit.entry.evaluate import evaluate_run
@@ -214,37 +214,13 @@ def test_bad_input_is_one_line_exit_2_and_nothing_overwritten(
     assert not list(tmp_path.glob(".*tmp"))
 
 
-def test_torchvision_model_exports_safetensors_that_instantiate_without_trainkit(
-        tmp_path: Path, cifar_root: Path) -> None:
-    """A run of torchvision's ResNet-18 (a class the user has): safetensors + model.json
-    rebuilt by ``hydra.utils.instantiate`` in a Python without trainkit, same logits."""
-    run_dir = tmp_path / "resnet"
-    result = run_train(
-        "+exp=cifar", f"hydra.run.dir={run_dir}", f"data.root={cifar_root}", "data.verify=false",
-        "data.download=false", "data.batch_size=16", "data.eval_batch_size=64",
-        "trainer.precision=32", "trainer.max_steps=2", "trainer.eval_max_batches=1",
-        "model._target_=torchvision.models.resnet18", "~model.widths", "~model.logit_scale",
-        "~model.tta_flip")
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = trainkit_command("export", str(run_dir), "--format", "safetensors", "--out",
-                              str(tmp_path / "export"))  # its last checkpoint: no best kept
-    assert result.returncode == 0, result.stderr[-3000:]
-    info = json.loads((tmp_path / "export" / "model.json").read_text())
-    assert info["model"] == {"_target_": "torchvision.models.resnet18", "num_classes": 10}
-    split = load_cifar10(cifar_root, train=False, verify=False, download=False)
-    assert info["mean"] == list(split.mean) and info["image_size"] == [3, 32, 32]
-    batch = normalised(split.images[:8], split)
-    theirs = run_without_trainkit(LOAD_SAFETENSORS, tmp_path / "export", batch, tmp_path)
-    with torch.no_grad():
-        ours = load_model(run_dir, ckpt="last")(batch)
-    assert torch.equal(theirs, ours)
-
-
-def test_image_folder_run_predicts_and_exports_what_its_own_loader_evaluates(
+def test_image_folder_resnet_run_predicts_and_exports_what_its_own_loader_evaluates(
         tmp_path: Path) -> None:
-    """``+exp=folder`` (ResNet-18, image files, EMA, best by val/acc): predict over its val/
-    folder gives, file for file, the outputs of the run's own validation loader (its resize,
-    centre crop and normalisation), with its class names; the pt2 export gives them too."""
+    """``+exp=folder`` (torchvision's ResNet-18, image files, EMA, best by val/acc): predict
+    over its val/ folder gives, file for file, the outputs of the run's own validation loader
+    (its resize, centre crop and normalisation), with its class names; so does its pt2 export,
+    and its safetensors export rebuilt by ``hydra.utils.instantiate`` on model.json in a Python
+    without trainkit (a model whose class the user has)."""
     folder = make_folder(tmp_path / "images")
     run_dir = tmp_path / "run"
     result = run_train("+exp=folder", f"hydra.run.dir={run_dir}", f"data.root={folder}",
@@ -257,8 +233,9 @@ def test_image_folder_run_predicts_and_exports_what_its_own_loader_evaluates(
     outputs = torch.load(raw, weights_only=True)["outputs"]
     run = rebuild(run_dir, "best", "auto", [])
     _, val_data, _ = build_data(run.cfg, run.settings, Runtime.from_env("cpu"))
-    with torch.no_grad():  # contiguous inputs, as predict's: the pixels are what is compared
-        theirs = torch.cat([run.model(x.contiguous()) for x, _ in val_data])
+    batch = torch.cat([x.contiguous() for x, _ in val_data])  # as predict's: pixels compared
+    with torch.no_grad():
+        theirs = run.model(batch)
     assert torch.equal(outputs, theirs)
     names = ["class_0", "class_1", "class_2"]
     first = [json.loads(line)["classes"][0] for line in rows.read_text().splitlines()]
@@ -271,3 +248,28 @@ def test_image_folder_run_predicts_and_exports_what_its_own_loader_evaluates(
     files = sorted(p for p in (folder / "val").rglob("*") if p.is_file())
     with torch.no_grad():
         assert torch.equal(load_model(out)(torch.stack([read(f) for f in files])), outputs)
+    result = trainkit_command("export", str(run_dir), "--format", "safetensors", "--out",
+                              str(tmp_path / "model_export"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = json.loads((tmp_path / "model_export" / "model.json").read_text())
+    assert info["model"]["_target_"] == "torchvision.models.resnet18"
+    assert torch.equal(run_without_trainkit(LOAD_SAFETENSORS, tmp_path / "model_export", batch,
+                                            tmp_path), outputs)
+
+
+def largest_logit(outputs: torch.Tensor, inputs: list) -> list[dict]:
+    """A user's ``predict=`` function: its own rows from a batch's outputs."""
+    return [{"index": name, "largest": float(row.max())} for name, row in zip(inputs, outputs)]
+
+
+def test_predict_with_the_users_own_function(run: Path, mnist_test: TensorData,
+                                             tmp_path: Path) -> None:
+    out = tmp_path / "own.jsonl"
+    function = f"{__name__}.largest_logit"
+    assert cli.main(["predict", str(run), "inputs=test", f"out={out}", f"predict={function}",
+                     "data.eval_batch_size=100"]) == 0  # three batches, rows still in order
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["index"] for row in rows] == list(range(256))
+    with torch.no_grad():
+        largest = load_model(run)(normalised(mnist_test.images, mnist_test)).amax(1)
+    assert [row["largest"] for row in rows] == pytest.approx(largest.tolist(), rel=1e-5)

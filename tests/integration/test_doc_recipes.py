@@ -205,7 +205,8 @@ README_RUN_BY = {
         _AFTER + "test_export_pt2_runs_with_torch_alone_and_gives_trainkits_logits",
         '"--format", "pt2"'),
     "trainkit export runs/a --format safetensors --out model_export": (
-        _AFTER + "test_torchvision_model_exports_safetensors_that_instantiate_without_trainkit",
+        _AFTER + "test_image_folder_resnet_run_predicts_and_exports_what_its_own_loader_"
+        "evaluates",
         '"--format", "safetensors"'),
     "torchrun --nproc-per-node=2 --no-python trainkit predict runs/a inputs=my_images "
     "out=predictions.jsonl": (
