@@ -6,6 +6,7 @@ piece: devices, data loaders, mixed precision, the step, EMA, checkpoints, preem
 
 from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
 from trainkit.checkpoint.files import CheckpointManager, load_checkpoint, save_atomic
+from trainkit.checkpoint.load import load_model
 from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
 from trainkit.data import (
     DevicePrefetcher,
@@ -73,6 +74,7 @@ __all__ = [
     "load_checkpoint",
     "load_cifar10",
     "load_mnist",
+    "load_model",
     "make_loader",
     "move_to_device",
     "resolve_device",

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import hydra
-import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
@@ -26,10 +25,10 @@ from trainkit.distributed.entry_ranks import join_ranks
 from trainkit.entry.config_dir import config_dir
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.own_data import build_data, save_classes
+from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
 from trainkit.entry.run_dir import removed_if_unused
 from trainkit.errors import ConfigError
 from trainkit.loop.cuda_settings import use_device
-from trainkit.loop.step import default_forward
 from trainkit.loop.trainer import Trainer
 from trainkit.observe.logging import setup_logging
 from trainkit.rng import seed_everything
@@ -72,14 +71,7 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
         total_steps = trainer.planned_steps(len(parts.train_data))
         scheduler = instantiate(cfg.sched, optimizer=parts.optimizer, total_steps=total_steps)
 
-    metrics = {name: instantiate(node) for name, node in (cfg.get("metrics") or {}).items()
-               if node is not None}  # an experiment drops one with `name: null`
-    for name, metric in metrics.items():  # a class count of another dataset fails late, obscurely
-        classes = getattr(metric, "num_classes", None)
-        if isinstance(classes, int) and classes != parts.num_classes:
-            raise ConfigError(f"metrics.{name}.num_classes={classes} but the data has "
-                              f"{parts.num_classes} classes: set metrics.{name}.num_classes="
-                              f"{parts.num_classes}")
+    metrics = build_metrics(cfg, parts.num_classes)  # checked against the data's classes
     summary = trainer.fit(
         parts.model, parts.optimizer, parts.train_data, criterion=parts.criterion,
         scheduler=scheduler, val_data=parts.val_data, metrics=metrics, stop_at_step=stop_at_step,
@@ -120,10 +112,8 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
     train_data, val_data, num_classes = build_data(cfg, settings, runtime)
     model = instantiate(cfg.model, _convert_="all")
     optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
-    # A criterion from the config (e.g. label smoothing); default: plain cross-entropy.
-    criterion = instantiate(cfg.loss) if cfg.get("loss") is not None else F.cross_entropy
-    # A forward of the config's (a language model's lm_forward); default: model(inputs), labels
-    forward = instantiate(cfg.forward) if cfg.get("forward") is not None else default_forward
+    criterion = build_criterion(cfg)  # the config's (e.g. label smoothing), or cross-entropy
+    forward = build_forward(cfg)  # the config's (a language model's lm_forward), or the default
     vocab = getattr(model, "vocab_size", None)
     if isinstance(vocab, int) and isinstance(num_classes, int) and vocab < num_classes:
         raise ConfigError(f"model.vocab_size={vocab} but the data's tokens go up to "

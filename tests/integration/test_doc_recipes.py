@@ -130,6 +130,7 @@ def readme_commands() -> set[str]:
 
 _ENTRY = "tests/integration/test_train_entry.py::"
 _HERE = "tests/integration/test_doc_recipes.py::"
+_AFTER = "tests/integration/test_after_training.py::"
 # Each command the README shows -> the test that runs it (on fake data, a few steps: the rest of
 # the command as written) and a string that test's file holds where it builds the command.
 README_RUN_BY = {
@@ -213,6 +214,24 @@ README_RUN_BY = {
     "python -m trainkit.train +exp=folder data=webdataset data.root=/data/pets-shards": (
         "tests/integration/test_shards_entry.py::test_shards_then_the_entry_point_trains_on_them",
         '"data=webdataset"'),
+    # after training (tests/integration/test_after_training.py's tiny run)
+    "trainkit evaluate runs/a ckpt=best": (
+        _AFTER + "test_evaluate_best_reproduces_the_value_the_run_recorded_bitwise",
+        '"evaluate", str(run), "ckpt=best"'),
+    "trainkit predict runs/a inputs=my_images out=predictions.jsonl": (
+        _AFTER + "test_predict_over_a_folder_of_50_images_writes_50_rows_in_order",
+        '"predict", str(run), f"inputs={folder}", f"out={out}"'),
+    "trainkit export runs/a --format pt2": (
+        _AFTER + "test_export_pt2_runs_with_torch_alone_and_gives_trainkits_logits",
+        '"--format", "pt2"'),
+    "trainkit export runs/a --format safetensors --out model_export": (
+        _AFTER + "test_image_folder_resnet_run_predicts_and_exports_what_its_own_loader_"
+        "evaluates",
+        '"--format", "safetensors"'),
+    "torchrun --nproc-per-node=2 --no-python trainkit predict runs/a inputs=my_images "
+    "out=predictions.jsonl": (
+        "tests/dist/test_after_training_fsdp.py::test_predict_on_two_ranks_writes_the_rows_of_"
+        "one_process_in_order", '"trainkit.entry.predict"'),
     ".venv/bin/python -m benchmarks --quick": (
         "tests/integration/test_benchmarks.py::test_runner_quick_writes_json_and_table",
         '"--quick"'),

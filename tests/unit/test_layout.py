@@ -10,7 +10,8 @@ from tests.conftest import REPO
 PACKAGE = REPO / "trainkit"
 # Bottom to top; the top-level modules sit below them all, the entry points above.
 LAYERS = ["distributed", "data", "models", "observe", "checkpoint", "loop", "entry"]
-ENTRY_POINTS = {"__init__", "__main__", "train", "verify_resume", "probe", "launch", "env"}
+ENTRY_POINTS = {"__init__", "__main__", "train", "verify_resume", "probe", "launch", "env",
+                "evaluate"}
 
 
 def _imported(path: Path) -> set[str]:

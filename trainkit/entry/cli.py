@@ -18,6 +18,12 @@ COMMANDS = {
     "env": ("trainkit.env", "report devices, versions and the distributed environment"),
     "checkpoint": ("trainkit.checkpoint.__main__",
                    "consolidate a sharded checkpoint directory into one file"),
+    "evaluate": ("trainkit.entry.evaluate",
+                 "evaluate a run's best (or last, step_N) checkpoint: trainkit evaluate RUN_DIR"),
+    "predict": ("trainkit.entry.predict",
+                "label images or a data split with a run's model, one row per input"),
+    "export": ("trainkit.entry.export",
+               "a run's model as safetensors, pt or a torch.export program, with model.json"),
     "probe": ("trainkit.probe", "measure loader, step and both; say what holds a run back"),
     "verify-resume": ("trainkit.verify_resume", "check that stopping and resuming is bit-exact"),
 }

@@ -1,0 +1,96 @@
+"""``trainkit.load_model``: a trained model back in Python, from a run folder or an export.
+
+The model is rebuilt from the ``model`` node the run was configured with (its ``_target_`` and
+arguments, stored in every checkpoint and in an export's ``model.json``), so the user's own
+classes come back as they were written, then given the chosen weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainkit.checkpoint.contents import check_weights_fit
+from trainkit.checkpoint.select import find_checkpoint, model_weights, read_checkpoint
+from trainkit.device import resolve_device
+from trainkit.errors import TrainkitError, chain_lines
+
+MODEL_JSON = "model.json"
+
+
+def build_model(node: Mapping[str, Any], weights: Mapping[str, torch.Tensor], *,
+                path: Any = "?") -> nn.Module:
+    """The model a config node describes (``{"_target_": ..., **arguments}``), holding
+    ``weights`` (checked to fit first: one line naming what differs). ``path``: where the
+    weights come from, for the message."""
+    from hydra.utils import instantiate  # the config's own way to build it; only when called
+
+    if not isinstance(node, Mapping) or "_target_" not in node:
+        raise TrainkitError(f"{path} names no model to build (no model._target_ in its config)")
+    try:
+        model = instantiate(dict(node), _convert_="all")
+    except Exception as err:  # a class renamed, moved or uninstalled since the run
+        raise TrainkitError(
+            f"the model this run trained, model._target_={node['_target_']}, no longer builds "
+            f"here: install or fix its module, or name another with model._target_=...",
+            details=[f"weights: {path}", *chain_lines(err)]) from None
+    check_weights_fit(model.state_dict(), weights, key="ckpt", path=path)
+    model.load_state_dict(weights)
+    return model
+
+
+def load_model(source: str | Path, ckpt: str = "best", *, device: str | torch.device = "cpu",
+               weights: str = "auto") -> nn.Module:
+    """A trained model in eval mode on ``device``, with the chosen weights.
+
+    Args:
+        source: a run folder (its ``checkpoints/``, either layout, FSDP's sharded ones too) or a
+            folder ``trainkit export`` wrote. A ``pt2`` export loads as its program's module,
+            which takes uint8 images ``[N, C, H, W]`` (the normalisation is inside it).
+        ckpt: for a run folder: ``best``, ``last``, ``step_N`` or a checkpoint's path.
+        device: e.g. ``"cpu"``, ``"cuda:1"``, ``"auto"``.
+        weights: ``auto`` (the EMA's when the run kept one), ``ema`` or ``raw``.
+
+    Raises:
+        TrainkitError: no such checkpoint, weights that do not fit the model, and the like.
+
+    Example:
+        >>> model = trainkit.load_model("outputs/2026-12-04/10-00-00", ckpt="best")
+        ... # doctest: +SKIP
+        >>> logits = model(images)
+    """
+    source = Path(source)
+    target = resolve_device(device)  # "auto", "cuda:1", ...: checked to exist here
+    if (source / MODEL_JSON).is_file():
+        model = load_export(source)
+        if isinstance(model, torch.fx.GraphModule):  # a pt2 program: traced in eval mode
+            return model.to(target)
+    else:
+        state = read_checkpoint(find_checkpoint(source, ckpt))
+        chosen, _ = model_weights(state, weights)
+        model = build_model((state.get("config") or {}).get("model"), chosen,
+                            path=state["_path"])
+    return model.to(target).eval()
+
+
+def load_export(folder: str | Path) -> nn.Module:
+    """The model of an export folder, as :func:`load_model` returns it (on the CPU)."""
+    folder = Path(folder)
+    info = json.loads((folder / MODEL_JSON).read_text())
+    file = folder / info["file"]
+    if info["format"] == "pt2":
+        return torch.export.load(file).module()
+    if info["format"] == "safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(file)
+    else:
+        tensors = torch.load(file, map_location="cpu", weights_only=True)
+    model = build_model(info["model"], tensors, path=file)
+    dtype = getattr(torch, info["dtype"]) if info.get("dtype") else None
+    return model.to(dtype) if dtype is not None else model

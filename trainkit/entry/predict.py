@@ -1,0 +1,154 @@
+"""``trainkit predict RUN_DIR inputs=FOLDER|test|train out=FILE [ckpt=best] [topk=5]
+[predict=pkg.module.function] [key=value ...]``.
+
+Runs a finished run's model over a folder of images (``.png``/``.jpg``/..., its subfolders' too, in
+sorted order, read as the run read its evaluation images -- an image-folder run's resize and centre
+crop, a tensor dataset's mode and size -- and normalised as its loaders normalise) or over a split
+of its dataset (``test``, ``train``), and writes one row per input, in input order: ``out.jsonl``
+rows ``{"input": path or index, "classes": top-k names, "probs": their probabilities}``, or
+``out.pt`` with the raw outputs (``{"inputs": [...], "outputs": tensor}``). A model that is not a
+classifier names a function of its own, ``predict=pkg.module.function``, called as
+``function(outputs, inputs)`` for each batch and returning a list of JSON rows. Under torchrun each
+rank predicts its share and rank 0 writes the rows in order. Exit status: 0 when written, 2 on bad
+input (an existing ``out`` is left as it is). Without ckpt=: ``best`` where the run kept one, else
+``last``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainkit.checkpoint.export import Inputs, Normalized
+from trainkit.data.transforms import IMAGE_SUFFIXES
+from trainkit.distributed import group
+from trainkit.entry.errors import errors_as_one_line
+from trainkit.entry.rebuild import image_source, inputs_of, read_split, rebuild, split_args
+from trainkit.errors import TrainkitError, command_name
+from trainkit.loop.cuda_settings import use_device
+from trainkit.loop.precision import Precision
+from trainkit.runtime import Runtime
+
+USAGE = ("RUN_DIR inputs=FOLDER|test|train out=FILE.jsonl|FILE.pt [ckpt=best] [topk=5] "
+         "[predict=pkg.module.function] [key=value ...]")
+OPTIONS = {"ckpt": "", "weights": "auto", "inputs": "", "out": "", "topk": "5",
+           "predict": ""}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``trainkit predict``; return its exit status."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(f"usage: {command_name('trainkit.predict')} {USAGE}\n\n{__doc__}",
+              file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    with errors_as_one_line():
+        run_dir, options, overrides = split_args(args, OPTIONS, USAGE)
+        out = _check_out(options["out"])
+        rows = predict_run(run_dir, options, overrides)
+        if rows is not None:  # rank 0
+            _write(out, rows)
+            print(f"wrote {len(rows['inputs'])} rows to {out}")
+    group.shutdown()
+    return 0
+
+
+def predict_run(run_dir: Path, options: dict[str, str], overrides: Sequence[str]
+                ) -> dict[str, Any] | None:
+    """The rows of every input, in input order, on rank 0 (None on the other ranks)."""
+    run = rebuild(run_dir, options["ckpt"], options["weights"], overrides)
+    runtime = Runtime.from_env(run.settings.trainer.device)
+    use_device(runtime.device)
+    group.init_process_group(runtime)
+    names, read, inputs = _source(options["inputs"], run)
+    model = Normalized(run.model, inputs).to(runtime.device).eval()
+    precision = Precision(run.settings.trainer.precision, runtime.device)
+    rows = _rows_of(options, inputs)
+    mine = list(range(runtime.rank, len(names), runtime.world_size))  # this rank's share
+    done: list[tuple[int, Any]] = []
+    batch = run.settings.data.eval_batch_size
+    with torch.no_grad():
+        for start in range(0, len(mine), batch):
+            index = mine[start:start + batch]
+            with precision.autocast():
+                outputs = model(read(index).to(runtime.device)).float().cpu()
+            done += zip(index, rows(outputs, [names[i] for i in index]))
+    gathered = group.gather_to_main(done)
+    if gathered is None:
+        return None
+    ordered = sorted((pair for part in gathered for pair in part), key=lambda pair: pair[0])
+    return {"inputs": [names[i] for i, _ in ordered], "rows": [row for _, row in ordered],
+            "raw": options["out"].endswith(".pt")}
+
+
+def _source(spec: str, run: Any) -> tuple[list[Any], Callable[[list[int]], torch.Tensor],
+                                           Inputs]:
+    """What to predict: its names (paths or indices), a reader of uint8 images by index, and
+    the model's inputs (mean/std, size, classes) from the run's data."""
+    if spec in ("test", "train"):
+        split = read_split(run.cfg, run.settings, train=spec == "train")
+        return list(range(len(split))), lambda index: split.images[index], inputs_of(split)
+    folder = Path(spec)
+    if not spec or not folder.is_dir():
+        raise TrainkitError(f"inputs={spec}: give a folder of images, or test or train for a "
+                            "split of the run's dataset")
+    # in sorted order, subfolders too (an image folder's val/<class>/ as ImageFolder orders it)
+    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise TrainkitError(f"inputs={spec}: no images ({', '.join(IMAGE_SUFFIXES)}) in it")
+    inputs, read = image_source(run)
+    return ([str(f) for f in files], lambda index: torch.stack([read(files[i]) for i in index]),
+            inputs)
+
+
+def _rows_of(options: dict[str, str], inputs: Inputs) -> Callable[[torch.Tensor, list], list]:
+    """How a batch's outputs become rows: raw, the user's function, or top-k classes."""
+    if options["out"].endswith(".pt"):
+        return lambda outputs, names: list(outputs)
+    if options["predict"]:
+        from hydra.utils import get_method
+
+        return get_method(options["predict"])
+    try:
+        k = min(int(options["topk"]), len(inputs.classes))
+    except ValueError:
+        raise TrainkitError(f"topk={options['topk']}: give a whole number") from None
+
+    def top_classes(outputs: torch.Tensor, names: list) -> list[dict[str, Any]]:
+        probs, index = outputs.softmax(-1).topk(k, dim=-1)
+        return [{"input": name, "classes": [inputs.classes[i] for i in row.tolist()],
+                 "probs": p.tolist()} for name, row, p in zip(names, index, probs)]
+
+    return top_classes
+
+
+def _check_out(out: str) -> Path:
+    if not out.endswith((".jsonl", ".pt")):
+        raise TrainkitError(f"out={out or '?'}: give a .jsonl file (rows of classes) or a .pt "
+                            "file (raw outputs) to write")
+    path = Path(out)
+    if path.exists():
+        raise TrainkitError(f"out={out} exists: remove it, or give another file")
+    if not path.parent.is_dir():
+        raise TrainkitError(f"out={out}: folder {path.parent} does not exist")
+    return path
+
+
+def _write(out: Path, rows: dict[str, Any]) -> None:
+    """``out`` whole or not at all (written beside it, then renamed)."""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    if rows["raw"]:
+        torch.save({"inputs": rows["inputs"], "outputs": torch.stack(rows["rows"])}, tmp)
+    else:
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows["rows"]))
+    tmp.replace(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

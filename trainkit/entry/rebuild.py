@@ -1,0 +1,186 @@
+"""A finished run rebuilt for ``trainkit evaluate``, ``predict`` and ``export``: its checkpoint,
+its own config (with the command's overrides), its model with the chosen weights, its data.
+
+The run's config is the one its checkpoint stores (resolved, as it trained), checked by the
+same schema as training; the data and metrics are built by the functions training builds them
+with (:func:`trainkit.train.build_data`), so an evaluation sees the same batches.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from trainkit.checkpoint.export import Inputs
+from trainkit.checkpoint.load import build_model
+from trainkit.checkpoint.select import find_checkpoint, model_weights, read_checkpoint
+from trainkit.config import TrainConfig
+from trainkit.data.build import READERS
+from trainkit.data.datasets import TensorData
+from trainkit.errors import ConfigError, TrainkitError, one_line
+from trainkit.loop.step import default_forward
+
+
+@dataclass
+class Rebuilt:
+    """A run's checkpoint, config and model (on the CPU, eval mode, the chosen weights)."""
+
+    run_dir: Path
+    name: str  # the ckpt as the user named it: best, last, step_N, or the file's stem
+    state: dict[str, Any]
+    cfg: DictConfig
+    settings: TrainConfig
+    model: nn.Module
+    weights: str  # "ema" or "raw"
+
+    @property
+    def step(self) -> int:
+        return int(self.state["global_step"])
+
+
+def split_args(args: Sequence[str], options: dict[str, str], usage: str
+               ) -> tuple[Path, dict[str, str], list[str]]:
+    """``RUN_DIR key=value ...`` as the run folder, the command's own options (``options``:
+    their defaults) and the config overrides (every other ``key=value``)."""
+    positional = [a for a in args if "=" not in a]
+    if len(positional) != 1:
+        raise TrainkitError(f"give one run folder, then key=value settings: {usage}")
+    chosen, overrides = dict(options), []
+    for arg in args:
+        if "=" in arg:
+            key, value = arg.split("=", 1)
+            if key in options:
+                chosen[key] = value
+            else:
+                overrides.append(arg.removeprefix("+"))
+    return Path(positional[0]), chosen, overrides
+
+
+def rebuild(run_dir: Path, ckpt: str, weights: str, overrides: Sequence[str]) -> Rebuilt:
+    """The run's checkpoint ``ckpt`` with its model built from the run's config; ``ckpt=""``:
+    ``best`` where the run kept one, else ``last``."""
+    path = find_checkpoint(run_dir, ckpt or None)
+    state = read_checkpoint(path)
+    saved = state.get("config")
+    if not saved:
+        raise TrainkitError(f"checkpoint {path} holds no config (not written by the trainkit "
+                            "entry point): use trainkit.load_model's building blocks by hand")
+    saved = {k: v for k, v in saved.items() if k not in ("sinks", "callbacks")}  # not rebuilt
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), saved,
+                          OmegaConf.from_dotlist(list(overrides)))
+    settings: TrainConfig = OmegaConf.to_object(cfg)
+    chosen, which = model_weights(state, weights)
+    model = build_model(OmegaConf.to_container(cfg.model, resolve=True), chosen, path=path)
+    name = path.name.removesuffix(".pt") if not ckpt or path == Path(ckpt) else ckpt
+    name = re.sub(r"^step_0+(?=\d)", "step_", name)  # step_000000008 -> step_8, as ckpt= says
+    return Rebuilt(Path(run_dir), name, state, cfg, settings, model.eval(), which)
+
+
+def on_device(model: nn.Module, settings: TrainConfig, device: torch.device) -> nn.Module:
+    """``model`` on ``device`` in the memory layout training evaluated it in (channels_last
+    weights give other sums than contiguous ones: the recorded values need the same)."""
+    model = model.to(device)
+    if settings.trainer.channels_last and settings.trainer.strategy != "fsdp":
+        model = model.to(memory_format=torch.channels_last)  # as Trainer.prepare_model does
+    return model
+
+
+def read_split(cfg: DictConfig, settings: TrainConfig, *, train: bool) -> TensorData:
+    """One split of the run's dataset, whole, as the loaders read it."""
+    from hydra.utils import instantiate
+
+    data = settings.data
+    if cfg.get("dataset") is not None:
+        return instantiate(cfg.dataset, _partial_=True)(root=data.root, train=train)
+    if data.name not in READERS:
+        raise TrainkitError(f"data.name={data.name!r}: only the built-in datasets "
+                            f"({', '.join(READERS)}) have test and train splits here; give a "
+                            "folder of images instead")
+    return READERS[data.name](data.root, train=train, verify=data.verify, download=data.download)
+
+
+def inputs_of(split: TensorData) -> Inputs:
+    """What the model takes, from a split of its data: mean/std, image size, class names."""
+    classes = getattr(split, "classes", None) or [str(i) for i in range(split.num_classes)]
+    return Inputs(tuple(split.mean), tuple(split.std), tuple(split.images.shape[1:]),
+                  list(classes))
+
+
+def build_metrics(cfg: DictConfig, num_classes: int) -> dict[str, Any]:
+    """The run's ``metrics`` node built, each checked against the data's class count."""
+    from hydra.utils import instantiate
+
+    metrics = {name: instantiate(node) for name, node in (cfg.get("metrics") or {}).items()
+               if node is not None}  # an experiment drops one with `name: null`
+    for name, metric in metrics.items():  # a class count of another dataset fails late, obscurely
+        classes = getattr(metric, "num_classes", None)
+        if isinstance(classes, int) and classes != num_classes:
+            raise ConfigError(f"metrics.{name}.num_classes={classes} but the data has "
+                              f"{num_classes} classes: set metrics.{name}.num_classes="
+                              f"{num_classes}")
+    return metrics
+
+
+def build_criterion(cfg: DictConfig) -> Any:
+    """The run's loss: its ``loss`` node (e.g. label smoothing), else plain cross-entropy."""
+    from hydra.utils import instantiate
+
+    return instantiate(cfg.loss) if cfg.get("loss") is not None else F.cross_entropy
+
+
+def build_forward(cfg: DictConfig) -> Any:
+    """The run's forward: its ``forward`` node (a language model's ``lm_forward``), else
+    ``model(inputs), labels``."""
+    from hydra.utils import instantiate
+
+    return instantiate(cfg.forward) if cfg.get("forward") is not None else default_forward
+
+
+def image_source(run: Rebuilt) -> tuple[Inputs, Callable[[Path], torch.Tensor]]:
+    """What the model takes, and a reader of an image file into it (uint8 ``[C, H, W]``): an
+    image-folder run's own evaluation transform (:mod:`trainkit.data.transforms`), or for a run
+    on tensor data (MNIST, CIFAR-10, yours) the file in that data's mode and size."""
+    data = run.settings.data
+    if data.name != "image_folder" or run.cfg.get("dataset") is not None:
+        inputs = inputs_of(read_split(run.cfg, run.settings, train=False))
+        return inputs, lambda path: read_image(path, inputs.image_size)
+    from hydra.utils import instantiate
+
+    from trainkit.data.classes import read_classes
+    from trainkit.data.transforms import load_image, stats_for, transform_for
+
+    classes = (read_classes(run.state) or read_classes(run.run_dir)
+               or [str(i) for i in range(data.num_classes or 0)])
+    nodes = run.cfg.data.get("eval_transforms")
+    custom = [instantiate(node, _convert_="all") for node in nodes] if nodes else None
+    transform = transform_for(data, training=False, custom=custom)
+    described = ({"eval_transforms": OmegaConf.to_container(nodes, resolve=True)} if nodes
+                 else {"resize_short_side": int(data.image_size / data.crop_pct),
+                       "center_crop": data.image_size})
+    mean, std = stats_for(data)
+    inputs = Inputs(mean, std, (data.channels, data.image_size, data.image_size), classes,
+                    fused=True, transform=described)
+    return inputs, lambda path: transform(load_image(path, channels=data.channels))
+
+
+def read_image(path: Path, size: Sequence[int]) -> torch.Tensor:
+    """``path`` as uint8 ``[C, H, W]`` in a tensor dataset's mode (gray or RGB) and size."""
+    from PIL import Image, UnidentifiedImageError
+    from torchvision.transforms.v2 import functional
+
+    try:
+        with Image.open(path) as file:
+            image = functional.pil_to_tensor(file.convert("L" if size[0] == 1 else "RGB"))
+    except (UnidentifiedImageError, OSError) as err:
+        raise TrainkitError(f"cannot read image {path} ({one_line(err, 80)})") from None
+    if tuple(image.shape[-2:]) != tuple(size[-2:]):
+        image = functional.resize(image, list(size[-2:]), antialias=True)
+    return image
