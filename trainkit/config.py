@@ -56,6 +56,9 @@ class TrainerConfig:
     # One train.log line (and summary.json `advice`) when the run waits on its data, nears the
     # device's memory limit or reads the device every step (trainkit.observe.advice)
     advice: bool = True
+    # Under SLURM only: after a SIGUSR1 stop's checkpoint, rank 0 runs `scontrol requeue <job>`
+    # (trainkit.distributed.slurm_requeue); false: exit 75 and leave resubmitting to you
+    slurm_requeue: bool = True
 
     def __post_init__(self) -> None:
         _check_int("trainer.max_epochs", self.max_epochs, minimum=1)
@@ -114,6 +117,7 @@ class TrainerConfig:
                               f"paths, got {self.fsdp_blocks!r}")
         _check_bool("trainer.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward)
         _check_bool("trainer.advice", self.advice)
+        _check_bool("trainer.slurm_requeue", self.slurm_requeue)
 
 
 @dataclass
