@@ -208,6 +208,9 @@ class TrainConfig:
     # +sinks.mlflow._target_=trainkit.MLflowSink (docs/trackers.md); a null node is left out
     sinks: dict[str, Any] = field(default_factory=dict)
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> a `_target_` node
+    # `trainkit sweep`'s search space, {params: {key: {low, high, log} or {choices}}}; read by
+    # that command only (configs/sweep/, docs/sweeps.md)
+    sweep: Any = None
 
 
 def _check_int(key: str, value: Any, *, minimum: int) -> None:

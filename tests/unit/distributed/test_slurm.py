@@ -26,7 +26,7 @@ def test_node_lists_expand_as_scontrol_show_hostnames_does(nodelist: str, hosts:
 
 @pytest.mark.parametrize("nodelist", ["node[01-03", "node]1[", "node[a-b]", "node[3-1]", ","])
 def test_a_node_list_that_does_not_parse_is_one_clear_error(nodelist: str) -> None:
-    with pytest.raises(TrainkitError, match="cannot read the SLURM node list.*MASTER_ADDR"):
+    with pytest.raises(TrainkitError, match=r"cannot read the SLURM node list.*MASTER_ADDR"):
         expand_nodelist(nodelist)
 
 
@@ -62,5 +62,5 @@ def test_job_ids_of_plain_and_array_jobs_name_the_run_dir() -> None:
     {"SLURM_JOB_ID": "8 0"},
 ])
 def test_a_malformed_job_id_is_one_clear_error(env: dict[str, str]) -> None:
-    with pytest.raises(TrainkitError, match="is not a number.*unset SLURM_"):
+    with pytest.raises(TrainkitError, match=r"is not a number.*unset SLURM_"):
         job_id(env)
