@@ -193,6 +193,12 @@ README_RUN_BY = {
     "python -m trainkit.env --device cuda": (
         "tests/unit/observe/test_env.py::test_unavailable_device_is_one_line_and_nonzero",
         '"cuda"'),
+    "trainkit sweep --trials 20 --jobs 2 --dir sweeps/lr +exp=mnist +sweep=lr": (
+        "tests/integration/test_sweep.py::test_readme_sweep_trains_each_trial_and_runs_lists_"
+        "them_best_first", '"trainkit sweep"'),
+    "trainkit runs sweeps/lr": (
+        "tests/integration/test_sweep.py::test_readme_sweep_trains_each_trial_and_runs_lists_"
+        "them_best_first", '"trainkit runs"'),
     ".venv/bin/python -m benchmarks --quick": (
         "tests/integration/test_benchmarks.py::test_runner_quick_writes_json_and_table",
         '"--quick"'),
