@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -53,12 +54,11 @@ def slurm_env(job: str, *, rank: int = 0, ntasks: int = 1, **extra: str) -> dict
     return env
 
 
-def start(cwd: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
-    out = open(cwd / f"out_{env['SLURM_PROCID']}.txt", "ab")  # noqa: SIM115 (the child's copy)
-    with out:
-        return subprocess.Popen([sys.executable, "-m", "trainkit.train", *args], cwd=cwd,
-                                env=env, stdout=out, stderr=subprocess.STDOUT,
-                                preexec_fn=hear_preemption_signals)
+def start(cwd: Path, env: dict[str, str], *args: str,
+          command: Sequence[str] = (sys.executable, "-m", "trainkit.train")) -> subprocess.Popen:
+    with open(cwd / f"out_{env['SLURM_PROCID']}.txt", "ab") as out:  # the child has its copy
+        return subprocess.Popen([*command, *args], cwd=cwd, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, preexec_fn=hear_preemption_signals)
 
 
 def output(cwd: Path, rank: int = 0) -> str:
@@ -89,11 +89,13 @@ def fake_scontrol(tmp_path: Path) -> tuple[dict[str, str], Path]:
     return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}, calls
 
 
-def stop_with_sigusr1(cwd: Path, env: dict[str, str], run_dir: Path, args: list[str]) -> int:
-    """Start the job, wait for its first step, send SLURM's warning; return the stop's step."""
-    proc = start(cwd, env, *args)
+def stop_with_sigusr1(cwd: Path, env: dict[str, str], run_dir: Path, command: list[str]
+                      ) -> int:
+    """Start ``command``, wait for its first step, send SLURM's warning; return the stop's
+    step."""
+    proc = start(cwd, env, command=command)
     wait_for_a_step(proc, run_dir / "train.log")
-    proc.send_signal(signal.SIGUSR1)  # as srun forwards it from the batch script's trap
+    proc.send_signal(signal.SIGUSR1)  # as SLURM sends it (to the batch script: B:USR1)
     assert proc.wait(timeout=120) == 75, output(cwd)[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "preempted"
@@ -115,7 +117,8 @@ def test_sigusr1_saves_requeues_once_and_the_requeued_job_resumes_bit_exactly(
 
     env = slurm_env("8123", **path)
     run_dir = tmp_path / "outputs" / "slurm-8123"
-    stopped_at = stop_with_sigusr1(tmp_path, env, run_dir, overrides(mnist_root, *SLOW))
+    stopped_at = stop_with_sigusr1(tmp_path, env, run_dir, [
+        sys.executable, "-m", "trainkit.train", *overrides(mnist_root, *SLOW)])
     assert calls.read_text() == "requeue 8123\n"  # once, with the job's id
     assert "requeued SLURM job 8123" in output(tmp_path)
 
@@ -127,18 +130,28 @@ def test_sigusr1_saves_requeues_once_and_the_requeued_job_resumes_bit_exactly(
     assert_same_weights(last_checkpoint(run_dir)["model"], last_checkpoint(straight)["model"])
 
 
-def test_an_array_task_requeues_by_its_array_id_and_without_scontrol_says_so(
+def test_the_example_batch_script_passes_the_warning_on_and_an_array_task_requeues_by_its_id(
         tmp_path: Path, mnist_root: Path, fake_scontrol: tuple[dict[str, str], Path]) -> None:
+    """examples/slurm/train.sbatch, run as SLURM runs it (its ``srun`` a stand-in that starts the
+    one task), gets SLURM's ``B:USR1`` warning itself: its trap passes it on to the task."""
     path, calls = fake_scontrol
-    env = slurm_env("9007", SLURM_ARRAY_JOB_ID="9000", SLURM_ARRAY_TASK_ID="7", **path)
+    fake_srun = Path(path["PATH"].split(os.pathsep)[0]) / "srun"
+    fake_srun.write_text('#!/bin/sh\nexec "$@"\n')  # one task: the command itself
+    fake_srun.chmod(0o755)
+    env = slurm_env("9007", SLURM_ARRAY_JOB_ID="9000", SLURM_ARRAY_TASK_ID="7",
+                    SLURM_SUBMIT_DIR=str(tmp_path),
+                    PATH=f"{fake_srun.parent}{os.pathsep}{Path(sys.executable).parent}"
+                         f"{os.pathsep}{path['PATH']}")  # its `python`: this one
     run_dir = tmp_path / "outputs" / "slurm-9000_7"
-    stop_with_sigusr1(tmp_path, env, run_dir, overrides(mnist_root, *SLOW))
+    script = ["bash", str(REPO / "examples" / "slurm" / "train.sbatch"),
+              *overrides(mnist_root, *SLOW)]
+    stop_with_sigusr1(tmp_path, env, run_dir, script)
     assert calls.read_text() == "requeue 9000_7\n"
 
     calls.unlink()  # a container without scontrol: one line, and 75 as before
     env = slurm_env("9008", PATH=os.path.dirname(sys.executable) + os.pathsep + "/usr/bin")
     stop_with_sigusr1(tmp_path, env, tmp_path / "outputs" / "slurm-9008",
-                      overrides(mnist_root, *SLOW))
+                      [sys.executable, "-m", "trainkit.train", *overrides(mnist_root, *SLOW)])
     assert not calls.exists()
     said = [line for line in output(tmp_path).splitlines() if "not requeued" in line]
     assert len(said) == 1 and "scontrol is not on the PATH" in said[0], said
