@@ -53,11 +53,15 @@ def read_plan(overrides: Sequence[str]) -> Plan:
             monitor that is not one of the run's evaluation metrics.
     """
     from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from trainkit.train import CONFIG_DIR  # and its config schema, stored with Hydra
+    from trainkit.config import TrainConfig
+    from trainkit.entry.config_dir import config_dir
 
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    # the schema configs/train.yaml names, stored as trainkit.train stores it
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose("train", overrides=list(overrides))
     params = OmegaConf.to_container(cfg.sweep, resolve=True).get("params") if cfg.sweep else None
     if not params:
