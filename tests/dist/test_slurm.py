@@ -22,6 +22,7 @@ import pytest
 from tests.conftest import (
     REPO,
     assert_same_weights,
+    error_report,
     hear_preemption_signals,
     last_checkpoint,
     offline_env,
@@ -45,9 +46,10 @@ def overrides(data_root: Path, *extra: str) -> list[str]:
 def slurm_env(job: str, *, rank: int = 0, ntasks: int = 1, **extra: str) -> dict[str, str]:
     """The variables ``srun`` gives one task of job ``job`` on this host."""
     env = offline_env(TRAINKIT_DIST_TIMEOUT_S="60", PYTHONPATH=str(REPO),
-                      SLURM_JOB_ID=job, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
-                      SLURM_NTASKS=str(ntasks), SLURM_NODEID="0",
-                      SLURM_JOB_NODELIST=os.uname().nodename, **extra)
+                      **{"SLURM_JOB_ID": job, "SLURM_PROCID": str(rank),
+                         "SLURM_LOCALID": str(rank), "SLURM_NTASKS": str(ntasks),
+                         "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": os.uname().nodename,
+                         **extra})
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                  "TRAINKIT_RUN_NAME"):
         env.pop(name, None)
@@ -155,3 +157,18 @@ def test_the_example_batch_script_passes_the_warning_on_and_an_array_task_requeu
     assert not calls.exists()
     said = [line for line in output(tmp_path).splitlines() if "not requeued" in line]
     assert len(said) == 1 and "scontrol is not on the PATH" in said[0], said
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"SLURM_ARRAY_JOB_ID": "9000", "SLURM_ARRAY_TASK_ID": "seven"},
+     "SLURM_ARRAY_TASK_ID='seven' is not a number"),
+    ({"SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[01-"}, "cannot read the SLURM node list"),
+])
+def test_a_malformed_job_id_or_node_list_is_one_line_before_any_folder_is_made(
+        tmp_path: Path, extra: dict[str, str], says: str) -> None:
+    env = slurm_env("9100", **extra)
+    done = subprocess.run([sys.executable, "-m", "trainkit.train", "+exp=mnist"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert says in error_report(done.stderr)[1]
+    assert list(tmp_path.iterdir()) == []
