@@ -17,7 +17,15 @@ import yaml
 from tests.conftest import REPO, error_report, offline_env
 from tests.integration.test_doc_recipes import README, bash_block
 
-needs_optuna = pytest.mark.skipif(importlib.util.find_spec("optuna") is None,
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+needs_optuna = pytest.mark.skipif(not installed("optuna"),
                                   reason="optuna not installed: pip install 'trainkit[sweep]'")
 # 3 steps of 32: accuracies far apart, so that the best trial is one, not a tie
 FEW_STEPS = ("data.verify=false", "data.download=false", "data.batch_size=32",
@@ -168,7 +176,7 @@ def test_runs_table_shows_what_differs_best_first_and_unfinished_runs_last(
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
+@pytest.mark.skipif(not installed("hydra_plugins.hydra_submitit_launcher"),
                     reason="hydra-submitit-launcher not installed: pip install 'trainkit[slurm]'")
 def test_submitit_local_launcher_runs_a_job_of_two_tasks_as_one_ddp_run(
         tmp_path: Path, mnist_root: Path) -> None:
