@@ -220,6 +220,8 @@ class Sweep:
             return
         if status == EXIT_PREEMPTED:
             trial.set_user_attr("status", "preempted")  # resumed by the next sweep command
+            # the machine is likely going away (a scheduler signals all its processes)
+            self.stopping.set()
             detail = "preempted: re-run the sweep command to resume it"
         elif status == 2 or status == 0:
             self.stopping.set()  # bad input: every trial would fail alike
