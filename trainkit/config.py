@@ -57,6 +57,9 @@ class TrainerConfig:
     # One train.log line (and summary.json `advice`) when the run waits on its data, nears the
     # device's memory limit or reads the device every step (trainkit.observe.advice)
     advice: bool = True
+    # Under SLURM only: after a SIGUSR1 stop's checkpoint, rank 0 runs `scontrol requeue <job>`
+    # (trainkit.distributed.slurm_requeue); false: exit 75 and leave resubmitting to you
+    slurm_requeue: bool = True
 
     def __post_init__(self) -> None:
         _check_int("trainer.max_epochs", self.max_epochs, minimum=1)
@@ -115,6 +118,7 @@ class TrainerConfig:
                               f"paths, got {self.fsdp_blocks!r}")
         _check_bool("trainer.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward)
         _check_bool("trainer.advice", self.advice)
+        _check_bool("trainer.slurm_requeue", self.slurm_requeue)
 
 
 @dataclass
@@ -277,6 +281,9 @@ class TrainConfig:
     # +sinks.mlflow._target_=trainkit.MLflowSink (docs/trackers.md); a null node is left out
     sinks: dict[str, Any] = field(default_factory=dict)
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> a `_target_` node
+    # `trainkit sweep`'s search space, {params: {key: {low, high, log} or {choices}}}; read by
+    # that command only (configs/sweep/, docs/sweeps.md)
+    sweep: Any = None
 
 
 def _check_int(key: str, value: Any, *, minimum: int) -> None:

@@ -20,20 +20,21 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit.config import TrainConfig
-from trainkit.distributed import group
+from trainkit.distributed import group, slurm
 from trainkit.distributed.entry_ranks import join_ranks
+from trainkit.distributed.slurm_requeue import requeue_after_stop
 from trainkit.entry.config_dir import config_dir
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.own_data import build_data, save_classes
 from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
-from trainkit.entry.run_dir import removed_if_unused
+from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused
 from trainkit.errors import ConfigError
 from trainkit.loop.cuda_settings import use_device
 from trainkit.loop.trainer import Trainer
 from trainkit.observe.logging import setup_logging
 from trainkit.rng import seed_everything
 from trainkit.runtime import Runtime
-from trainkit.signals import EXIT_PREEMPTED, stop_outside_training
+from trainkit.signals import EXIT_PREEMPTED, Preemption, stop_outside_training
 
 CONFIG_DIR = str(config_dir())
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
@@ -72,11 +73,15 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
         scheduler = instantiate(cfg.sched, optimizer=parts.optimizer, total_steps=total_steps)
 
     metrics = build_metrics(cfg, parts.num_classes)  # checked against the data's classes
+    preemption = Preemption()  # which signal stopped the run: SLURM's warning requeues it
     summary = trainer.fit(
         parts.model, parts.optimizer, parts.train_data, criterion=parts.criterion,
         scheduler=scheduler, val_data=parts.val_data, metrics=metrics, stop_at_step=stop_at_step,
-        forward=parts.forward,
+        forward=parts.forward, preemption=preemption,
     )
+    if summary["status"] == "preempted":  # its checkpoint is written
+        requeue_after_stop(preemption.received, enabled=settings.trainer.slurm_requeue,
+                           is_main=runtime.is_main)
     if summary["status"] == "stopped":
         log.info("done: stopped at step %d (%s); run dir %s", summary["global_step"],
                  summary["stop_reason"], run_dir)
@@ -125,6 +130,7 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
 def _hydra_main(cfg: DictConfig) -> None:
     # Errors are reported here, inside the job: past this point Hydra would add its own lines.
     with errors_as_one_line():
+        slurm.export_torch_env()  # a job of Hydra's submitit launcher: its tasks are the ranks
         # Under torchrun rank 0 tells the others (waiting in join_ranks) its folder; theirs is
         # that one already, and an elastic restart's is the first attempt's: all get the same.
         run_dir = group.shared_run_dir(HydraConfig.get().runtime.output_dir)
@@ -140,6 +146,8 @@ def main() -> None:
     stop_outside_training()  # a signal before the first step: one line and exit 75, not death
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us unprinted
     with errors_as_one_line():
+        slurm.export_torch_env()  # srun without torchrun: ranks and master from SLURM's variables
+        name_run_after_slurm_job()  # under SLURM: outputs/slurm-<job id>, found again on requeue
         sys.argv += join_ranks()
         _hydra_main()
 

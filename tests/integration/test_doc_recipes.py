@@ -232,6 +232,12 @@ README_RUN_BY = {
     "out=predictions.jsonl": (
         "tests/dist/test_after_training_fsdp.py::test_predict_on_two_ranks_writes_the_rows_of_"
         "one_process_in_order", '"trainkit.entry.predict"'),
+    "trainkit sweep --trials 20 --jobs 2 --dir sweeps/lr +exp=mnist +sweep=lr": (
+        "tests/integration/test_sweep.py::test_readme_sweep_trains_each_trial_and_runs_lists_"
+        "them_best_first", '"trainkit sweep"'),
+    "trainkit runs sweeps/lr": (
+        "tests/integration/test_sweep.py::test_readme_sweep_trains_each_trial_and_runs_lists_"
+        "them_best_first", '"trainkit runs"'),
     ".venv/bin/python -m benchmarks --quick": (
         "tests/integration/test_benchmarks.py::test_runner_quick_writes_json_and_table",
         '"--quick"'),

@@ -148,7 +148,8 @@ def test_the_built_wheel_folder_is_ignored_by_git() -> None:
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("command", ["launch", "data", "env", "checkpoint", "verify-resume"])
+@pytest.mark.parametrize("command", ["launch", "data", "env", "checkpoint", "verify-resume",
+                                     "sweep", "runs"])
 def test_console_subcommands_name_themselves_in_their_usage(
         command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stop:

@@ -26,6 +26,9 @@ COMMANDS = {
                "a run's model as safetensors, pt or a torch.export program, with model.json"),
     "probe": ("trainkit.probe", "measure loader, step and both; say what holds a run back"),
     "verify-resume": ("trainkit.verify_resume", "check that stopping and resuming is bit-exact"),
+    "sweep": ("trainkit.entry.sweep",
+              "an Optuna search over runs: trainkit sweep --trials 20 +exp=mnist +sweep=lr"),
+    "runs": ("trainkit.entry.runs", "a table of the runs under a folder, the best first"),
 }
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from trainkit.distributed.slurm_requeue import run_dir_name
 from trainkit.errors import TrainkitError
 from trainkit.runtime import Runtime
 
@@ -63,3 +65,21 @@ def _remove_unused(run_dir: Path, unused: set[str]) -> None:
             parent.rmdir()
     except OSError:  # another rank removed it first, or a file appeared: leave what is there
         pass
+
+
+# configs/train.yaml: hydra.run.dir is outputs/${oc.env:TRAINKIT_RUN_NAME,<date>/<time>}
+RUN_NAME_ENV = "TRAINKIT_RUN_NAME"
+
+
+def name_run_after_slurm_job() -> None:
+    """Under SLURM, name the default run directory ``outputs/slurm-<job id>`` (array tasks
+    ``slurm-<array job>_<task>``) instead of the time: a requeued job keeps its id, so it starts
+    in the run directory it left and resumes from its checkpoint. A ``TRAINKIT_RUN_NAME`` of your
+    own, or a ``hydra.run.dir``, wins.
+
+    Raises:
+        TrainkitError: a SLURM job id that is not a number.
+    """
+    name = run_dir_name()
+    if name is not None:
+        os.environ.setdefault(RUN_NAME_ENV, name)
