@@ -80,3 +80,46 @@ def _match_forwards(model: nn.Module, extra: int, batch: Any, precision: Precisi
         with precision.autocast():
             forward(model, batch)
     fsdp.reshard(model)
+
+
+class EvalSchedule:
+    """Which steps evaluate: every ``eval_every_n_steps``, an epoch's last step when
+    ``eval_every_n_epochs`` says so, and the run's last step. A function of the step, so a
+    resumed run evaluates where the first would.
+
+    Args:
+        every_n_steps: evaluate at multiples of this step (None or 0: not by steps).
+        every_n_epochs: evaluate at the end of every n-th epoch.
+        total_steps: the run's last step (always evaluated).
+        enabled: False when the run has no validation data: no step evaluates.
+    """
+
+    def __init__(self, every_n_steps: int | None, every_n_epochs: int, total_steps: int,
+                 enabled: bool = True) -> None:
+        self.every_n_steps, self.every_n_epochs = every_n_steps, every_n_epochs
+        self.total_steps, self.enabled = total_steps, enabled
+        self._epoch_end = self._next = 0
+
+    def start_epoch(self, step: int, epoch: int, epoch_end: int) -> None:
+        """An epoch (index ``epoch``, from 0) starts after step ``step`` and ends at step
+        ``epoch_end``."""
+        self._epoch_end = epoch_end if (epoch + 1) % self.every_n_epochs == 0 else 0
+        self._next = self._after(step)
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` evaluates (called after every step: one comparison)."""
+        if step != self._next:
+            return False
+        self._next = self._after(step)
+        return True
+
+    def _after(self, step: int) -> int:
+        """The first step after ``step`` that evaluates (0: none)."""
+        if not self.enabled:
+            return 0
+        due = [self.total_steps]
+        if self.every_n_steps:
+            due.append((step // self.every_n_steps + 1) * self.every_n_steps)
+        if self._epoch_end > step:
+            due.append(self._epoch_end)
+        return min(due)
