@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchmetrics.aggregation import MeanMetric
 
 from trainkit.device import move_to_device
 from trainkit.distributed import ddp, fsdp, group
@@ -31,7 +32,11 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     model.eval()
     for metric in metrics.values():
         metric.reset()
-    loss_sum, count = torch.zeros((), device=device), 0
+    # The loss is a metric like the others: torchmetrics sums it over the ranks in compute().
+    # One value per sample, the batch's mean loss repeated: the mean over samples. (Weights would
+    # do it too, but torchmetrics drops them under nan_strategy="disable", and any other strategy
+    # reads every batch's NaN check on the host and leaves NaN losses out of the mean.)
+    loss = MeanMetric(nan_strategy="disable").to(device)
     # FSDP: each forward all-gathers weights, so every rank runs as many (agreed before any)
     extra = _missing_forwards(data, max_batches) if fsdp.is_sharded(model) else None
     batch = None
@@ -40,18 +45,13 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
         n = batch_size(batch)
         with precision.autocast():
             outputs, targets = forward(model, batch)[:2]  # a third item: the step's own scalars
-            loss_sum += criterion(outputs, targets).float() * n
+            loss.update(criterion(outputs, targets).detach().float().expand(n))
         for metric in metrics.values():
             metric.update(outputs, targets)
-        count += n
     if extra is not None:
         _match_forwards(model, extra, batch, precision, forward)
-    if group.is_distributed():  # each rank saw its own shard: sum over all of them
-        total, count = group.sum_across_ranks(loss_sum, count)
-        results = {"val/loss": total / max(count, 1)}
-    else:
-        results = {"val/loss": loss_sum.item() / max(count, 1)}
     # torchmetrics syncs its states across ranks in compute() when a process group is up
+    results = {"val/loss": float(loss.compute())}
     results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
     model.train(was_training)
     return results
