@@ -12,6 +12,10 @@ from torch import nn
 class RecordingStorage:
     """The :class:`~trainkit.checkpoint.storages.Storage` verbs, recording the saves and polls.
 
+    It has the verbs of the protocol before and after the storages' unification (branch i39b:
+    ``list`` and ``holds`` of a path or a state; ``path_of``, ``resumes``, ``latest`` and ``owns``
+    before): the ones the Checkpointer no longer calls can go once both are merged.
+
     Args:
         polls_to_publish: how many :meth:`poll` calls an async save stays in flight for (0: a
             save is on disk when :meth:`save` returns, as a synchronous one is).
@@ -31,9 +35,10 @@ class RecordingStorage:
     def in_flight(self) -> bool:
         return self._left > 0
 
-    def save(self, step: int, content: Any, *, periodic: bool, best: bool) -> None:
+    def save(self, step: int, content: Any, *, periodic: bool, best: bool) -> Path | None:
         self.saves.append((step, periodic, best))
         self._left = self.polls_to_publish
+        return None  # nothing written anywhere
 
     @property
     def saved_steps(self) -> list[int]:
@@ -48,7 +53,10 @@ class RecordingStorage:
     def latest(self) -> dict[str, Any] | None:
         return None
 
-    def holds(self, path: Path) -> bool:
+    def list(self) -> list[Path]:
+        return []
+
+    def holds(self, checkpoint: Any) -> bool:
         return False
 
     def read(self, path: Path, key: str) -> dict[str, Any]:
