@@ -305,9 +305,9 @@ class Trainer:
     def _train(self, run: _Run) -> tuple[str, dict[str, float]]:
         """Epochs of steps until done, stopped or preempted; the status and the last results."""
         self._start_training(run)
-        state = self.state  # resumed a run stopped by request: it is over
+        state = self.state
         while (state.global_step < run.total_steps and state.epoch < self.config.max_epochs
-               and state.stop_reason is None):
+               and state.stop_reason is None):  # a run stopped by request is over
             set_epoch(run.data, state.epoch, state.batch_in_epoch)
             if self._epoch(run):
                 return ("stopped" if state.stop_reason else "preempted"), run.results or {}
