@@ -14,11 +14,15 @@ from typing import Any
 
 from trainkit.errors import ConfigError
 
+# The choices of the settings that take one of a few words (checked by _check_choice)
 PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
+CLIP_ALGORITHMS = ("norm", "value")
 PAD_MODES = ("constant", "reflect")
 HANG_ACTIONS = ("report", "abort")
 STRATEGIES = ("auto", "ddp", "fsdp")
 DECODERS = ("cpu",)  # "gpu" (batches of JPEG bytes to nvJPEG) is planned
+LOADERS = ("memory", "dataloader")
+MONITOR_MODES = ("max", "min")
 
 
 @dataclass
@@ -67,20 +71,14 @@ class TrainerConfig:
         if self.max_steps == 0:
             raise ConfigError("trainer.max_steps=0 trains nothing: use a positive number or -1")
         self.precision = str(self.precision)
-        if self.precision not in PRECISIONS:
-            raise ConfigError(
-                f"trainer.precision={self.precision!r} is not one of {', '.join(PRECISIONS)}"
-            )
+        _check_choice("trainer.precision", self.precision, PRECISIONS)
         _check_int("trainer.accumulate_grad_batches", self.accumulate_grad_batches, minimum=1)
         if self.gradient_clip_val is not None and not self.gradient_clip_val > 0:
             raise ConfigError(
                 f"trainer.gradient_clip_val must be > 0 or null, got {self.gradient_clip_val}"
             )
-        if self.gradient_clip_algorithm not in ("norm", "value"):
-            raise ConfigError(
-                f"trainer.gradient_clip_algorithm={self.gradient_clip_algorithm!r}: "
-                "use 'norm' or 'value'"
-            )
+        _check_choice("trainer.gradient_clip_algorithm", self.gradient_clip_algorithm,
+                      CLIP_ALGORITHMS)
         _check_int("trainer.seed", self.seed, minimum=0)
         _check_int("trainer.log_every_n_steps", self.log_every_n_steps, minimum=1)
         _check_int("trainer.eval_every_n_epochs", self.eval_every_n_epochs, minimum=1)
@@ -106,12 +104,9 @@ class TrainerConfig:
                 timeout, (int, float)) or not timeout >= 0):
             raise ConfigError(f"trainer.hang_timeout_s must be >= 0 (0: off) or null (automatic), "
                               f"got {self.hang_timeout_s!r}")
-        if self.hang_action not in HANG_ACTIONS:
-            raise ConfigError(f"trainer.hang_action={self.hang_action!r}: use 'report' or 'abort'")
+        _check_choice("trainer.hang_action", self.hang_action, HANG_ACTIONS)
         self.activation_checkpointing = list(self.activation_checkpointing)
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"trainer.strategy={self.strategy!r} is not one of "
-                              f"{', '.join(STRATEGIES)}")
+        _check_choice("trainer.strategy", self.strategy, STRATEGIES)
         self.fsdp_blocks = list(self.fsdp_blocks)
         if not all(isinstance(name, str) and name for name in self.fsdp_blocks):
             raise ConfigError(f"trainer.fsdp_blocks must be a list of module class names or "
@@ -181,8 +176,7 @@ class DataConfig:
         _check_int("data.eval_batch_size", self.eval_batch_size, minimum=1)
         if self.num_workers is not None:
             _check_int("data.num_workers", self.num_workers, minimum=0)
-        if self.loader not in ("memory", "dataloader"):
-            raise ConfigError(f"data.loader={self.loader!r}: use 'memory' or 'dataloader'")
+        _check_choice("data.loader", self.loader, LOADERS)
         _check_int("data.random_crop_padding", self.random_crop_padding, minimum=0)
         if self.pad_mode not in PAD_MODES:
             raise ConfigError(f"data.pad_mode={self.pad_mode!r} is not one of "
@@ -222,6 +216,7 @@ class DataConfig:
         _check_bool("data.skip_corrupt", self.skip_corrupt)
         if self.decode not in DECODERS:
             raise ConfigError(f"data.decode={self.decode!r}: use 'cpu'")
+        _check_choice("data.pad_mode", self.pad_mode, PAD_MODES)
 
 
 @dataclass
@@ -253,8 +248,7 @@ class CheckpointConfig:
         if not isinstance(self.async_save, bool):
             raise ConfigError(f"checkpoint.async_save must be true or false, got "
                               f"{self.async_save!r}")
-        if self.mode not in ("max", "min"):
-            raise ConfigError(f"checkpoint.mode={self.mode!r}: use 'max' or 'min'")
+        _check_choice("checkpoint.mode", self.mode, MONITOR_MODES)
 
 
 @dataclass
@@ -291,6 +285,15 @@ def _check_int(key: str, value: Any, *, minimum: int) -> None:
         raise ConfigError(f"{key} must be an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    """One of ``choices``, else one line naming them ("use 'a' or 'b'" when there are two)."""
+    if value in choices:
+        return
+    if len(choices) == 2:
+        raise ConfigError(f"{key}={value!r}: use {choices[0]!r} or {choices[1]!r}")
+    raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
 
 
 def _check_bool(key: str, value: Any) -> None:

@@ -31,14 +31,15 @@ from omegaconf import OmegaConf
 from trainkit.config import TrainConfig
 from trainkit.data.loaders import default_num_workers
 from trainkit.device import GIB
-from trainkit.distributed import group
+from trainkit.distributed import group, strategy
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.errors import TrainkitError
 from trainkit.loop import throughput
-from trainkit.loop.cuda_settings import use_device
+from trainkit.loop.activations import apply_activation_checkpointing
+from trainkit.loop.cuda_settings import apply_device_settings, use_device
+from trainkit.loop.precision import Precision
 from trainkit.loop.step import WindowStep
 from trainkit.loop.throughput import Phase
-from trainkit.loop.trainer import Trainer
 from trainkit.observe.logging import setup_logging
 from trainkit.rng import seed_everything
 from trainkit.runtime import Runtime
@@ -83,8 +84,8 @@ def probe(cfg: Any, *, seconds: float) -> dict[str, Any] | None:
     setup_logging(None, runtime.is_main)  # warnings to the console; no train.log
     seed_everything(settings.trainer.seed)
     parts = build_parts(cfg, settings, runtime)
-    trainer = Trainer(settings.trainer, runtime=runtime)  # the run's process settings, no files
-    step = _window_step(trainer, parts)
+    apply_device_settings(settings.trainer, runtime.device)  # the run's process settings
+    step = _window_step(settings.trainer, runtime, parts)
     guard = settings.trainer.nonfinite_patience > 0
     phases = [throughput.loader_phase(parts.train_data, runtime.device, seconds=seconds)]
     first = next(throughput.cycle(parts.train_data))
@@ -108,15 +109,18 @@ def probe(cfg: Any, *, seconds: float) -> dict[str, Any] | None:
             "verdict": {"bound": bound, "line": line}}
 
 
-def _window_step(trainer: Trainer, parts: Any) -> WindowStep:
-    """The Trainer's step on the model prepared as fit prepares it (device, DDP, compile)."""
-    cfg = trainer.config
-    model = trainer.prepare_model(parts.model, parts.optimizer)
-    model = torch.compile(model) if cfg.compile else model
+def _window_step(cfg: Any, runtime: Runtime, parts: Any) -> WindowStep:
+    """fit's step on the model prepared as fit prepares it (activation checkpointing, then the
+    strategy: device, DDP/FSDP, compile)."""
+    precision = Precision(cfg.precision, runtime.device)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(parts.model, cfg.activation_checkpointing)
+    model = strategy.prepare_model(parts.model, parts.optimizer, cfg, runtime, precision.mode)
+    model = strategy.compiled(model) if cfg.compile else model
     model.train()
-    return WindowStep(model, optimizer=parts.optimizer, precision=trainer.precision,
+    return WindowStep(model, optimizer=parts.optimizer, precision=precision,
                       criterion=parts.criterion, forward=parts.forward,
-                      device=trainer.runtime.device, clip_val=cfg.gradient_clip_val,
+                      device=runtime.device, clip_val=cfg.gradient_clip_val,
                       clip_algorithm=cfg.gradient_clip_algorithm)
 
 

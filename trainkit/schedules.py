@@ -5,12 +5,20 @@ Each factory takes ``(optimizer, total_steps, ...)`` so configs need not know th
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
+from torch.optim.lr_scheduler import (
+    ConstantLR,
+    CosineAnnealingLR,
+    LinearLR,
+    LRScheduler,
+    OneCycleLR,
+    SequentialLR,
+)
+
+from trainkit.errors import ConfigError
 
 
 def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int, *, pct_start: float = 0.25,
@@ -27,20 +35,33 @@ def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int, *, pct_start: 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, *,
                   warmup_steps: int = 0, min_ratio: float = 0.0) -> LRScheduler:
-    """Linear warm-up for ``warmup_steps``, then cosine decay to ``min_ratio`` x lr."""
+    """Linear warm-up for ``warmup_steps``, then cosine decay to ``min_ratio`` x lr.
 
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    torch's own schedules: ``LinearLR`` from lr / ``warmup_steps`` (the first step's) to lr,
+    then ``CosineAnnealingLR`` over the remaining steps, joined by ``SequentialLR``.
 
-    return LambdaLR(optimizer, factor)
+    Raises:
+        ConfigError: ``min_ratio`` > 0 with param groups of different ``lr`` (the cosine's floor,
+            ``eta_min``, is one number for all groups).
+    """
+    lrs = {group["lr"] for group in optimizer.param_groups}
+    if min_ratio and len(lrs) > 1:
+        raise ConfigError(f"sched.min_ratio={min_ratio} needs one lr for all param groups (got "
+                          f"{sorted(lrs)}): torch's CosineAnnealingLR has one floor; set "
+                          "sched.min_ratio=0")
+    cosine = CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup_steps),
+                               eta_min=min_ratio * max(lrs))
+    if not warmup_steps:
+        return cosine
+    # step i of the warm-up has lr (i + 1) / warmup_steps x lr: 1 / warmup_steps at step 0
+    warmup = LinearLR(optimizer, start_factor=1 / warmup_steps, end_factor=1.0,
+                      total_iters=max(1, warmup_steps - 1))
+    return SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
 
 
 def constant(optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:
-    """Keep each group's ``lr`` unchanged."""
-    return LambdaLR(optimizer, lambda step: 1.0)
+    """Keep each group's ``lr`` unchanged (``ConstantLR`` with factor 1)."""
+    return ConstantLR(optimizer, factor=1.0, total_iters=0)
 
 
 def advance(scheduler: Any, steps: int) -> None:

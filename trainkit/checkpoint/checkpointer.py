@@ -80,7 +80,7 @@ class Checkpointer:
         ... # doctest: +SKIP
         >>> ckpt.register(state, model=model, optimizer=optimizer, precision=precision)
         >>> ckpt.start(planned_steps=1000)
-        >>> ckpt.step_done(step)           # saves when every_n_steps says so
+        >>> ckpt.step_done(step)           # after every step: saves when every_n_steps says so
         >>> ckpt.save(step, last_step=True)  # the run completed
     """
 
@@ -96,6 +96,7 @@ class Checkpointer:
             CheckpointManager(self.directory).check_writable()  # now, not hours into a run
         self._watchdog = watchdog or Watchdog(0)
         self.saved_step, self._saved_time = -1, time.monotonic()
+        self._next_due = 0  # the next step step_done() looks at (set by start() and each save)
         self.state: LoopState | None = None  # given by register()
         self.parts: dict[str, Any] = {}
         # the storage this run writes with first, then those it can also read (register())
@@ -154,6 +155,8 @@ class Checkpointer:
         elif self.config.init_from:
             self._init_from(str(self.config.init_from))
         self.state.planned_steps = planned_steps
+        self._next_due = self._due_after(self.state.global_step)
+        group.check_same_start(self.state.global_step)  # every rank resumed the same step
 
     def load_state_dict(self, state: Mapping[str, Any], planned_steps: int | None = None) -> None:
         """Restore a checkpoint made by :meth:`state_dict` into the registered parts."""
@@ -252,38 +255,38 @@ class Checkpointer:
 
     def step_done(self, step: int, *, time_due: bool = False,
                   may_save: Callable[[], bool] = lambda: True) -> None:
-        """The loop finished step ``step``: save it when a periodic checkpoint is due and
-        ``may_save()`` agrees (the loop's NaN/inf guard: no streak running)."""
+        """The loop finished step ``step``: save it when ``checkpoint.every_n_steps`` says so or
+        ``time_due`` (the ranks' vote on :meth:`time_due`), and ``may_save()`` agrees (the
+        loop's NaN/inf guard: no streak running). The loop calls this after every step; most
+        steps cost one comparison."""
+        if step != self._next_due and not time_due:
+            return
         if self.due(step, time_due) and may_save():
             self.save(step)
         else:
             self.storage.poll()  # an async save that ended gets its name and `last` now
+        self._next_due = self._due_after(step)
 
     def due(self, step: int, time_due: bool = False) -> bool:
         """Whether step ``step`` gets a periodic checkpoint (``time_due``: agreed by all ranks)."""
         every = self.config.every_n_steps
         return time_due or bool(every and step % every == 0)
 
-    def next_due(self, step: int) -> int:
-        """The first step after ``step`` that ``checkpoint.every_n_steps`` saves at; 0 when none
-        does. The loop compares each step with it: one comparison instead of a call per step.
-        While an async save awaits its publication (a sharded one does), the next step:
-        :meth:`step_done` then polls it, so ``last`` points at it as soon as it is on disk."""
-        if self.storage.in_flight:
-            return step + 1
-        every = self.config.every_n_steps
-        return (step // every + 1) * every if every else 0
-
-    @property
-    def saves_by_time(self) -> bool:
-        """Whether ``checkpoint.every_n_minutes`` is set (:meth:`time_due` can ever be true)."""
-        return bool(self.config.every_n_minutes)
-
     def time_due(self) -> bool:
-        """Whether ``checkpoint.every_n_minutes`` passed since the last save, by rank 0's clock."""
+        """Whether ``checkpoint.every_n_minutes`` passed since the last save, by rank 0's clock
+        (the ranks vote on it, so that all save at the same step)."""
         minutes = self.config.every_n_minutes
         return (bool(minutes) and self.runtime.is_main
                 and time.monotonic() - self._saved_time >= 60 * minutes)
+
+    def _due_after(self, step: int) -> int:
+        """The next step :meth:`step_done` looks at: the next one ``every_n_steps`` saves at (0:
+        none), or the very next while an async save awaits its publication (a sharded one
+        does), so that ``last`` points at it as soon as it is on disk."""
+        if self.storages and self.storage.in_flight:
+            return step + 1
+        every = self.config.every_n_steps
+        return (step // every + 1) * every if every else 0
 
     def evaluated(self, results: Mapping[str, float], step: int) -> None:
         """Keep ``best.pt`` when ``checkpoint.monitor`` improved."""
@@ -331,6 +334,7 @@ class Checkpointer:
         self.storage.save(step, Content(self.parts, self.state_dict, rng_per_rank),
                           periodic=periodic, best=best)  # async: returns once the state is copied
         self.saved_step, self._saved_time = step, time.monotonic()
+        self._next_due = self._due_after(step)
         group.barrier()  # no rank runs ahead of a checkpoint still being written (or copied)
         if self.on_saved is not None:
             self.on_saved(self.storage.path_of(step, periodic=periodic), step)

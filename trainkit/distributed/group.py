@@ -208,7 +208,8 @@ class StepVote:
     the bad gradients into everyone's), "I received a stop signal" (all stop after the same step)
     and "a time-based checkpoint is due" (only rank 0's clock counts, so wall-clock drift between
     machines cannot make one rank save and the others not). When the step checked its loss,
-    :meth:`nonfinite` carried the vote and :meth:`stop_and_save` costs nothing.
+    :meth:`nonfinite` carried the vote and :meth:`stop_and_save` costs nothing. In one process
+    there is nothing to agree on: each answer is this process's own.
 
     Args:
         stop: whether this rank wants to stop (a signal arrived).
@@ -221,9 +222,6 @@ class StepVote:
         self._save_due = save_due or _never  # None: no time-based saves
         self._agreed: tuple[bool, bool] | None = None
         self.active = is_distributed()
-        # False: one process saving by step counts only, where the stop callable alone decides
-        # and the loop need not call stop_and_save at every step
-        self.needed = self.active or save_due is not None
 
     def nonfinite(self, local: bool | torch.Tensor) -> bool | torch.Tensor:
         """Whether any rank's loss was NaN/inf; also agrees on stopping and saving.
@@ -231,6 +229,8 @@ class StepVote:
         Given a 0-d tensor on a GPU, the answer is a tensor there, all-reduced by NCCL without
         the host waiting for it; stopping and saving are then agreed by :meth:`stop_and_save`.
         """
+        if not self.active:
+            return local
         if isinstance(local, torch.Tensor):
             if local.device.type != "cpu":
                 flag = local.to(torch.uint8)

@@ -9,8 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+
+from trainkit.loop.cpu_settings import keep_freed_memory
 
 # cuBLAS picks a fixed reduction order only with one of these workspace settings; it is read when
 # the first cuBLAS handle is made, so it must be in the environment before CUDA is first used.
@@ -95,3 +98,11 @@ def deterministic_algorithms() -> Iterator[None]:
         torch.backends.cudnn.benchmark = benchmark
         if workspace is None:
             os.environ.pop(CUBLAS_WORKSPACE_ENV, None)
+
+
+def apply_device_settings(config: Any, device: torch.device) -> str:
+    """The process-wide settings a :class:`~trainkit.config.TrainerConfig` asks for on ``device``
+    (CPU: glibc keeps freed memory; CUDA: cuDNN autotuning, TF32), as log text ("" if none)."""
+    if device.type == "cpu" and config.cpu_keep_freed_memory:
+        return keep_freed_memory()
+    return apply_cuda_settings(device, cudnn_benchmark=config.cudnn_benchmark, tf32=config.tf32)

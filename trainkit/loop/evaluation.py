@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchmetrics.aggregation import MeanMetric
 
 from trainkit.device import move_to_device
 from trainkit.distributed import ddp, fsdp, group
@@ -31,7 +32,11 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     model.eval()
     for metric in metrics.values():
         metric.reset()
-    loss_sum, count = torch.zeros((), device=device), 0
+    # The loss is a metric like the others: torchmetrics sums it over the ranks in compute().
+    # One value per sample, the batch's mean loss repeated: the mean over samples. (Weights would
+    # do it too, but torchmetrics drops them under nan_strategy="disable", and any other strategy
+    # reads every batch's NaN check on the host and leaves NaN losses out of the mean.)
+    loss = MeanMetric(nan_strategy="disable").to(device)
     # FSDP: each forward all-gathers weights, so every rank runs as many (agreed before any)
     extra = _missing_forwards(data, max_batches) if fsdp.is_sharded(model) else None
     batch = None
@@ -40,18 +45,13 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
         n = batch_size(batch)
         with precision.autocast():
             outputs, targets = forward(model, batch)[:2]  # a third item: the step's own scalars
-            loss_sum += criterion(outputs, targets).float() * n
+            loss.update(criterion(outputs, targets).detach().float().expand(n))
         for metric in metrics.values():
             metric.update(outputs, targets)
-        count += n
     if extra is not None:
         _match_forwards(model, extra, batch, precision, forward)
-    if group.is_distributed():  # each rank saw its own shard: sum over all of them
-        total, count = group.sum_across_ranks(loss_sum, count)
-        results = {"val/loss": total / max(count, 1)}
-    else:
-        results = {"val/loss": loss_sum.item() / max(count, 1)}
     # torchmetrics syncs its states across ranks in compute() when a process group is up
+    results = {"val/loss": float(loss.compute())}
     results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
     model.train(was_training)
     return results
@@ -80,3 +80,46 @@ def _match_forwards(model: nn.Module, extra: int, batch: Any, precision: Precisi
         with precision.autocast():
             forward(model, batch)
     fsdp.reshard(model)
+
+
+class EvalSchedule:
+    """Which steps evaluate: every ``eval_every_n_steps``, an epoch's last step when
+    ``eval_every_n_epochs`` says so, and the run's last step. A function of the step, so a
+    resumed run evaluates where the first would.
+
+    Args:
+        every_n_steps: evaluate at multiples of this step (None or 0: not by steps).
+        every_n_epochs: evaluate at the end of every n-th epoch.
+        total_steps: the run's last step (always evaluated).
+        enabled: False when the run has no validation data: no step evaluates.
+    """
+
+    def __init__(self, every_n_steps: int | None, every_n_epochs: int, total_steps: int,
+                 enabled: bool = True) -> None:
+        self.every_n_steps, self.every_n_epochs = every_n_steps, every_n_epochs
+        self.total_steps, self.enabled = total_steps, enabled
+        self._epoch_end = self._next = 0
+
+    def start_epoch(self, step: int, epoch: int, epoch_end: int) -> None:
+        """An epoch (index ``epoch``, from 0) starts after step ``step`` and ends at step
+        ``epoch_end``."""
+        self._epoch_end = epoch_end if (epoch + 1) % self.every_n_epochs == 0 else 0
+        self._next = self._after(step)
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` evaluates (called after every step: one comparison)."""
+        if step != self._next:
+            return False
+        self._next = self._after(step)
+        return True
+
+    def _after(self, step: int) -> int:
+        """The first step after ``step`` that evaluates (0: none)."""
+        if not self.enabled:
+            return 0
+        due = [self.total_steps]
+        if self.every_n_steps:
+            due.append((step // self.every_n_steps + 1) * self.every_n_steps)
+        if self._epoch_end > step:
+            due.append(self._epoch_end)
+        return min(due)

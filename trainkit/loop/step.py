@@ -21,9 +21,7 @@ Batch = Any
 # (outputs, targets), or (outputs, targets, {name: scalar}) with scalars of the step's own
 Forward = Callable[[nn.Module, Batch], tuple[Any, ...]]
 Criterion = Callable[[Any, Any], torch.Tensor]
-_SYNC = contextlib.nullcontext()  # reused: entering a fresh one every micro-step shows up
 _FLAT = (tuple, list)  # the common batch, (inputs, targets), is checked without a walk
-_new_tuple = tuple.__new__
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 _TRAINKITS = ("loss", "lr")  # train/<name> tags trainkit logs itself
 
@@ -55,12 +53,6 @@ def steps_per_epoch(batches: int, accumulate: int) -> int:
 
 def windows(batches: Iterable[Batch], k: int) -> Iterator[Sequence[Batch]]:
     """Group batches into accumulation windows of ``k``; the last one may be shorter."""
-    if k == 1:  # each batch alone, as a 1-tuple made in C: no generator frame per step
-        return zip(batches)
-    return _windows(batches, k)
-
-
-def _windows(batches: Iterable[Batch], k: int) -> Iterator[list[Batch]]:
     window: list[Batch] = []
     for batch in batches:
         window.append(batch)
@@ -182,7 +174,7 @@ class WindowStep:
             else:
                 loss = _loss(model, batch, precision, self.criterion, self._forward)
                 precision.backward(loss)
-            # In place when allowed: a new detached tensor costs ~1% of a tiny model's step.
+            # in place when allowed (a view cannot be): no new tensor a step
             loss = loss.detach_() if loss._base is None else loss.detach()
         else:
             loss, total = _accumulate(model, window, precision, self.criterion, self._forward,
@@ -208,8 +200,7 @@ class WindowStep:
         else:
             stepped = precision.step(optimizer)
         drop_gradients(optimizer)
-        # tuple.__new__ directly: the NamedTuple's own __new__ is one more Python call a step
-        return _new_tuple(StepResult, (loss, grad_norm, stepped, total, True, value, finite_flag))
+        return StepResult(loss, grad_norm, stepped, total, True, value, finite_flag)
 
     def _clip(self) -> torch.Tensor | None:
         """Clip the gradients by norm (returning the norm before clipping) or by value."""
@@ -228,11 +219,9 @@ class WindowStep:
 def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer.zero_grad(set_to_none=True)``: each parameter's ``.grad`` set to None.
 
-    That is all torch's ``Optimizer.zero_grad`` does with ``set_to_none=True``, inside a
-    profiler range and a ``torch._dynamo`` wrapper that cost the difference: 11-12 µs a call
-    against 1 µs here, after a backward of the overhead benchmark's MLP on one CPU thread (torch
-    2.14), ~6% of its step. An optimizer class with a ``zero_grad`` of its own (one that keeps
-    gradients elsewhere) has it called.
+    By hand, as torch's does it without its profiler range and dynamo wrapper: kept because
+    ``benchmarks/overhead.py`` shows it pays (~6% of a tiny model's step; benchmarks/README.md).
+    An optimizer class with a ``zero_grad`` of its own has it called.
     """
     if type(optimizer).zero_grad is not _TORCH_ZERO_GRAD:
         optimizer.zero_grad(set_to_none=True)
@@ -323,7 +312,7 @@ def _accumulate(model: nn.Module, window: Sequence[Batch], precision: Precision,
     for i, batch in enumerate(window):
         batch = move_to_device(batch, device)
         # Only the last micro-batch's backward all-reduces gradients under DDP.
-        with _SYNC if i == last else sync_gradients(model, sync=False):
+        with contextlib.nullcontext() if i == last else sync_gradients(model, sync=False):
             loss = _loss(model, batch, precision, criterion, forward) * (sizes[i] / total)
             precision.backward(loss)
         losses.append(loss.detach_())  # the product is no view: detached in place

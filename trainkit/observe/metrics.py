@@ -17,7 +17,7 @@ _statm: dict[int, int] = {}  # pid -> an open /proc/<pid>/statm, -1 where there 
 
 
 def _this_process() -> psutil.Process:
-    """This process's psutil handle, made once per process (a fork gets its own): ~20 us."""
+    """This process's psutil handle, made once per process (a fork gets its own)."""
     pid = os.getpid()
     if pid not in _processes:
         _processes[pid] = psutil.Process(pid)
@@ -33,9 +33,9 @@ def seconds_since_process_start() -> float:
 def rss_bytes() -> int:
     """This process's resident memory, the figure psutil's ``memory_info().rss`` gives.
 
-    On Linux one ``pread`` of ``/proc/<pid>/statm``, kept open: at a log step, after a window
-    of training has pushed psutil's Python code out of the CPU caches, ``memory_info`` takes
-    ~130 us and this ~25 us (a fork opens its own). psutil elsewhere.
+    On Linux one ``pread`` of ``/proc/<pid>/statm``, kept open (a fork opens its own): at a log
+    step psutil's Python code is cold in the CPU caches, and this is ~5x quicker
+    (benchmarks/README.md). psutil elsewhere.
     """
     pid = os.getpid()
     fd = _statm.get(pid)

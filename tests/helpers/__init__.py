@@ -1,0 +1,1 @@
+"""Test helpers: fakes of trainkit's seams, and scripts the tests start in other processes."""
