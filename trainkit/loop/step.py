@@ -157,6 +157,8 @@ class WindowStep:
         self._forward = _own_scalars_to(self.scalars, forward)  # for the paths below the plain
         # fp32: no autocast to enter, no loss scaler to pass the backward and the step through
         self._plain = precision.dtype is None and precision.scaler is None
+        # fused kernels skip a NaN/inf step on a found_inf flag (not under GradScaler, whose own)
+        self._fused = precision.scaler is None and is_fused(optimizer)
 
     def __call__(self, window: Sequence[Batch], check_finite: bool = False,
                  guard_finite: bool = False) -> StepResult:
@@ -197,12 +199,16 @@ class WindowStep:
                 drop_gradients(optimizer)
                 return StepResult(loss, None, False, total, False, value)
         finite_flag = None
+        found_inf = guard_finite and not check_finite and self._fused
         if guard_finite and not check_finite:
-            finite_flag = _drop_nonfinite_gradients(optimizer, loss, self.agree)
+            finite_flag = _drop_nonfinite_gradients(optimizer, loss, self.agree, found_inf)
         grad_norm = None
         if self.clip_val is not None:
             grad_norm = self._clip()
-        if self._plain:
+        if found_inf:
+            _found_inf_step(optimizer)
+            stepped = True
+        elif self._plain:
             optimizer.step()
             stepped = True
         else:
@@ -332,14 +338,44 @@ def _accumulate(model: nn.Module, window: Sequence[Batch], precision: Precision,
 
 
 def _drop_nonfinite_gradients(optimizer: torch.optim.Optimizer, loss: torch.Tensor,
-                              agree: Callable[[Any], Any] | None) -> torch.Tensor:
-    """Zero every gradient when ``loss`` is NaN/inf, on the device: no host read, no sync."""
+                              agree: Callable[[Any], Any] | None,
+                              fused: bool = False) -> torch.Tensor:
+    """On a NaN/inf ``loss``, on the device (no host read, no sync): a ``fused`` optimizer gets
+    the flag as ``found_inf`` and skips its update inside its kernel (as under GradScaler; see
+    :func:`_found_inf_step`); otherwise every gradient is set to zero, in two ``torch._foreach_*``
+    kernels over all gradients rather than one masked fill per parameter."""
     finite = torch.isfinite(loss)
     if agree is not None:  # any rank's bad loss drops every rank's step (a device all-reduce)
         finite = agree(finite.logical_not()).logical_not()
-    bad = finite.logical_not()
+    if fused:
+        optimizer.found_inf = finite.logical_not().float()  # type: ignore[attr-defined]
+        return finite
+    keep = finite.to(loss.dtype if loss.is_floating_point() else torch.float32)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.grad is not None:
-                param.grad.masked_fill_(bad, 0.0)  # a 0-d mask: all or nothing
+                by_kind.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
+    for (device, dtype), grads in by_kind.items():
+        scale = keep.to(device=device, dtype=dtype)
+        # g ** 1 == g and g ** 0 == 1 even for NaN/inf, then * 1 or * 0: g, or 0 on a bad loss
+        # (g * 0 alone would leave NaN * 0 = NaN in the gradients)
+        torch._foreach_pow_(grads, [scale] * len(grads))
+        torch._foreach_mul_(grads, scale)
     return finite
+
+
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every parameter group runs torch's fused kernel (``Adam(fused=True)``, ...): one
+    that takes a ``found_inf`` flag and skips its update on the device when it is set."""
+    return bool(optimizer.param_groups) and all(
+        group.get("fused") for group in optimizer.param_groups)
+
+
+def _found_inf_step(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` with the ``found_inf`` flag set for it, removed after (GradScaler
+    hands fused optimizers its overflow flag the same way)."""
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]
