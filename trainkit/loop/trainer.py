@@ -213,13 +213,14 @@ class Trainer:
                                  forward=forward, preemption=preemption,
                                  stop_at_step=stop_at_step)
             except torch.cuda.OutOfMemoryError as err:  # moving the model, resuming, a step, eval
-                oom.release(err, optimizer)
+                # the figures first: release() empties the cache, a new meter resets the peak
                 line, details = oom.report(err, self.runtime.device, step=self.state.global_step,
                                            batch=getattr(train_data, "batch_size", "?"),
                                            accumulate=self.config.accumulate_grad_batches,
                                            precision=self.precision.mode)
-            self._finish("oom", {}, *(self._begun or (self._begin(started),
-                                                      StepMeter(self.runtime.device))))
+                begun = self._begun or (self._begin(started), oom.Peaks(self.runtime.device))
+                oom.release(err, optimizer)
+            self._finish("oom", {}, *begun)
             raise TrainkitError(line, details=details)
         finally:  # after the summary went to the sinks: a tracker flushes before the exit
             self._run_sinks.close()

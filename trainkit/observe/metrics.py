@@ -176,9 +176,17 @@ class StepMeter:
 
     def peaks(self) -> dict[str, float]:
         """Peak memory of the whole run so far, for summary.json."""
+        peaks = self.peaks_of(self.device)
+        if "cuda_peak_allocated_gib" in peaks:
+            peaks["cuda_peak_allocated_gib"] = max(self.cuda_peak_gib,
+                                                   peaks["cuda_peak_allocated_gib"])
+        return peaks
+
+    @staticmethod
+    def peaks_of(device: torch.device) -> dict[str, float]:
+        """This process's peak RSS and, on CUDA, torch's peak allocation since its last reset."""
         kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peaks = {"cpu_peak_rss_gib": kib * (1 if sys.platform == "darwin" else 1024) / GIB}
-        if self.device.type == "cuda":
-            window = torch.cuda.max_memory_allocated(self.device) / GIB
-            peaks["cuda_peak_allocated_gib"] = max(self.cuda_peak_gib, window)
+        if device.type == "cuda":
+            peaks["cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         return peaks
