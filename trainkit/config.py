@@ -28,6 +28,9 @@ class TrainerConfig:
     max_steps: int = -1
     precision: str = "32"
     accumulate_grad_batches: int = 1
+    # each batch split into micro-batches of this many samples, accumulated into the same step;
+    # auto: the whole batch, halved on CUDA out-of-memory (trainkit.loop.micro_batch); null: off
+    micro_batch_size: Any = None
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
     device: str = "auto"
@@ -68,6 +71,11 @@ class TrainerConfig:
                 f"trainer.precision={self.precision!r} is not one of {', '.join(PRECISIONS)}"
             )
         _check_int("trainer.accumulate_grad_batches", self.accumulate_grad_batches, minimum=1)
+        if not (self.micro_batch_size is None or self.micro_batch_size == "auto" or (
+                isinstance(self.micro_batch_size, int) and not isinstance(
+                    self.micro_batch_size, bool) and self.micro_batch_size >= 1)):
+            raise ConfigError(f"trainer.micro_batch_size={self.micro_batch_size!r}: use auto, a "
+                              "number of samples >= 1, or null (the whole batch)")
         if self.gradient_clip_val is not None and not self.gradient_clip_val > 0:
             raise ConfigError(
                 f"trainer.gradient_clip_val must be > 0 or null, got {self.gradient_clip_val}"

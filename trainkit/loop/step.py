@@ -157,6 +157,8 @@ class WindowStep:
         self._forward = _own_scalars_to(self.scalars, forward)  # for the paths below the plain
         # fp32: no autocast to enter, no loss scaler to pass the backward and the step through
         self._plain = precision.dtype is None and precision.scaler is None
+        # called after the backward, before the checks and the step (micro_batch's DDP vote)
+        self.before_step: Callable[[], None] | None = None
         # fused kernels skip a NaN/inf step on a found_inf flag (not under GradScaler, whose own)
         self._fused = precision.scaler is None and is_fused(optimizer)
 
@@ -189,6 +191,8 @@ class WindowStep:
         else:
             loss, total = _accumulate(model, window, precision, self.criterion, self._forward,
                                       self.device)
+        if self.before_step is not None:
+            self.before_step()
         value = None
         if check_finite:
             value = loss.item()  # host sync (see train_window)

@@ -43,6 +43,7 @@ from trainkit.loop.callbacks import Callbacks
 from trainkit.loop.cpu_settings import keep_freed_memory
 from trainkit.loop.cuda_settings import apply_cuda_settings
 from trainkit.loop.ema import EMA
+from trainkit.loop.micro_batch import MicroBatching, check_strategy
 from trainkit.loop.nonfinite import NonFiniteGuard, NonFiniteLossError
 from trainkit.loop.precision import Precision
 from trainkit.loop.step import (
@@ -343,6 +344,10 @@ class Trainer:
             clip_algorithm=cfg.gradient_clip_algorithm,
             agree=vote.nonfinite if vote.active else None, scalars=run.meter.own)
         run.step = train_step
+        if cfg.micro_batch_size is not None:  # each batch split (and, in auto, retried on OOM)
+            check_strategy(model, cfg.micro_batch_size)
+            train_step = MicroBatching(train_step, cfg.micro_batch_size, state,
+                                       compiled=cfg.compile)
         self._log_deadline = self._next_log_deadline()
         if state.stop_reason is not None:  # resumed a run that was stopped: it is over
             log.info("this run stopped at step %d (%s): nothing more to train",

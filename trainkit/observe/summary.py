@@ -47,6 +47,9 @@ def build_summary(status: str, results: Mapping[str, float], counters: Mapping[s
         "startup_s": startup_s,
         "world_size": world_size,
         "peak_memory": dict(peak_memory),
+        # trainer.micro_batch_size's samples per micro-batch (auto's, as found); absent: off
+        **({"micro_batch_size": counters["micro_batch_size"]}
+           if counters.get("micro_batch_size") else {}),
         **extra,
     }
 
