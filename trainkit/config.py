@@ -21,6 +21,37 @@ STRATEGIES = ("auto", "ddp", "fsdp")
 
 
 @dataclass
+class ProfileConfig:
+    """``trainer.profile``: torch.profiler on a schedule for chosen ranks (observe/profile.py).
+
+    Each cycle skips ``wait`` steps, warms up ``warmup`` and records ``active``; ``repeat``
+    cycles (0: until the run ends). ``memory_snapshot``: CUDA allocations recorded from the
+    Trainer's construction, a snapshot at each window's end and at an out-of-memory error.
+    """
+
+    enabled: bool = False
+    wait: int = 5
+    warmup: int = 2
+    active: int = 3
+    repeat: int = 1
+    ranks: list[int] = field(default_factory=lambda: [0])
+    memory_snapshot: bool = False
+    top_ops: int = 5  # train.log lines: the operators with the most self time
+
+    def __post_init__(self) -> None:
+        _check_bool("trainer.profile.enabled", self.enabled)
+        _check_bool("trainer.profile.memory_snapshot", self.memory_snapshot)
+        for name in ("wait", "warmup", "repeat", "top_ops"):
+            _check_int(f"trainer.profile.{name}", getattr(self, name), minimum=0)
+        _check_int("trainer.profile.active", self.active, minimum=1)
+        self.ranks = list(self.ranks)
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                   for r in self.ranks):
+            raise ConfigError(f"trainer.profile.ranks must be a list of ranks (e.g. [0]), got "
+                              f"{self.ranks!r}")
+
+
+@dataclass
 class TrainerConfig:
     """How to train. ``max_steps`` counts optimizer steps; -1 means no step limit."""
 
@@ -59,8 +90,11 @@ class TrainerConfig:
     # One train.log line (and summary.json `advice`) when the run waits on its data, nears the
     # device's memory limit or reads the device every step (trainkit.observe.advice)
     advice: bool = True
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # off unless enabled
 
     def __post_init__(self) -> None:
+        if isinstance(self.profile, Mapping):  # from a plain dict (a library user's, a test's)
+            self.profile = ProfileConfig(**self.profile)
         _check_int("trainer.max_epochs", self.max_epochs, minimum=1)
         _check_int("trainer.max_steps", self.max_steps, minimum=-1)
         if self.max_steps == 0:

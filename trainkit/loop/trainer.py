@@ -58,6 +58,7 @@ from trainkit.loop.train_state import TrainState
 from trainkit.observe.advice import Advisor
 from trainkit.observe.logging import Progress, log_start, log_window, setup_logging
 from trainkit.observe.metrics import StepMeter, seconds_since_process_start
+from trainkit.observe.profile import profilers
 from trainkit.observe.sinks import MetricsSink, Sinks, default_sinks
 from trainkit.observe.summary import (
     Begun,
@@ -144,7 +145,10 @@ class Trainer:
         self.precision = Precision(self.config.precision, self.runtime.device)
         self.state = TrainState()
         self._sinks = list(sinks)
-        self.callbacks = Callbacks(callbacks)  # raises on two states under one key
+        # trainer.profile: a callback of its own, only when on (nothing per step otherwise)
+        self._profilers = profilers(self.config.profile, self.run_dir, self.runtime.rank,
+                                    self.runtime.device)
+        self.callbacks = Callbacks([*callbacks, *self._profilers])  # raises on two states, one key
         self._stop_reason: str | None = None
         self._watchdog = Watchdog(self.config.hang_timeout_s, self.config.hang_action,
                                   run_dir=self.run_dir, rank=self.runtime.rank,
@@ -214,6 +218,8 @@ class Trainer:
                                  forward=forward, preemption=preemption,
                                  stop_at_step=stop_at_step)
             except torch.cuda.OutOfMemoryError as err:  # moving the model, resuming, a step, eval
+                for profiler in self._profilers:  # the memory snapshot, as it ran out
+                    profiler.out_of_memory(err)
                 # the figures first: release() empties the cache, a new meter resets the peak
                 line, details = oom.report(err, self.runtime.device, step=self.state.global_step,
                                            batch=getattr(train_data, "batch_size", "?"),
@@ -225,6 +231,8 @@ class Trainer:
             raise TrainkitError(line, details=details)
         finally:  # after the summary went to the sinks: a tracker flushes before the exit
             self._run_sinks.close()
+            for profiler in self._profilers:
+                profiler.close()
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Stop the run after the current step, on every rank, with one checkpoint.
@@ -346,8 +354,9 @@ class Trainer:
         run.step = train_step
         if cfg.micro_batch_size is not None:  # each batch split (and, in auto, retried on OOM)
             check_strategy(model, cfg.micro_batch_size)
-            train_step = MicroBatching(train_step, cfg.micro_batch_size, state,
-                                       compiled=cfg.compile)
+            train_step = MicroBatching(
+                train_step, cfg.micro_batch_size, state, compiled=cfg.compile,
+                on_oom=self._profilers[0].out_of_memory if self._profilers else None)
         self._log_deadline = self._next_log_deadline()
         if state.stop_reason is not None:  # resumed a run that was stopped: it is over
             log.info("this run stopped at step %d (%s): nothing more to train",
