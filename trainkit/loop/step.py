@@ -155,6 +155,7 @@ class WindowStep:
         self.scalars = scalars if scalars is not None else {}
         self.forward = forward
         self._forward = _own_scalars_to(self.scalars, forward)  # for the paths below the plain
+        self._wrapped = False  # wrap_forward_once's wrapper waits for the next forward
         # fp32: no autocast to enter, no loss scaler to pass the backward and the step through
         self._plain = precision.dtype is None and precision.scaler is None
         # called after the backward, before the checks and the step (micro_batch's DDP vote)
@@ -220,6 +221,27 @@ class WindowStep:
         drop_gradients(optimizer)
         # tuple.__new__ directly: the NamedTuple's own __new__ is one more Python call a step
         return _new_tuple(StepResult, (loss, grad_norm, stepped, total, True, value, finite_flag))
+
+    def wrap_forward_once(self, wrap: Callable[[Forward], Forward]) -> None:
+        """Run the next micro-batch's forward through ``wrap(forward)``, then the plain one.
+
+        On every path (plain fp32, autocast, accumulation): each calls its forward through
+        what this sets, and the first call puts the originals back. A second request before the
+        first ran is ignored (no wrapper inside a wrapper).
+        """
+        if self._wrapped:
+            return
+        forward, split_forward = self.forward, self._forward
+        wrapped = wrap(forward)
+
+        def once(model: nn.Module, batch: Batch) -> tuple[Any, ...]:
+            if self.forward is not once:  # a later micro-batch of the same window
+                return forward(model, batch)
+            self.forward, self._forward, self._wrapped = forward, split_forward, False
+            return wrapped(model, batch)
+
+        self.forward, self._forward = once, _own_scalars_to(self.scalars, once)
+        self._wrapped = True
 
     def _clip(self) -> torch.Tensor | None:
         """Clip the gradients by norm (returning the norm before clipping) or by value."""
