@@ -57,7 +57,7 @@ from trainkit.loop.step import (
 from trainkit.loop.train_state import TrainState
 from trainkit.observe.advice import Advisor
 from trainkit.observe.logging import Progress, log_start, log_window, setup_logging
-from trainkit.observe.metrics import StepMeter, seconds_since_process_start
+from trainkit.observe.metrics import StepMeter, startup_seconds
 from trainkit.observe.profile import profilers
 from trainkit.observe.sinks import MetricsSink, Sinks, default_sinks
 from trainkit.observe.summary import (
@@ -207,6 +207,8 @@ class Trainer:
         """
         self._begun: tuple[Begun, StepMeter] | None = None  # once training is set up
         self._startup_s: float | None = None  # process start to the first step, once known
+        self._setup_s: float | None = None  # this fit's call to its first step, once known
+        self._fit_started = time.perf_counter()
         self._run_sinks = Sinks()  # this fit's, once set up; closed however the fit ends
         # what holds the run back, said once each (train.log, summary.json `advice`)
         self._advisor = Advisor(self.runtime.device, train_data) if self.config.advice else None
@@ -297,11 +299,13 @@ class Trainer:
         if val_data is not None:
             metrics = {name: m.to(self.runtime.device) for name, m in (metrics or {}).items()}
             run.evaluate = functools.partial(self._validate, run, val_data, metrics)
-        self._startup_s = seconds_since_process_start()  # all set up: the first step is next
+        # all set up: the first step is next (from the process start only where that means it)
+        self._startup_s, self._setup_s = startup_seconds(self._fit_started)
         log_start(type(unwrap(model)).__name__, self.runtime, total_steps,
                   steps_per_epoch(len(train_data), self.config.accumulate_grad_batches),
                   self.config, getattr(train_data, "batch_size", None), self._settings_text,
-                  precision=self.precision.describe(), startup_s=self._startup_s)
+                  precision=self.precision.describe(), startup_s=self._startup_s,
+                  setup_s=self._setup_s)
         if self.precision.warning:
             log.warning(self.precision.warning)
         # this process's share of the run, from where it resumed (also for a run out of memory)
@@ -590,7 +594,7 @@ class Trainer:
         counters = {**self.state.state_dict(), "epoch_number": self.state.epoch_number}
         summary = build_summary(status, results, counters, begun,
                                 world_size=self.runtime.world_size, peak_memory=meter.peaks(),
-                                startup_s=self._startup_s,
+                                startup_s=self._startup_s, setup_s=self._setup_s,
                                 advice=list(advisor.lines) if advisor else [], **extra)
         if self.run_dir is not None and self.runtime.is_main:
             write_summary(self.run_dir, summary)
