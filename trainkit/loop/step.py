@@ -211,7 +211,7 @@ class WindowStep:
         if self.clip_val is not None:
             grad_norm = self._clip()
         if found_inf:
-            _found_inf_step(optimizer)
+            _found_inf_step(optimizer, finite_flag)
             stepped = True
         elif self._plain:
             optimizer.step()
@@ -373,8 +373,7 @@ def _drop_nonfinite_gradients(optimizer: torch.optim.Optimizer, loss: torch.Tens
     finite = torch.isfinite(loss)
     if agree is not None:  # any rank's bad loss drops every rank's step (a device all-reduce)
         finite = agree(finite.logical_not()).logical_not()
-    if fused:
-        optimizer.found_inf = finite.logical_not().float()  # type: ignore[attr-defined]
+    if fused:  # the step takes the flag (_found_inf_step)
         return finite
     keep = finite.to(loss.dtype if loss.is_floating_point() else torch.float32)
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -398,9 +397,10 @@ def is_fused(optimizer: torch.optim.Optimizer) -> bool:
         group.get("fused") for group in optimizer.param_groups)
 
 
-def _found_inf_step(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.step()`` with the ``found_inf`` flag set for it, removed after (GradScaler
-    hands fused optimizers its overflow flag the same way)."""
+def _found_inf_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """``optimizer.step()`` with ``found_inf`` (not ``finite``) set for it, removed after
+    (GradScaler hands fused optimizers its overflow flag the same way)."""
+    optimizer.found_inf = finite.logical_not().float()  # type: ignore[attr-defined]
     try:
         optimizer.step()
     finally:
