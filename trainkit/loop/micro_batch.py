@@ -5,8 +5,8 @@ The data's batch stays the global per-rank batch: the step's micro-batches are w
 share of its samples (:class:`~trainkit.loop.step.WindowStep`), so the gradient, and with it the
 run's math, is the same whatever the split. With ``auto`` a step starts with the whole batch; on
 a CUDA out-of-memory error it lets go of what the step held, halves the micro-batch and runs the
-same step again. Under DDP every rank takes part in a vote after its backward (did any rank run
-out?) and all move to the same size. The size found is kept in the checkpoint
+same step again. Under DDP every rank takes part in a vote after each micro-batch's backward (did
+any rank run out?) and all move to the same size. The size found is kept in the checkpoint
 (``TrainState.micro_batch_size``) and summary.json, and a resumed run starts from it.
 """
 
@@ -70,7 +70,7 @@ class MicroBatching:
         # auto under DDP: no rank's backward all-reduces until all said they did not run out
         self.vote = self.auto and group.is_distributed()
         if self.vote:
-            step.before_step = self._agree_and_reduce
+            step.after_backward = self._agree_and_reduce
         if state.micro_batch_size:
             log.info("micro-batches of %d samples%s", state.micro_batch_size,
                      " (found by auto before the resume)" if self.auto else "")
@@ -112,12 +112,16 @@ class MicroBatching:
                     self.state.global_step + 1, current, smaller,
                     "; the compiled model recompiles for the new shape" if self.compiled else "")
 
-    def _agree_and_reduce(self) -> None:
-        """After the backward, before the step: did any rank run out? If not, average the
-        gradients over the ranks (DDP's own all-reduce was held back: a rank out of memory
-        would never have joined it)."""
+    def _agree_and_reduce(self, last: bool) -> None:
+        """After each micro-batch's backward: did any rank run out? After the last, if none
+        did, average the gradients over the ranks (DDP's own all-reduce was held back: a rank
+        out of memory would never have joined it). A vote per micro-batch keeps the ranks'
+        collectives in step: DDP broadcasts buffers (batch-norm statistics) at each forward,
+        which a rank that stopped at an earlier micro-batch would not join."""
         if group.any_rank(False)[0]:
             raise _PeerOutOfMemory
+        if not last:
+            return
         grads = [p.grad for p in self.step.model.parameters() if p.grad is not None]
         works = [dist.all_reduce(g, async_op=True) for g in grads]
         for work in works:

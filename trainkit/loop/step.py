@@ -158,8 +158,9 @@ class WindowStep:
         self._wrapped = False  # wrap_forward_once's wrapper waits for the next forward
         # fp32: no autocast to enter, no loss scaler to pass the backward and the step through
         self._plain = precision.dtype is None and precision.scaler is None
-        # called after the backward, before the checks and the step (micro_batch's DDP vote)
-        self.before_step: Callable[[], None] | None = None
+        # called after each micro-batch's backward, with whether it was the window's last
+        # (micro_batch's DDP vote on out-of-memory); None: nothing to call
+        self.after_backward: Callable[[bool], None] | None = None
         # fused kernels skip a NaN/inf step on a found_inf flag (not under GradScaler, whose own)
         self._fused = precision.scaler is None and is_fused(optimizer)
 
@@ -189,11 +190,11 @@ class WindowStep:
                 precision.backward(loss)
             # In place when allowed: a new detached tensor costs ~1% of a tiny model's step.
             loss = loss.detach_() if loss._base is None else loss.detach()
+            if self.after_backward is not None:
+                self.after_backward(True)
         else:
             loss, total = _accumulate(model, window, precision, self.criterion, self._forward,
-                                      self.device)
-        if self.before_step is not None:
-            self.before_step()
+                                      self.device, self.after_backward)
         value = None
         if check_finite:
             value = loss.item()  # host sync (see train_window)
@@ -344,8 +345,8 @@ def _loss(model: nn.Module, batch: Batch, precision: Precision, criterion: Crite
 
 
 def _accumulate(model: nn.Module, window: Sequence[Batch], precision: Precision,
-                criterion: Criterion, forward: Forward,
-                device: torch.device) -> tuple[torch.Tensor, int]:
+                criterion: Criterion, forward: Forward, device: torch.device,
+                after_backward: Callable[[bool], None] | None = None) -> tuple[torch.Tensor, int]:
     """Forward/backward each micro-batch of a window of several, each loss weighted by its share
     of the samples; returns the window's mean loss (detached) and its sample count."""
     sizes = [batch_size(b) for b in window]
@@ -358,6 +359,8 @@ def _accumulate(model: nn.Module, window: Sequence[Batch], precision: Precision,
         with _SYNC if i == last else sync_gradients(model, sync=False):
             loss = _loss(model, batch, precision, criterion, forward) * (sizes[i] / total)
             precision.backward(loss)
+        if after_backward is not None:
+            after_backward(i == last)
         losses.append(loss.detach_())  # the product is no view: detached in place
     # Weighted micro-batch losses add up to the window's mean.
     return torch.stack(losses).sum(), total
