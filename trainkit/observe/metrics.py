@@ -31,16 +31,17 @@ def startup_seconds(fit_started: float) -> tuple[float | None, float]:
     """``(startup_s, setup_s)`` as a fit's first step is about to run.
 
     ``setup_s``: this fit's own set-up, from ``fit_started`` (a ``perf_counter`` reading).
-    ``startup_s``: seconds since the process started -- only for the first fit of a process run
-    from a file or module (the entry point, a script), where that is the user's wait for the first
-    step; None for a later fit in the same process or an interactive session (a notebook), where
-    it would count the whole session.
+    ``startup_s``: seconds since the process started -- only for the first fit of a process that
+    runs a program (the entry point, a script, ``python -c``), where that is the user's wait for
+    the first step; None for a later fit in the same process or in an interactive session (a
+    notebook's kernel, IPython, the REPL), where it would count the whole session.
     """
     setup_s = time.perf_counter() - fit_started
-    pid, main = os.getpid(), sys.modules.get("__main__")
+    pid = os.getpid()
     first = pid not in _fits_set_up
     _fits_set_up.add(pid)
-    if first and getattr(main, "__file__", None) and not hasattr(sys, "ps1"):
+    interactive = hasattr(sys, "ps1") or sys.flags.interactive or "IPython" in sys.modules
+    if first and not interactive:
         return seconds_since_process_start(), setup_s
     return None, setup_s
 

@@ -32,10 +32,12 @@ def test_a_later_fit_in_the_process_reports_its_own_set_up(tmp_path: Path) -> No
     assert f"set up in {second['setup_s']:.1f} s" in log and "started in" not in log
 
 
-def test_an_interactive_session_is_not_a_process_start() -> None:
-    """``python -c`` (as a notebook kernel's __main__: no file) gets no process start."""
-    code = ("from trainkit.observe.metrics import startup_seconds as s; import time; "
-            "print(s(time.perf_counter())[0])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
-    assert out.stdout.strip() == "None", out.stderr[-2000:]
+def test_a_session_under_ipython_is_not_a_process_start() -> None:
+    """IPython loaded (a notebook's kernel, the IPython shell): the process start is the
+    session's, not the fit's; a plain ``python -c`` program's first fit keeps it."""
+    code = ("import sys, time; {}from trainkit.observe.metrics import startup_seconds as s; "
+            "print(s(time.perf_counter())[0] is None)")
+    shown = [subprocess.run([sys.executable, "-c", code.format(extra)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+             for extra in ("import IPython; ", "")]
+    assert [out.stdout.strip() for out in shown] == ["True", "False"], shown[0].stderr[-2000:]
