@@ -4,13 +4,18 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # pip is asked for these exact releases where they are available (this machine keeps them on
-# disk); pyproject.toml itself admits any torch >= 2.4.
+# disk); pyproject.toml itself admits any torch >= 2.11 (FLOOR_TORCH, tested by test-floor).
 TORCH_PIN ?= torch==2.14.1 torchvision==0.29.1
+# The oldest torch the suite passes on: pyproject.toml's floor. test-floor runs the unit tests
+# on it in .venv-floor (PyPI's CUDA build for Linux: ~3 GB of downloads with its nvidia-* wheels,
+# 2-9 min to install on a shared 2-core machine; kept while FLOOR_TORCH is unchanged).
+FLOOR_TORCH ?= torch==2.11.0 torchvision==0.26.0
+FLOOR_VENV := .venv-floor
 # An editable install leaves trainkit's own modules uncompiled, as a wheel's would not be; where
 # PYTHONDONTWRITEBYTECODE is set, every run would compile them again (~0.1 s of each start).
 COMPILE = $(PY) -m compileall -q trainkit benchmarks
 
-.PHONY: install train test lint bench clean
+.PHONY: install train test test-floor lint bench clean
 
 install: $(STAMP)
 
@@ -34,6 +39,13 @@ test: install
 	$(PY) -m pytest -n $(WORKERS) -m "not serial" $(PYTEST_ARGS); rest=$$?; \
 	$(PY) -m pytest -m serial $(PYTEST_ARGS); serial=$$?; \
 	for status in $$rest $$serial; do [ $$status = 0 ] || [ $$status = 5 ] || exit $$status; done
+	$(MAKE) test-floor
+
+# The unit tests (not the timing ones) on pyproject.toml's torch floor.
+test-floor: install
+	.ci/floor_venv.sh $(PYTHON) $(PY) $(FLOOR_VENV) "$(FLOOR_TORCH)"
+	$(FLOOR_VENV)/bin/python -c "import torch; print('unit tests on torch', torch.__version__)"
+	$(FLOOR_VENV)/bin/python -m pytest tests/unit -q -n $(WORKERS) -m "not serial" $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check .
@@ -45,4 +57,4 @@ bench: install
 	$(PY) -m benchmarks $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache .ruff_cache

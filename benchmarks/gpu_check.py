@@ -120,12 +120,30 @@ def compare(a: Path, b: Path) -> float:
 
 # -- the cases ------------------------------------------------------------------------------------
 
+UNIT_TESTS = ("device", "prefetch", "async_checkpoint", "loaders", "step", "data",
+              "cuda_settings", "activations", "augment", "checkpoint", "nonfinite_flag")
+
+
+def unit_test_files(names: tuple[str, ...] = UNIT_TESTS) -> list[str]:
+    """``tests/unit/**/test_<name>.py`` for each name, wherever under tests/unit it lives.
+
+    Raises:
+        CaseFailed: a name has no file (moved or renamed): the check must not pass on fewer.
+    """
+    files, missing = [], []
+    for name in names:
+        found = sorted((REPO / "tests" / "unit").rglob(f"test_{name}.py"))
+        files += [str(p.relative_to(REPO)) for p in found]
+        if not found:
+            missing.append(f"test_{name}.py")
+    if missing:
+        raise CaseFailed(f"no {', '.join(missing)} under tests/unit: update UNIT_TESTS")
+    return files
+
+
 def unit_tests_on_cuda(ctx: Context) -> dict[str, Any]:
     """The unit tests of the modules with CUDA paths, where they run on the GPU."""
-    files = sorted(str(p.relative_to(REPO)) for name in (
-        "device", "prefetch", "async_checkpoint", "loaders", "step", "data", "cuda_settings",
-        "activations") for p in (REPO / "tests" / "unit").glob(
-            f"test_{name}.py"))
+    files = unit_test_files()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-m", "not slow and not dist", *files], cwd=REPO, capture_output=True,
                           text=True, timeout=CASE_TIMEOUT_S)
@@ -355,6 +373,63 @@ def out_of_memory(ctx: Context) -> dict[str, Any]:
     return {"last_line": last}
 
 
+def _fsdp_resume(ctx: Context, precision: str) -> dict[str, Any]:
+    """``trainer.strategy=fsdp`` in one process at ``precision``, async saves: half the steps,
+    then the same command resumes from the sharded checkpoint and completes."""
+    name = f"fsdp_{precision}"
+    args = ("trainer.strategy=fsdp", "checkpoint.async_save=true", "checkpoint.every_n_steps=10",
+            "trainer.max_epochs=1000", "trainer.eval_every_n_epochs=1000",
+            *([f"trainer.precision={precision}"] if ctx.cuda else []))
+    ctx.train(name, *args, "trainer.max_steps=20")
+    resumed = ctx.train(name, *args, "trainer.max_steps=40")
+    if "at step 20" not in resumed["output"]:
+        raise CaseFailed("the second run did not resume from step 20")
+    return completed(resumed)
+
+
+def fsdp_bf16_async_resume(ctx: Context) -> dict[str, Any]:
+    return _fsdp_resume(ctx, "bf16-mixed")
+
+
+def fsdp_fp16_async_resume(ctx: Context) -> dict[str, Any]:
+    return _fsdp_resume(ctx, "16-mixed")
+
+
+def dataloader_accumulation(ctx: Context) -> dict[str, Any]:
+    """``data.loader=dataloader`` (workers, pinned memory, the prefetcher) with 4 batches per
+    step: a window of batches the prefetcher already moved."""
+    pinned = ["data.pin_memory=true"] if ctx.cuda else []
+    return completed(ctx.train("dataloader_accumulation", "data.loader=dataloader",
+                               "data.num_workers=2", *pinned,
+                               "trainer.accumulate_grad_batches=4", "trainer.max_steps=20"))
+
+
+def micro_batch_auto_and_profile(ctx: Context) -> dict[str, Any]:
+    """A real allocator OOM above 8 samples: ``micro_batch_size=auto`` settles at 8 and
+    completes; the profiler's trace holds CUDA kernels, the memory snapshots are written (one
+    at the out-of-memory error)."""
+    outcome = ctx.train(
+        "micro_batch", "model._target_=tests.models.BatchHungryNet", "data.batch_size=32",
+        "trainer.micro_batch_size=auto", "trainer.max_steps=12", "trainer.profile.enabled=true",
+        "trainer.profile.wait=2", "trainer.profile.warmup=1", "trainer.profile.active=2",
+        "trainer.profile.memory_snapshot=true", exp=ctx.mnist)
+    result = completed(outcome)
+    folder = outcome["run"] / "profile"
+    traces = sorted(folder.glob("rank0/trace_step*.json"))
+    kernels = sum(e.get("cat") == "kernel" for t in traces
+                  for e in json.loads(t.read_text())["traceEvents"])
+    checks = {
+        "micro_batch_size 8": outcome["summary"].get("micro_batch_size") == 8,
+        "a trace with CUDA kernels": kernels > 0,
+        "a memory snapshot at the OOM": (folder / "oom_rank0.pickle").is_file(),
+        "a memory snapshot of the window": any(folder.glob("rank0/memory_step*.pickle")),
+    }
+    failed = [name for name, held in checks.items() if not held]
+    if failed:
+        raise CaseFailed(f"{', '.join(failed)}; files {sorted(map(str, folder.rglob('*')))}")
+    return {"kernels_in_trace": kernels, **result}
+
+
 def syncs(ctx: Context) -> dict[str, Any]:
     """``benchmarks.syncs``: host reads and sync_debug_mode syncs grow with logs, not steps."""
     from benchmarks.syncs import measure
@@ -391,6 +466,10 @@ CASES: dict[str, tuple[Case, bool]] = {
     "fp16_gradscaler": (fp16_gradscaler, False),
     "bf16": (bf16, False),
     "out_of_memory": (out_of_memory, False),
+    "fsdp_bf16_async_resume": (fsdp_bf16_async_resume, True),
+    "fsdp_fp16_async_resume": (fsdp_fp16_async_resume, False),
+    "dataloader_accumulation": (dataloader_accumulation, True),
+    "micro_batch_auto_and_profile": (micro_batch_auto_and_profile, False),
     "syncs": (syncs, True),
     "throughput": (throughput, True),
 }
@@ -461,7 +540,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"gpu_check: {len(result['passed'])} passed, {len(result['failed'])} failed "
           f"({', '.join(result['failed']) or 'none'}), {len(result['skipped'])} skipped, in "
-          f"{result['seconds']} s; results in {out}")
+          f"{result['seconds']} s, torch {torch.__version__}; results in {out}")
     if result["failed"]:
         sys.exit(1)
     return result

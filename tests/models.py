@@ -51,3 +51,14 @@ class ExhaustingNet(MnistNet):
             if self.calls == 3:
                 x = x + torch.empty(2**48, dtype=torch.uint8, device=x.device).sum()  # 256 TiB
         return super().forward(x)
+
+
+class BatchHungryNet(MnistNet):
+    """MnistNet whose training forward over more than 8 samples asks the allocator for more
+    than any device has: a real CUDA out-of-memory above a micro-batch of 8
+    (``trainer.micro_batch_size=auto`` must settle at 8; benchmarks/gpu_check.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and len(x) > 8:
+            x = x + torch.empty(2**48, dtype=torch.uint8, device=x.device).sum()  # 256 TiB
+        return super().forward(x)

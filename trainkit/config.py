@@ -26,6 +26,37 @@ MONITOR_MODES = ("max", "min")
 
 
 @dataclass
+class ProfileConfig:
+    """``trainer.profile``: torch.profiler on a schedule for chosen ranks (observe/profile.py).
+
+    Each cycle skips ``wait`` steps, warms up ``warmup`` and records ``active``; ``repeat``
+    cycles (0: until the run ends). ``memory_snapshot``: CUDA allocations recorded from the
+    Trainer's construction, a snapshot at each window's end and at an out-of-memory error.
+    """
+
+    enabled: bool = False
+    wait: int = 5
+    warmup: int = 2
+    active: int = 3
+    repeat: int = 1
+    ranks: list[int] = field(default_factory=lambda: [0])
+    memory_snapshot: bool = False
+    top_ops: int = 5  # train.log lines: the operators with the most self time
+
+    def __post_init__(self) -> None:
+        _check_bool("trainer.profile.enabled", self.enabled)
+        _check_bool("trainer.profile.memory_snapshot", self.memory_snapshot)
+        for name in ("wait", "warmup", "repeat", "top_ops"):
+            _check_int(f"trainer.profile.{name}", getattr(self, name), minimum=0)
+        _check_int("trainer.profile.active", self.active, minimum=1)
+        self.ranks = list(self.ranks)
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                   for r in self.ranks):
+            raise ConfigError(f"trainer.profile.ranks must be a list of ranks (e.g. [0]), got "
+                              f"{self.ranks!r}")
+
+
+@dataclass
 class TrainerConfig:
     """How to train. ``max_steps`` counts optimizer steps; -1 means no step limit."""
 
@@ -33,6 +64,9 @@ class TrainerConfig:
     max_steps: int = -1
     precision: str = "32"
     accumulate_grad_batches: int = 1
+    # each batch split into micro-batches of this many samples, accumulated into the same step;
+    # auto: the whole batch, halved on CUDA out-of-memory (trainkit.loop.micro_batch); null: off
+    micro_batch_size: Any = None
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
     device: str = "auto"
@@ -64,8 +98,11 @@ class TrainerConfig:
     # Under SLURM only: after a SIGUSR1 stop's checkpoint, rank 0 runs `scontrol requeue <job>`
     # (trainkit.distributed.slurm_requeue); false: exit 75 and leave resubmitting to you
     slurm_requeue: bool = True
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # off unless enabled
 
     def __post_init__(self) -> None:
+        if isinstance(self.profile, Mapping):  # from a plain dict (a library user's, a test's)
+            self.profile = ProfileConfig(**self.profile)
         _check_int("trainer.max_epochs", self.max_epochs, minimum=1)
         _check_int("trainer.max_steps", self.max_steps, minimum=-1)
         if self.max_steps == 0:
@@ -73,6 +110,11 @@ class TrainerConfig:
         self.precision = str(self.precision)
         _check_choice("trainer.precision", self.precision, PRECISIONS)
         _check_int("trainer.accumulate_grad_batches", self.accumulate_grad_batches, minimum=1)
+        if not (self.micro_batch_size is None or self.micro_batch_size == "auto" or (
+                isinstance(self.micro_batch_size, int) and not isinstance(
+                    self.micro_batch_size, bool) and self.micro_batch_size >= 1)):
+            raise ConfigError(f"trainer.micro_batch_size={self.micro_batch_size!r}: use auto, a "
+                              "number of samples >= 1, or null (the whole batch)")
         if self.gradient_clip_val is not None and not self.gradient_clip_val > 0:
             raise ConfigError(
                 f"trainer.gradient_clip_val must be > 0 or null, got {self.gradient_clip_val}"

@@ -271,6 +271,11 @@ def test_make_targets_run_what_the_readme_says() -> None:
     assert '"serial: ' in (REPO / "pyproject.toml").read_text()
     assert "-m benchmarks" in shown and ".[bench]" in shown, shown
     assert '"slow: ' in (REPO / "pyproject.toml").read_text()
+    # then the unit tests on the torch floor, the one pyproject.toml states
+    floor = re.search(r'"torch>=([\d.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    assert ".ci/floor_venv.sh " in shown and f'.venv-floor "torch=={floor}.0' in shown, shown
+    assert ".venv-floor/bin/python -m pytest tests/unit" in shown, shown
+    assert f"on torch {floor}" in README.read_text()
 
 
 def test_readme_info_searchpath_from_another_folder(tmp_path: Path) -> None:

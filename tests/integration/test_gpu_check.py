@@ -65,3 +65,15 @@ def test_resume_cases_pass_on_the_cpu(tmp_path: Path) -> None:
     assert case["largest_weight_difference"] == 0.0
     assert len(report["cases"]["async_save_resume"]["checkpoints_equal"]) == 6
     assert "gpu_check: 2 passed, 0 failed" in result.stdout
+
+
+def test_every_named_unit_test_file_is_found_and_a_missing_one_fails() -> None:
+    """The files live in subfolders by concern: a top-level glob found 1 of 8 and passed."""
+    from benchmarks.gpu_check import UNIT_TESTS, CaseFailed, unit_test_files
+
+    files = unit_test_files()
+    assert len(files) >= len(UNIT_TESTS)
+    assert "tests/unit/data/test_prefetch.py" in files
+    with pytest.raises(CaseFailed, match=r"test_no_such_module\.py"):
+        unit_test_files(("step", "no_such_module"))
+

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from trainkit.errors import TrainkitError, one_line
+from trainkit.tree import tree_map
 
 log = logging.getLogger("trainkit")
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
@@ -33,6 +34,7 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
+    state = _on_cpu(state)
     try:
         with open(tmp, "wb") as f:
             try:
@@ -51,6 +53,26 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def _on_cpu(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its device tensors copied to the CPU, as the async path's snapshot has them.
+
+    ``torch.save`` keeps each tensor's device in the file: a file saved from ``cuda:1`` then needs
+    ``map_location`` to load where there is no second GPU (or none). torch.save copies each
+    storage to the host anyway; here it happens first. A tensor met twice (tied weights) is
+    copied once, so the file keeps them one.
+    """
+    copies: dict[int, torch.Tensor] = {}
+
+    def host(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu":
+            return tensor
+        if id(tensor) not in copies:
+            copies[id(tensor)] = tensor.detach().to("cpu")
+        return copies[id(tensor)]
+
+    return tree_map(host, state)
 
 
 def load_checkpoint(path: str | Path, *, key: str = "checkpoint.resume") -> dict[str, Any]:

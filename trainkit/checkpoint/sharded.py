@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from trainkit.checkpoint.files import _fsync_dir, save_atomic
+from trainkit.distributed.group import barrier
 from trainkit.errors import TrainkitError, one_line
 
 if TYPE_CHECKING:  # imported where used: with FSDP and sympy it costs ~0.8 s at start-up
@@ -208,8 +209,8 @@ class ShardedCheckpoints:
         tmp.mkdir()
 
     def _barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self.group)
+        if self.distributed:  # on the CPU: dist.barrier on a GPU-bound group runs NCCL's
+            barrier(self.group)
 
     def _guard(self, write: Any) -> Any:
         """Run ``write``; an OSError or DCP's error becomes one line, earlier ones intact."""

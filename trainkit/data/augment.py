@@ -3,7 +3,9 @@
 One copy per batch does both (a gather on GPUs, a pick among unfolded views on CPUs), on uint8
 images, wherever the batch lives. The random draws come from a generator seeded by
 ``(seed, epoch, batch, rank)``, so batch ``b`` of an epoch is the same augmented batch whether
-the run got there directly or resumed there from a checkpoint.
+the run got there directly or resumed there from a checkpoint. The draws are made on the
+generator's device: a generator on the batch's GPU costs no copy from the host per batch (drawn
+on the CPU, they would cross as a copy from pageable memory, which waits for the GPU).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ def crop_flip(
 
     Args:
         images: ``[B, C, H, W]``, any dtype, on any device.
-        generator: a CPU generator; the draws (a few bytes per image) are made on the CPU, so the
-            same seed gives the same batch on every device.
+        generator: draws the shifts and flips (a few bytes per image) on its own device: best
+            on the images' device (no copy from the host). A seed gives the same batch on every
+            device of one type; CPU and CUDA generators draw different numbers.
         padding: largest shift in pixels; 0 turns translation off.
         flip: flip each image horizontally with probability 1/2.
         pad_mode: ``constant`` fills uncovered pixels with 0, ``reflect`` mirrors the image.
@@ -45,8 +48,9 @@ def crop_flip(
     b, _, h, w = images.shape
     if padding >= min(h, w) and pad_mode == "reflect":
         raise ValueError(f"reflect padding {padding} needs images larger than that, got {h}x{w}")
-    shifts = torch.randint(-padding, padding + 1, (2, b), generator=generator)
-    flips = torch.randint(0, 2 if flip else 1, (b,), generator=generator).bool()
+    on = generator.device
+    shifts = torch.randint(-padding, padding + 1, (2, b), generator=generator, device=on)
+    flips = torch.randint(0, 2 if flip else 1, (b,), generator=generator, device=on).bool()
     if padding == 0 and not flip:
         return images
     if images.device.type == "cpu":
@@ -59,7 +63,7 @@ def _by_gather(images: torch.Tensor, shifts: torch.Tensor, flips: torch.Tensor, 
     """One advanced-indexing gather: a single kernel, the fast way on a GPU."""
     b, _, h, w = images.shape
     device = images.device
-    shifts, flips = shifts.to(device, non_blocking=True), flips.to(device, non_blocking=True)
+    shifts, flips = shifts.to(device), flips.to(device)  # no-ops when drawn there
     rows = torch.arange(h, device=device) + shifts[0, :, None]  # [B, H] source rows
     cols = torch.arange(w, device=device) + shifts[1, :, None]  # [B, W] source columns
     # Crop then flip: output column j reads padded column (shift + W-1-j).

@@ -133,7 +133,7 @@ class InMemoryLoader:
     def _batch(self, index: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         images = self.images.index_select(0, index)  # ~15x faster than images[index] on CPU
         if self.augments:
-            generator = torch.Generator().manual_seed(
+            generator = torch.Generator(self.device).manual_seed(  # draws without a copy
                 mix_seed(self.seed, self.position.epoch, b, self.rank))
             images = crop_flip(images, generator, padding=self.padding, flip=self.flip,
                                pad_mode=self.pad_mode)

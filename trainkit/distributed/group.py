@@ -41,10 +41,18 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def barrier() -> None:
-    """Wait for every rank; nothing to wait for in a single process."""
+def barrier(process_group: Any = None) -> None:
+    """Wait for every rank (of ``process_group``, default all), on the CPU through gloo; nothing
+    to wait for in a single process.
+
+    Not ``dist.barrier``: on a group bound to a GPU (``device_id``, as :func:`init_process_group`
+    binds it) torch runs its barrier through NCCL, an all-reduce queued behind the GPU's work
+    that the host then waits for -- a drain of the GPU's queue at every checkpoint barrier. A
+    one-byte all-reduce of a CPU tensor goes through gloo and waits for the ranks only.
+    """
     if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=_cpu_group())
+        on = process_group if process_group is not None else _cpu_group()
+        dist.all_reduce(torch.zeros(1, dtype=torch.uint8), group=on)
 
 
 def init_process_group(runtime: Runtime, *, timeout_s: float | None = None) -> bool:
@@ -166,7 +174,8 @@ def sum_across_ranks(*values: torch.Tensor | float) -> list[float]:
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
     stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
                            for v in values])
-    dist.all_reduce(stacked)
+    # numbers only: a CPU tensor, through gloo (a default group of NCCL alone refuses it)
+    dist.all_reduce(stacked, group=_cpu_group() if device.type == "cpu" else None)
     return stacked.tolist()  # host sync: callers need the numbers
 
 

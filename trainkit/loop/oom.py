@@ -11,6 +11,7 @@ import torch
 
 from trainkit.device import GIB, memory_stats
 from trainkit.errors import one_line
+from trainkit.observe.metrics import StepMeter
 
 log = logging.getLogger("trainkit")
 
@@ -29,12 +30,25 @@ def release(error: BaseException, optimizer: torch.optim.Optimizer | None = None
         torch.cuda.empty_cache()
 
 
+class Peaks:
+    """The run's peak memory read now, for the summary of a run that ran out of memory before
+    its meter existed (a new :class:`StepMeter` resets torch's peak: it must not be made after).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._peaks = StepMeter.peaks_of(device)
+
+    def peaks(self) -> dict[str, float]:
+        return self._peaks
+
+
 def report(error: BaseException, device: torch.device, *, step: int, batch: Any,
            accumulate: int, precision: str) -> tuple[str, list[str]]:
     """The last line (what ran out, what to change; <= 200 characters) and the detail lines.
 
-    The allocator's summary (what still holds memory once the step's tensors are gone) goes to
-    the log, at length; the details are the error, the figures and what the advice keeps.
+    Call it before :func:`release`: the figures (reserved memory, the peak) and the allocator's
+    summary (to the log, at length) are of the memory as it ran out, not of an emptied cache.
+    The details are the error, the figures and what the advice keeps.
     """
     figures = f"precision {precision}, batch {batch} x accumulate {accumulate}"
     if device.type == "cuda":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,21 +38,27 @@ class RunReport:
         run_dir: where ``summary.json`` goes; None writes none.
         state: the loop's counters (:class:`~trainkit.loop.train_state.TrainState`).
         advisor: what held the run back, said once each (the summary's ``advice``); None: off.
+        profilers: ``trainer.profile``'s (a memory snapshot at an out-of-memory error), closed
+            with the report.
     """
 
     def __init__(self, runtime: Runtime, run_dir: Path | None, state: Any,
-                 advisor: Advisor | None = None) -> None:
+                 advisor: Advisor | None = None, profilers: Sequence[Any] = ()) -> None:
         self.runtime, self.run_dir, self.state, self.advisor = runtime, run_dir, state, advisor
+        self.profilers = list(profilers)
         self.sinks = Sinks()  # the fit's, once set up; closed however the fit ends
         self.started = time.perf_counter()
         self.begun: Begun | None = None  # where this process's share of the run began
-        self.meter: StepMeter | None = None
+        self.meter: StepMeter | oom.Peaks | None = None
         self.startup_s: float | None = None  # process start to the first step, once known
+        self.setup_s: float | None = None  # this fit's call to its first step, once known
 
-    def begin(self, meter: StepMeter, started: float, startup_s: float) -> None:
+    def begin(self, meter: StepMeter, started: float, startup_s: float | None,
+              setup_s: float) -> None:
         """Training is set up (``started``: ``perf_counter`` once the model was prepared):
-        rates count from there, not over a resumed run's earlier steps."""
-        self.meter, self.startup_s = meter, startup_s
+        rates count from there, not over a resumed run's earlier steps. ``startup_s``: None
+        where the process start is not the user's wait (a second fit, a notebook)."""
+        self.meter, self.startup_s, self.setup_s = meter, startup_s, setup_s
         self.begun = Begun(started, self.state.samples_seen, self.state.global_step)
 
     def open_sinks(self, sinks: Sinks, config: Mapping[str, Any]) -> None:
@@ -92,11 +98,11 @@ class RunReport:
         """Build the summary, write ``summary.json`` (rank 0) and give it to the sinks."""
         if self.begun is None:  # ended before training began (out of memory while resuming)
             self.begun = Begun(self.started, self.state.samples_seen, self.state.global_step)
-        meter = self.meter or StepMeter(self.runtime.device)
+        meter = self.meter or oom.Peaks(self.runtime.device)
         counters = {**self.state.state_dict(), "epoch_number": self.state.epoch_number}
         summary = build_summary(status, results, counters, self.begun,
                                 world_size=self.runtime.world_size, peak_memory=meter.peaks(),
-                                startup_s=self.startup_s,
+                                startup_s=self.startup_s, setup_s=self.setup_s,
                                 advice=list(self.advisor.lines) if self.advisor else [], **extra)
         if self.run_dir is not None and self.runtime.is_main:
             write_summary(self.run_dir, summary)
@@ -111,10 +117,14 @@ class RunReport:
     def out_of_memory(self, err: torch.cuda.OutOfMemoryError, optimizer: Any, *, batch: Any,
                       accumulate: int, precision: str) -> TrainkitError:
         """Free what the failed step held, end the run as ``oom`` and return the one-line error
-        (the allocator's summary goes to train.log)."""
-        oom.release(err, optimizer)
+        (the allocator's summary goes to train.log; each profiler dumps its memory snapshot)."""
+        for profiler in self.profilers:  # the memory as it ran out
+            profiler.out_of_memory(err)
+        # the figures first: release() empties the cache, and a meter made now resets the peak
         line, details = oom.report(err, self.runtime.device, step=self.state.global_step,
                                    batch=batch, accumulate=accumulate, precision=precision)
+        self.meter = self.meter or oom.Peaks(self.runtime.device)
+        oom.release(err, optimizer)
         self.finish("oom", {})
         return TrainkitError(line, details=details)
 
@@ -127,5 +137,8 @@ class RunReport:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """Close the sinks (after the summary went to them: a tracker flushes before the exit)."""
+        """Close the sinks (after the summary went to them: a tracker flushes before the exit)
+        and the profilers."""
         self.sinks.close()
+        for profiler in self.profilers:
+            profiler.close()

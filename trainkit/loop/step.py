@@ -147,8 +147,14 @@ class WindowStep:
         self.scalars = scalars if scalars is not None else {}
         self.forward = forward
         self._forward = _own_scalars_to(self.scalars, forward)  # for the paths below the plain
+        self._wrapped = False  # wrap_forward_once's wrapper waits for the next forward
         # fp32: no autocast to enter, no loss scaler to pass the backward and the step through
         self._plain = precision.dtype is None and precision.scaler is None
+        # called after each micro-batch's backward, with whether it was the window's last
+        # (micro_batch's DDP vote on out-of-memory); None: nothing to call
+        self.after_backward: Callable[[bool], None] | None = None
+        # fused kernels skip a NaN/inf step on a found_inf flag (not under GradScaler, whose own)
+        self._fused = precision.scaler is None and is_fused(optimizer)
 
     def __call__(self, window: Sequence[Batch], check_finite: bool = False,
                  guard_finite: bool = False) -> StepResult:
@@ -176,9 +182,11 @@ class WindowStep:
                 precision.backward(loss)
             # in place when allowed (a view cannot be): no new tensor a step
             loss = loss.detach_() if loss._base is None else loss.detach()
+            if self.after_backward is not None:
+                self.after_backward(True)
         else:
             loss, total = _accumulate(model, window, precision, self.criterion, self._forward,
-                                      self.device)
+                                      self.device, self.after_backward)
         value = None
         if check_finite:
             value = loss.item()  # host sync (see train_window)
@@ -189,18 +197,43 @@ class WindowStep:
                 drop_gradients(optimizer)
                 return StepResult(loss, None, False, total, False, value)
         finite_flag = None
+        found_inf = guard_finite and not check_finite and self._fused
         if guard_finite and not check_finite:
-            finite_flag = _drop_nonfinite_gradients(optimizer, loss, self.agree)
+            finite_flag = _drop_nonfinite_gradients(optimizer, loss, self.agree, found_inf)
         grad_norm = None
         if self.clip_val is not None:
             grad_norm = self._clip()
-        if self._plain:
+        if found_inf:
+            _found_inf_step(optimizer, finite_flag)
+            stepped = True
+        elif self._plain:
             optimizer.step()
             stepped = True
         else:
             stepped = precision.step(optimizer)
         drop_gradients(optimizer)
         return StepResult(loss, grad_norm, stepped, total, True, value, finite_flag)
+
+    def wrap_forward_once(self, wrap: Callable[[Forward], Forward]) -> None:
+        """Run the next micro-batch's forward through ``wrap(forward)``, then the plain one.
+
+        On every path (plain fp32, autocast, accumulation): each calls its forward through
+        what this sets, and the first call puts the originals back. A second request before the
+        first ran is ignored (no wrapper inside a wrapper).
+        """
+        if self._wrapped:
+            return
+        forward, split_forward = self.forward, self._forward
+        wrapped = wrap(forward)
+
+        def once(model: nn.Module, batch: Batch) -> tuple[Any, ...]:
+            if self.forward is not once:  # a later micro-batch of the same window
+                return forward(model, batch)
+            self.forward, self._forward, self._wrapped = forward, split_forward, False
+            return wrapped(model, batch)
+
+        self.forward, self._forward = once, _own_scalars_to(self.scalars, once)
+        self._wrapped = True
 
     def _clip(self) -> torch.Tensor | None:
         """Clip the gradients by norm (returning the norm before clipping) or by value."""
@@ -301,8 +334,8 @@ def _loss(model: nn.Module, batch: Batch, precision: Precision, criterion: Crite
 
 
 def _accumulate(model: nn.Module, window: Sequence[Batch], precision: Precision,
-                criterion: Criterion, forward: Forward,
-                device: torch.device) -> tuple[torch.Tensor, int]:
+                criterion: Criterion, forward: Forward, device: torch.device,
+                after_backward: Callable[[bool], None] | None = None) -> tuple[torch.Tensor, int]:
     """Forward/backward each micro-batch of a window of several, each loss weighted by its share
     of the samples; returns the window's mean loss (detached) and its sample count."""
     sizes = [batch_size(b) for b in window]
@@ -315,20 +348,52 @@ def _accumulate(model: nn.Module, window: Sequence[Batch], precision: Precision,
         with contextlib.nullcontext() if i == last else sync_gradients(model, sync=False):
             loss = _loss(model, batch, precision, criterion, forward) * (sizes[i] / total)
             precision.backward(loss)
+        if after_backward is not None:
+            after_backward(i == last)
         losses.append(loss.detach_())  # the product is no view: detached in place
     # Weighted micro-batch losses add up to the window's mean.
     return torch.stack(losses).sum(), total
 
 
 def _drop_nonfinite_gradients(optimizer: torch.optim.Optimizer, loss: torch.Tensor,
-                              agree: Callable[[Any], Any] | None) -> torch.Tensor:
-    """Zero every gradient when ``loss`` is NaN/inf, on the device: no host read, no sync."""
+                              agree: Callable[[Any], Any] | None,
+                              fused: bool = False) -> torch.Tensor:
+    """On a NaN/inf ``loss``, on the device (no host read, no sync): a ``fused`` optimizer gets
+    the flag as ``found_inf`` and skips its update inside its kernel (as under GradScaler; see
+    :func:`_found_inf_step`); otherwise every gradient is set to zero, in two ``torch._foreach_*``
+    kernels over all gradients rather than one masked fill per parameter."""
     finite = torch.isfinite(loss)
     if agree is not None:  # any rank's bad loss drops every rank's step (a device all-reduce)
         finite = agree(finite.logical_not()).logical_not()
-    bad = finite.logical_not()
+    if fused:  # the step takes the flag (_found_inf_step)
+        return finite
+    keep = finite.to(loss.dtype if loss.is_floating_point() else torch.float32)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.grad is not None:
-                param.grad.masked_fill_(bad, 0.0)  # a 0-d mask: all or nothing
+                by_kind.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
+    for (device, dtype), grads in by_kind.items():
+        scale = keep.to(device=device, dtype=dtype)
+        # g ** 1 == g and g ** 0 == 1 even for NaN/inf, then * 1 or * 0: g, or 0 on a bad loss
+        # (g * 0 alone would leave NaN * 0 = NaN in the gradients)
+        torch._foreach_pow_(grads, [scale] * len(grads))
+        torch._foreach_mul_(grads, scale)
     return finite
+
+
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every parameter group runs torch's fused kernel (``Adam(fused=True)``, ...): one
+    that takes a ``found_inf`` flag and skips its update on the device when it is set."""
+    return bool(optimizer.param_groups) and all(
+        group.get("fused") for group in optimizer.param_groups)
+
+
+def _found_inf_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """``optimizer.step()`` with ``found_inf`` (not ``finite``) set for it, removed after
+    (GradScaler hands fused optimizers its overflow flag the same way)."""
+    optimizer.found_inf = finite.logical_not().float()  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]

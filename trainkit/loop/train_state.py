@@ -25,6 +25,7 @@ class TrainState:
     best_metric: float | None = None  # of checkpoint.monitor
     planned_steps: int = 0  # the run's length when saved; the LR schedule was planned for it
     stop_reason: str | None = None  # request_stop's: the run is over, a re-run trains no more
+    micro_batch_size: int = 0  # samples per micro-batch (trainer.micro_batch_size); 0: whole
 
     @property
     def epoch_number(self) -> int:

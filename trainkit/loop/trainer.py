@@ -22,8 +22,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,10 @@ from trainkit.loop.callbacks import Callbacks
 from trainkit.loop.cuda_settings import apply_device_settings
 from trainkit.loop.ema import EMA
 from trainkit.loop.evaluation import EvalSchedule
+from trainkit.loop.micro_batch import micro_batched
 from trainkit.loop.nonfinite import NonFiniteGuard, NonFiniteLossError
 from trainkit.loop.precision import Precision
+from trainkit.loop.run import Run
 from trainkit.loop.run_report import RunReport
 from trainkit.loop.step import (
     Criterion,
@@ -57,7 +59,8 @@ from trainkit.loop.step import (
 from trainkit.loop.train_state import TrainState
 from trainkit.observe.advice import Advisor
 from trainkit.observe.logging import Progress, log_start, log_window, setup_logging
-from trainkit.observe.metrics import StepMeter, seconds_since_process_start
+from trainkit.observe.metrics import StepMeter, startup_seconds
+from trainkit.observe.profile import profilers
 from trainkit.observe.schedule import LogSchedule
 from trainkit.observe.sinks import MetricsSink, default_sinks
 from trainkit.runtime import Runtime
@@ -65,32 +68,6 @@ from trainkit.signals import Preemption
 
 __all__ = ["NonFiniteLossError", "TrainState", "Trainer"]
 log = logging.getLogger("trainkit")
-
-
-@dataclass
-class _Run:
-    """One ``fit``'s objects, as the loop's methods share them."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    ema: EMA | None
-    data: Any
-    criterion: Criterion
-    forward: Forward
-    total_steps: int
-    stop_at_step: int | None
-    report: RunReport
-    meter: StepMeter
-    progress: Progress
-    logs: LogSchedule
-    evals: EvalSchedule
-    preemption: Preemption
-    evaluate: Callable[[], dict[str, float]] | None = None
-    results: dict[str, float] | None = None  # of the last evaluation
-    step: WindowStep | None = None  # set as training starts
-    vote: group.StepVote | None = None  # the same
-    guard: NonFiniteGuard | None = None  # the same
 
 
 class Trainer:
@@ -131,7 +108,10 @@ class Trainer:
         self.precision = Precision(self.config.precision, self.runtime.device)
         self.state = TrainState()
         self._sinks = list(sinks)
-        self.callbacks = Callbacks(callbacks)  # raises on two states under one key
+        # trainer.profile: a callback of its own, only when on (nothing per step otherwise)
+        self._profilers = profilers(self.config.profile, self.run_dir, self.runtime.rank,
+                                    self.runtime.device)
+        self.callbacks = Callbacks([*callbacks, *self._profilers])  # raises on two states, one key
         self._stop_reason: str | None = None
         self._watchdog = Watchdog(self.config.hang_timeout_s, self.config.hang_action,
                                   run_dir=self.run_dir, rank=self.runtime.rank,
@@ -163,8 +143,8 @@ class Trainer:
                 device ran out of memory (``status: "oom"``).
         """
         advisor = Advisor(self.runtime.device, train_data) if self.config.advice else None
-        report = RunReport(self.runtime, self.run_dir, self.state, advisor)
-        with report:  # its sinks closed however the fit ends, after they got the summary
+        report = RunReport(self.runtime, self.run_dir, self.state, advisor, self._profilers)
+        with report:  # its sinks and profilers closed however the fit ends, after the summary
             try:
                 return self._fit(model, optimizer, train_data, report, criterion=criterion,
                                  scheduler=scheduler, val_data=val_data, metrics=metrics,
@@ -236,31 +216,34 @@ class Trainer:
         if val_data is not None:
             metrics = {name: m.to(self.runtime.device) for name, m in (metrics or {}).items()}
             run.evaluate = functools.partial(self._validate, run, val_data, metrics)
-        report.begin(run.meter, started, seconds_since_process_start())  # the first step is next
+        # the first step is next (timed from the process start only where that means it)
+        report.begin(run.meter, started, *startup_seconds(report.started))
         log_start(type(ddp.unwrap(model)).__name__, self.runtime, total_steps,
                   steps_per_epoch(len(train_data), self.config.accumulate_grad_batches),
                   self.config, getattr(train_data, "batch_size", None), self._settings_text,
-                  precision=self.precision.describe(), startup_s=report.startup_s)
+                  precision=self.precision.describe(), startup_s=report.startup_s,
+                  setup_s=report.setup_s)
         if self.precision.warning:
             log.warning(self.precision.warning)
         return self._run(run)
 
     def _new_run(self, model: nn.Module, optimizer: Any, ema: EMA | None, data: Any,
                  total_steps: int, report: RunReport, *, scheduler: Any, criterion: Criterion,
-                 forward: Forward, preemption: Preemption, stop_at_step: int | None) -> _Run:
+                 forward: Forward, preemption: Preemption, stop_at_step: int | None) -> Run:
         cfg, main = self.config, self.runtime.is_main
         # the run as resumed (a tracker continues its run): the config of the whole run, or
         # the trainer's own settings for a library user who passed none
         report.open_sinks(default_sinks(self.run_dir, main, self._sinks),
                           self.run_config or asdict(cfg))
-        return _Run(model, optimizer, scheduler, ema, data, criterion, forward, total_steps,
-                    stop_at_step, report, StepMeter(self.runtime.device),
+        return Run(model, optimizer, scheduler, ema, data, criterion, forward, total_steps,
+                    stop_at_step, report,  # a token loader's meter counts tokens/s too
+                    StepMeter(self.runtime.device, getattr(data, "tokens_per_sample", None)),
                     Progress(total_steps, self.state.global_step, enabled=None if main else False),
                     LogSchedule(cfg.log_every_n_steps, cfg.log_every_n_seconds),
                     EvalSchedule(cfg.eval_every_n_steps, cfg.eval_every_n_epochs, total_steps),
                     preemption)
 
-    def _run(self, run: _Run) -> dict[str, Any]:
+    def _run(self, run: Run) -> dict[str, Any]:
         """Train, save the last checkpoint, write the summary -- also when the run fails."""
         self._watchdog.on_abort = run.report.abort_hung
         try:
@@ -281,7 +264,7 @@ class Trainer:
         self.callbacks.fire("on_fit_end", self, summary)
         return summary
 
-    def _start_training(self, run: _Run) -> None:
+    def _start_training(self, run: Run) -> None:
         """The step, the vote and the NaN/inf guard, as training starts (after compiling)."""
         cfg, state = self.config, self.state
         model = strategy.compiled(run.model) if cfg.compile else run.model
@@ -298,12 +281,14 @@ class Trainer:
             forward=run.forward, device=self.runtime.device, clip_val=cfg.gradient_clip_val,
             clip_algorithm=cfg.gradient_clip_algorithm,
             agree=run.vote.nonfinite if run.vote.active else None, scalars=run.meter.own)
+        # trainer.micro_batch_size: each batch split (and, in auto, retried on out-of-memory)
+        run.step = micro_batched(run.step, cfg, state, model, self._profilers)
         run.evals.enabled = run.evaluate is not None
         run.logs.logged()  # the first line by time is due a period from now
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def _train(self, run: _Run) -> tuple[str, dict[str, float]]:
+    def _train(self, run: Run) -> tuple[str, dict[str, float]]:
         """Epochs of steps until done, stopped or preempted; the status and the last results."""
         self._start_training(run)
         state = self.state
@@ -318,7 +303,7 @@ class Trainer:
         run.guard.stop_if_diverged()
         return ("stopped" if state.stop_reason else "completed"), run.results or {}
 
-    def _epoch(self, run: _Run) -> bool:
+    def _epoch(self, run: Run) -> bool:
         """One pass over (what is left of) the data; True when the run stopped in it.
 
         After each step: the callbacks' ``on_step_end``, an evaluation when one is due, the
@@ -354,7 +339,7 @@ class Trainer:
             fetched = clock()
         return False
 
-    def _step(self, run: _Run, window: list[Any], batches_per_epoch: int) -> None:
+    def _step(self, run: Run, window: list[Any], batches_per_epoch: int) -> None:
         """One optimizer step over ``window``, counted, metered and logged."""
         state, guard = self.state, run.guard
         step = state.global_step + 1
@@ -381,7 +366,7 @@ class Trainer:
         if run.logs.should_log(step):
             self._log_train(run)
 
-    def _save_and_stop(self, run: _Run, step: int) -> None:
+    def _save_and_stop(self, run: Run, step: int) -> None:
         """Stop after step ``step`` on every rank (a signal, stop_at_step, or request_stop)."""
         run.guard.stop_if_diverged()  # counted before the save
         # the reason of whichever rank asked (a collective: all ranks stop at this step)
@@ -394,7 +379,7 @@ class Trainer:
             f"stopped at step {step}; re-run the same command to resume")
 
     @watched("evaluation")
-    def _validate(self, run: _Run, data: Iterable[Any],
+    def _validate(self, run: Run, data: Iterable[Any],
                   metrics: Mapping[str, Any]) -> dict[str, float]:
         """Evaluate (with the EMA weights when on), log, tell the callbacks, and let the
         Checkpointer keep the best (last: its checkpoint holds the callbacks' new state)."""
@@ -410,14 +395,11 @@ class Trainer:
         self.checkpointer.evaluated(results, step)
         return results
 
-    def _log_train(self, run: _Run) -> None:
+    def _log_train(self, run: Run) -> None:
         """The window's figures to the sinks, the console and train.log."""
         state = self.state
         scalars = {**run.meter.read(), "train/lr": run.optimizer.param_groups[0]["lr"],
                    "amp/skipped_steps": state.skipped_steps}
-        per_sample = getattr(run.data, "tokens_per_sample", None)  # token loaders: tokens/s too
-        if per_sample:
-            scalars["throughput/tokens_per_s"] = scalars["throughput/samples_per_s"] * per_sample
         if self.precision.scaler is not None:
             scalars["amp/loss_scale"] = self.precision.scaler.get_scale()
         run.report.sinks.log(scalars, state.global_step)

@@ -124,23 +124,25 @@ class Advisor:
     # -- host reads: one sampled forward a window ---------------------------------------------
 
     def _sample_next_forward(self, train_step: Any) -> None:
-        """Count the synchronising CUDA calls of ``train_step``'s next forward, once."""
-        original = train_step.forward
+        """Count the synchronising CUDA calls of ``train_step``'s next forward, once (on every
+        path of the step: fp32, autocast, accumulation; :meth:`WindowStep.wrap_forward_once`)."""
 
-        def counted(model: torch.nn.Module, batch: Any) -> Any:
-            train_step.forward = original  # this one call only
-            previous = torch.cuda.get_sync_debug_mode()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    result = original(model, batch)
-                finally:
-                    torch.cuda.set_sync_debug_mode(previous)
-            self._sampled.append(sum("synchroniz" in str(w.message) for w in caught))
-            return result
+        def counting(forward: Any) -> Any:
+            def counted(model: torch.nn.Module, batch: Any) -> Any:
+                previous = torch.cuda.get_sync_debug_mode()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        result = forward(model, batch)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(previous)
+                self._sampled.append(sum("synchroniz" in str(w.message) for w in caught))
+                return result
 
-        train_step.forward = counted
+            return counted
+
+        train_step.wrap_forward_once(counting)
 
 
 def input_hint(data: Any) -> str:

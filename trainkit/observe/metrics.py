@@ -24,6 +24,28 @@ def _this_process() -> psutil.Process:
     return _processes[pid]
 
 
+_fits_set_up: set[int] = set()  # pids whose first fit has reached its first step
+
+
+def startup_seconds(fit_started: float) -> tuple[float | None, float]:
+    """``(startup_s, setup_s)`` as a fit's first step is about to run.
+
+    ``setup_s``: this fit's own set-up, from ``fit_started`` (a ``perf_counter`` reading).
+    ``startup_s``: seconds since the process started -- only for the first fit of a process that
+    runs a program (the entry point, a script, ``python -c``), where that is the user's wait for
+    the first step; None for a later fit in the same process or in an interactive session (a
+    notebook's kernel, IPython, the REPL), where it would count the whole session.
+    """
+    setup_s = time.perf_counter() - fit_started
+    pid = os.getpid()
+    first = pid not in _fits_set_up
+    _fits_set_up.add(pid)
+    interactive = hasattr(sys, "ps1") or sys.flags.interactive or "IPython" in sys.modules
+    if first and not interactive:
+        return seconds_since_process_start(), setup_s
+    return None, setup_s
+
+
 def seconds_since_process_start() -> float:
     """Wall-clock seconds since this process started (the kernel's record, 10 ms resolution on
     Linux): interpreter, imports and set-up included, as ``time`` would count them."""
@@ -111,7 +133,8 @@ class StepMeter:
     """What happened between two log steps: loss, gradient norm, throughput, data wait, memory.
 
     Add the seconds spent blocked on the next batch to :attr:`data_wait`, call :meth:`add`
-    after each optimizer step (no host sync) and :meth:`read` at log steps.
+    after each optimizer step (no host sync) and :meth:`read` at log steps. With
+    ``tokens_per_sample`` (a language model's sequence length) it reports tokens/s too.
 
     Example:
         >>> meter = StepMeter(torch.device("cpu"))
@@ -119,8 +142,9 @@ class StepMeter:
         >>> meter.read()["throughput/samples_per_s"]  # doctest: +SKIP
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, tokens_per_sample: int | None = None) -> None:
         self.device = device
+        self.tokens_per_sample = tokens_per_sample
         self.loss = DeviceMean()
         self.grad_norm = DeviceMean()
         # a forward's own scalars by name (trainkit.loop.step.add_scalars), logged as train/<name>
@@ -159,6 +183,8 @@ class StepMeter:
             "train/loss": self.loss.pop(),
             "throughput/samples_per_s": self.samples / elapsed,
             "throughput/steps_per_s": self.steps / elapsed,
+            **({"throughput/tokens_per_s": self.samples * self.tokens_per_sample / elapsed}
+               if self.tokens_per_sample else {}),
             "time/step_ms": 1000 * elapsed / max(self.steps, 1),
             "time/data_wait_pct": 100 * self.data_wait / elapsed,
             "memory/cpu_rss_gib": rss_bytes() / GIB,
@@ -176,9 +202,17 @@ class StepMeter:
 
     def peaks(self) -> dict[str, float]:
         """Peak memory of the whole run so far, for summary.json."""
+        peaks = self.peaks_of(self.device)
+        if "cuda_peak_allocated_gib" in peaks:
+            peaks["cuda_peak_allocated_gib"] = max(self.cuda_peak_gib,
+                                                   peaks["cuda_peak_allocated_gib"])
+        return peaks
+
+    @staticmethod
+    def peaks_of(device: torch.device) -> dict[str, float]:
+        """This process's peak RSS and, on CUDA, torch's peak allocation since its last reset."""
         kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peaks = {"cpu_peak_rss_gib": kib * (1 if sys.platform == "darwin" else 1024) / GIB}
-        if self.device.type == "cuda":
-            window = torch.cuda.max_memory_allocated(self.device) / GIB
-            peaks["cuda_peak_allocated_gib"] = max(self.cuda_peak_gib, window)
+        if device.type == "cuda":
+            peaks["cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         return peaks

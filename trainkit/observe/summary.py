@@ -21,12 +21,14 @@ class Begun(NamedTuple):
 
 def build_summary(status: str, results: Mapping[str, float], counters: Mapping[str, Any],
                   begun: Begun, *, world_size: int, peak_memory: Mapping[str, float],
-                  startup_s: float | None = None, **extra: Any) -> dict[str, Any]:
+                  startup_s: float | None = None, setup_s: float | None = None,
+                  **extra: Any) -> dict[str, Any]:
     """The contents of ``summary.json`` (see the README's run-directory section).
 
     ``counters``: the loop state's ``state_dict()`` (``global_step``, ``samples_seen``, ...) and
     its ``epoch_number``. ``startup_s``: seconds from the process's start to its first training
-    step (None when training never began).
+    step, for the first fit of a process run from a file or module only (None otherwise, and
+    when training never began); ``setup_s``: the fit's own, from its call to its first step.
     """
     wall = time.perf_counter() - begun.started
     return {
@@ -45,8 +47,12 @@ def build_summary(status: str, results: Mapping[str, float], counters: Mapping[s
                           if wall else 0.0),
         "steps_per_s": (counters["global_step"] - begun.step) / wall if wall else 0.0,
         "startup_s": startup_s,
+        "setup_s": setup_s,
         "world_size": world_size,
         "peak_memory": dict(peak_memory),
+        # trainer.micro_batch_size's samples per micro-batch (auto's, as found); absent: off
+        **({"micro_batch_size": counters["micro_batch_size"]}
+           if counters.get("micro_batch_size") else {}),
         **extra,
     }
 

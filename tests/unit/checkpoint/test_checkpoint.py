@@ -84,3 +84,23 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "x.pt")
     with pytest.raises(TrainkitError, match="does not exist"):
         load_checkpoint(tmp_path / "missing.pt")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_synchronous_save_from_a_gpu_loads_with_plain_torch_load_without_one(
+        tmp_path: Path) -> None:
+    """A file saved from cuda:N must not need map_location where that GPU is missing."""
+    import subprocess
+    import sys
+
+    weight = torch.arange(6.0, device="cuda").reshape(2, 3)
+    save_atomic({"model": {"w": weight, "tied": weight}, "step": 3}, tmp_path / "last.pt")
+    code = ("import torch, sys; s = torch.load(sys.argv[1], weights_only=True); "
+            "assert s['model']['w'].device.type == 'cpu', s['model']['w'].device; "
+            "assert s['model']['w'].data_ptr() == s['model']['tied'].data_ptr(); "
+            "print(s['model']['w'].sum().item())")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "last.pt")],
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "15.0", out.stderr[-2000:]

@@ -149,3 +149,18 @@ def test_gpu_gather_path_equals_cpu_unfold_path(mode: str) -> None:
     flips = torch.randint(0, 2, (50,), generator=g).bool()
     assert torch.equal(_by_gather(images, shifts, flips, 3, mode),
                        _by_unfold(images, shifts, flips, 3, mode))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_draws_on_the_gpu_match_per_image_pad_crop_flip_there() -> None:
+    """A CUDA generator draws on the GPU (no host copy a batch); the batch is the per-image
+    reference of the same draws, and the memory loader on CUDA uses such a generator."""
+    images = torch.randint(0, 256, (64, 3, 12, 10), dtype=torch.uint8)
+    g = torch.Generator("cuda").manual_seed(5)
+    shifts = torch.randint(-4, 5, (2, 64), generator=g, device="cuda")
+    flips = torch.randint(0, 2, (64,), generator=g, device="cuda").bool()
+    got = crop_flip(images.cuda(), torch.Generator("cuda").manual_seed(5), padding=4, flip=True)
+    from trainkit.data.augment import _by_unfold
+
+    assert torch.equal(got.cpu(), _by_unfold(images, shifts.cpu(), flips.cpu(), 4, "constant"))

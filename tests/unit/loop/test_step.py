@@ -209,3 +209,33 @@ def test_a_step_drops_the_gradients_as_zero_grad_would(optimizer_class: type) ->
     assert not torch.equal(before["weight"], model.weight)  # the step was taken first
     # torch's own Optimizer.zero_grad is done directly; a class's own zero_grad is called
     assert optimizer.calls == ([True] if optimizer_class is _OwnZeroGrad else [])
+
+
+@pytest.mark.parametrize(("precision", "window"), [("32", 1), ("bf16-mixed", 1), ("32", 3)],
+                         ids=["plain", "autocast", "accumulation"])
+def test_wrap_forward_once_reaches_the_next_forward_on_every_path(precision: str,
+                                                                   window: int) -> None:
+    """The advice's host-read sampling: under bf16 (what auto picks on a GPU) and accumulation
+    the step calls another bound forward than the plain path; the wrapper must reach it once,
+    and a request every log window must not nest wrappers that never run."""
+    from trainkit.loop.step import WindowStep
+
+    model = _model()
+    step = WindowStep(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                      precision=Precision(precision, CPU), criterion=F.cross_entropy,
+                      forward=default_forward, device=CPU)
+    seen = []
+
+    def counting(forward):
+        def counted(m, batch):
+            seen.append(len(batch[0]))
+            return forward(m, batch)
+        return counted
+
+    step.wrap_forward_once(counting)
+    step.wrap_forward_once(counting)  # a second window's request before the first ran
+    batches = _batches([4, 5, 6][:window])
+    step(batches)
+    step(batches)
+    assert seen == [4]  # the first micro-batch of the first step, once
+    assert step.forward is default_forward

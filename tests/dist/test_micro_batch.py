@@ -1,0 +1,47 @@
+"""trainer.micro_batch_size=auto under real torchrun (2 ranks, gloo): one rank runs out of
+memory, both move to the same micro-batch, and the step is the DDP step of the whole batches."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import REPO, offline_env
+from tests.dist.micro_batch_fit import batches
+from tests.unit.loop.test_micro_batch import Fits
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+
+def test_both_ranks_move_to_the_size_one_rank_needs(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", "--monitor-interval=0.1", "-m", "tests.dist.micro_batch_fit",
+               str(tmp_path)]
+    proc = subprocess.run(command, cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert [r["micro_batch_size"] for r in ranks] == [4, 4]
+    # rank 1 ran out at 16 and at 8; rank 0 fitted both but stopped where rank 1 did (the vote
+    # after each micro-batch) and followed it to 4
+    assert ranks[1]["sizes"] == ranks[0]["sizes"] == [16, 8] + [4] * 8
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["micro_batch_size"] == 4 and summary["status"] == "completed"
+    # the DDP step of the whole batches: SGD on the mean of both ranks' mean gradients
+    reference = Fits(limit=32)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(2):
+        x = torch.cat([batches(r)[step][0] for r in (0, 1)])
+        y = torch.cat([batches(r)[step][1] for r in (0, 1)])
+        F.cross_entropy(reference(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, value in reference.net.state_dict().items():
+        for rank in ranks:
+            torch.testing.assert_close(rank["weights"][name], value)
