@@ -73,6 +73,8 @@ class Watchdog:
         run_dir: where ``hangs/rank<R>.txt`` goes; None dumps to stderr.
         rank: this process's rank.
         world_size: the number of ranks.
+        clock: what dates steps, pauses and hangs, in seconds (``time.monotonic``; a test
+            passes one it advances by hand and calls :meth:`look`).
 
     Example:
         >>> watchdog = Watchdog(timeout_s=600, run_dir="runs/demo")  # doctest: +SKIP
@@ -83,8 +85,9 @@ class Watchdog:
     """
 
     def __init__(self, timeout_s: float | None = None, action: str = "report", *,
-                 run_dir: str | Path | None = None, rank: int = 0, world_size: int = 1) -> None:
-        self.timeout_s, self.action = timeout_s, action
+                 run_dir: str | Path | None = None, rank: int = 0, world_size: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout_s, self.action, self.clock = timeout_s, action, clock
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.rank, self.world_size = rank, world_size
         # Called (from the watchdog thread) with the hang's facts before an abort: the Trainer
@@ -113,12 +116,12 @@ class Watchdog:
     @contextlib.contextmanager
     def busy(self, kind: str) -> Iterator[None]:
         """Mark an evaluation or a checkpoint save: it gets its own, longer limit."""
-        started = time.monotonic()
+        started = self.clock()
         self._busy = (*self._busy, (kind, started))
         try:
             yield
         finally:
-            now = time.monotonic()
+            now = self.clock()
             self._slowest[kind] = max(self._slowest.get(kind, 0.0), now - started)
             if len(self._busy) == 1:  # the step clock restarts after the pause...
                 self._since = now
@@ -177,7 +180,7 @@ class Watchdog:
     def _reset(self) -> None:
         self._step: int | None = None  # the last completed step (the loop's beat)
         self._first: int | None = None  # follow()'s count as the watching started
-        self._since = time.monotonic()  # the step clock's start: the fit's, or a pause's end
+        self._since = self.clock()  # the step clock's start: the fit's, or a pause's end
         self._noticed: tuple[int | None, float] = (None, 0.0)  # (step, the look that first saw it)
         self._busy: tuple[tuple[str, float], ...] = ()  # (kind, since), outermost first
         self._hang: dict[str, Any] | None = None  # this process's hang, while it lasts
@@ -187,10 +190,16 @@ class Watchdog:
         self._store_failed = False  # warned once that the job's store did not answer
         self._armed = False  # faulthandler's timer is ours and running
 
-    def look_or_stop(self, now: float) -> bool:
-        """One look; False when it failed and this watchdog stops watching."""
+    def look(self) -> None:
+        """Look now, as the watching thread does every ``poll_s`` (never at the same time as
+        it): what a test that advances an injected clock calls. Nothing while not entered."""
+        LOOKS.look(self)
+
+    def look_or_stop(self) -> bool:
+        """One look (the watching thread's); False when it failed and this watchdog stops
+        watching."""
         try:
-            self._look(now)
+            self._look(self.clock())
             return True
         except Exception as err:  # never take training down; say that watching stopped
             log.warning("hang watchdog stopped: %s", one_line(err))
