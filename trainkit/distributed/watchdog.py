@@ -185,6 +185,7 @@ class Watchdog:
         self._busy: tuple[tuple[str, float], ...] = ()  # (kind, since), outermost first
         self._hang: dict[str, Any] | None = None  # this process's hang, while it lasts
         self._reported = False  # rank 0: the hang line is out and no recovery line yet
+        self._hung_looks = 0  # rank 0: consecutive looks that saw some rank hung
         self._seen: tuple[int | None, float] = (None, 0.0)  # (step, its idle time) at last look
         self._board: Board | None = None
         self._store_failed = False  # warned once that the job's store did not answer
@@ -271,12 +272,20 @@ class Watchdog:
     def _overview(self, records: Records) -> None:
         """Rank 0: one line when some rank hangs, one when all move again."""
         hung = any(rec and rec["hung"] for rec in records.values())
-        if hung and not self._reported:
-            log.warning(hang_line(records, stacks_place(self.run_dir, self.rank, self.world_size)))
-            self._reported = True
+        self._hung_looks = self._hung_looks + 1 if hung else 0
+        # a rank behind says where it is stuck at its own look, which may come after this one:
+        # wait for it a few looks, so that the line names the place
+        behind = behind_ranks(records) if hung else []
+        told = all(records[rank] is None or records[rank]["hung"] for rank in behind)
+        if hung and not self._reported and (told or self._hung_looks > 3):
+            self._report(records)
         elif not hung and self._reported:
             steps = [rec["step"] for rec in records.values() if rec and rec["step"] is not None]
             self._recovered(min(steps, default=None))
+
+    def _report(self, records: Records) -> None:
+        log.warning(hang_line(records, stacks_place(self.run_dir, self.rank, self.world_size)))
+        self._reported = True
 
     def arm_fallback(self, remaining: float | None) -> None:
         """A C timer that dumps to stderr should this thread itself never run again (a C call
@@ -315,6 +324,8 @@ class Watchdog:
                     rec and rec["hung"] for rec in records.values()):
                 time.sleep(self.poll_s)
                 records = self._records(own) or records
+            if not self._reported:  # the ranks behind had the grace to say where they are
+                self._report(records)
             behind = behind_ranks(records)
             steps = [records[r]["step"] for r in behind if records[r] is not None]
             hang = {"ranks": behind, "step": min(steps, default=None),
