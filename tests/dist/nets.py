@@ -7,8 +7,11 @@ only), so the tests need no sleeps and no racing against a run that may already 
 from __future__ import annotations
 
 import os
+import select
 import signal
+import threading
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -26,7 +29,10 @@ class FlatNet(nn.Module):
         num_classes: outputs.
         fault: ``sigterm`` / ``sigkill`` (the process signals itself) or ``error`` (a
             TrainkitError) at training forward number ``fault_at`` of rank ``fault_rank``, or
-            ``sleep`` there for ``sleep_s`` seconds (a stuck step).
+            ``sleep`` there for ``sleep_s`` seconds (a stuck step), or, with ``until_hang_in``,
+            until a run folder under that folder holds this rank's stacks and a ``train.log``
+            with the watchdog's hang line (at most ``sleep_s``): a stall that lasts until the
+            watchdog has seen it, however loaded the machine, then recovers.
         startup_signal: a signal name (``SIGHUP``) this process sends to its whole process
             group while the model is built: a signal during start-up, before the first step.
         forward_delay_s: seconds every training forward sleeps: a run slow enough that a
@@ -35,7 +41,7 @@ class FlatNet(nn.Module):
 
     def __init__(self, num_classes: int = 10, fault: str | None = None, fault_rank: int = 1,
                  fault_at: int = 0, sleep_s: float = 0.0, startup_signal: str | None = None,
-                 forward_delay_s: float = 0.0) -> None:
+                 forward_delay_s: float = 0.0, until_hang_in: str | None = None) -> None:
         super().__init__()
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"fault must be one of {FAULTS}")
@@ -45,6 +51,7 @@ class FlatNet(nn.Module):
                                  nn.Linear(32, num_classes))
         self.fault, self.fault_rank, self.fault_at = fault, fault_rank, fault_at
         self.sleep_s, self.forward_delay_s = sleep_s, forward_delay_s
+        self.until_hang_in = until_hang_in
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,12 +66,36 @@ class FlatNet(nn.Module):
         if (self.fault is None or not first_attempt or self.calls != self.fault_at
                 or int(os.environ.get("RANK", 0)) != self.fault_rank):
             return
-        if self.fault == "sleep":
+        if self.fault == "sleep" and self.until_hang_in is None:
             time.sleep(self.sleep_s)
+            return
+        if self.fault == "sleep":  # blocked in a system call: the stack's frame is this one
+            select.select([_when_hang_seen(Path(self.until_hang_in))], [], [], self.sleep_s)
             return
         if self.fault == "error":
             raise TrainkitError("injected failure for the test")
         os.kill(os.getpid(), signal.SIGTERM if self.fault == "sigterm" else signal.SIGKILL)
+
+
+def _when_hang_seen(folder: Path) -> int:
+    """A pipe's read end that becomes readable once a run folder under ``folder`` holds this
+    rank's stacks (``hangs/rank<R>.txt``) and a ``train.log`` with rank 0's hang line (a thread
+    looks every 50 ms: this process's main thread stays blocked)."""
+    read, write = os.pipe()
+    stacks = f"rank{os.environ.get('RANK', 0)}.txt"
+
+    def seen() -> bool:
+        return any((log.parent / "hangs" / stacks).is_file()
+                   and "hang: no progress" in log.read_text()
+                   for log in folder.rglob("train.log"))
+
+    def look() -> None:
+        while not seen():
+            time.sleep(0.05)  # paces the check; the caller's own timeout bounds the wait
+        os.write(write, b"x")
+
+    threading.Thread(target=look, daemon=True).start()
+    return read
 
 
 def rank_sum() -> float:

@@ -1,4 +1,4 @@
-"""The hang watchdog under real torchrun, 2 processes, gloo: rank 1's forward sleeps at step 3.
+"""The hang watchdog under real torchrun, 2 processes, gloo: rank 1's forward stalls at step 3.
 
 Rank 0 then waits in the gradient all-reduce of step 3, so both ranks stop completing steps;
 the watchdog must name rank 1, the step it last completed (2), and show where it sleeps.
@@ -28,7 +28,10 @@ def hang_lines(log: str) -> list[str]:
 def test_a_sleeping_rank_is_named_with_its_step_and_stack_and_the_job_goes_on(
         data_root: Path, tmp_path: Path) -> None:
     outputs = tmp_path / "outputs"
-    proc = torchrun(*overrides(outputs, data_root, TIMEOUT, *SLEEP_AT, "+model.sleep_s=5"))
+    # rank 1 stalls until rank 0 has logged the hang, then goes on (at most 50 s: rank 0's
+    # all-reduce gives up at 60, TRAINKIT_DIST_TIMEOUT_S)
+    proc = torchrun(*overrides(outputs, data_root, TIMEOUT, *SLEEP_AT, "+model.sleep_s=50",
+                               f"+model.until_hang_in='{outputs}'"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = only_run_dir(outputs, proc)
     stacks = (run / "hangs" / "rank1.txt").read_text()

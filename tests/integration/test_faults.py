@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import resource
 import signal
 import subprocess
@@ -55,17 +56,23 @@ def _start(run_dir: Path, mnist_root: Path, *extra: str) -> subprocess.Popen:
             preexec_fn=hear_preemption_signals)  # as started from a terminal
 
 
-def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, timeout: float = 120) -> None:
-    """Block until the run has logged a training step."""
+def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, lines: int = 1, *,
+                    checkpoint: bool = False, timeout: float = 300) -> int:
+    """Block until this run (the last start in ``train.log``) has logged ``lines`` step lines
+    (one every ``log_every_n_steps``), and with ``checkpoint`` until ``last.pt`` exists too.
+    Returns the last step logged. Waiting for what the run wrote, not for a time, keeps the
+    moment inside the run however fast or loaded the machine."""
     deadline = time.monotonic() + timeout
-    log = run_dir / "train.log"
+    log, last = run_dir / "train.log", run_dir / "checkpoints" / "last.pt"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"training ended (status {proc.returncode}) before it could be stopped")
-        if log.is_file() and " step " in log.read_text().split("training MnistNet")[-1]:
-            return
-        time.sleep(0.02)
-    pytest.fail("no training step logged in time")
+        text = log.read_text().split("training MnistNet")[-1] if log.is_file() else ""
+        steps = [int(step) for step in re.findall(r" step (\d+)/\d+ ", text)]
+        if len(steps) >= lines and (last.is_file() or not checkpoint):
+            return steps[-1]
+        time.sleep(0.02)  # paces the check; the deadline only ends a failing test
+    pytest.fail(f"no {lines} step lines logged in time")
 
 
 @pytest.mark.parametrize(("signum", "extra"), [
@@ -77,14 +84,14 @@ def test_signal_saves_stops_and_the_same_command_resumes_bit_exactly(
         extra: tuple[str, ...]) -> None:
     run_dir = tmp_path / "run"
     proc = _start(run_dir, mnist_root, *extra)
-    _wait_for_steps(proc, run_dir)
-    time.sleep(random.Random(signum).uniform(0, 0.5))
+    # a step line out of the first 40 (steps 2-80, of more than 180), the same every time
+    logged = _wait_for_steps(proc, run_dir, random.Random(signum).randint(1, 40))
     proc.send_signal(signum)
     assert proc.wait(timeout=120) == 75  # EXIT_PREEMPTED
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "preempted"
     stopped_at = summary["global_step"]
-    assert 0 < stopped_at < 320
+    assert logged <= stopped_at < 320
     assert last_checkpoint(run_dir)["global_step"] == stopped_at
     assert signal.Signals(signum).name in (run_dir / "train.log").read_text()
 
@@ -102,8 +109,11 @@ def test_sigkill_at_random_moments_leaves_loadable_checkpoints_and_resumes_exact
     for attempt in range(3):  # the second attempt writes its checkpoints in the background
         extra = ("checkpoint.async_save=true",) if attempt == 1 else ()
         proc = _start(run_dir, mnist_root, "checkpoint.every_n_steps=1", *extra)
-        _wait_for_steps(proc, run_dir)
-        time.sleep(chance.uniform(0, 0.8))
+        # after a checkpoint exists and 1-15 step lines (2-30 steps) into this attempt
+        _wait_for_steps(proc, run_dir, chance.randint(1, 15), checkpoint=True)
+        # then a random moment within the next few steps and saves (90+ steps remain: the
+        # run cannot end in it)
+        time.sleep(chance.uniform(0, 0.05))
         proc.kill()
         proc.wait(timeout=60)
         files = sorted((run_dir / "checkpoints").glob("*.pt"))

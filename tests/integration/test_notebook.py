@@ -180,14 +180,19 @@ def test_interrupting_the_kernel_preempts_fit_and_the_kernel_lives_on(
     assert f"resumed from {run_dir / 'checkpoints'}" in resumed and f"at step {step} " in resumed
     assert f"status: completed, step {step + 2}," in resumed
 
-    # Twice: the second interrupt aborts the step in flight (a slow one here) without saving.
+    # Twice: the second interrupt aborts the step in flight without saving. From step 2 on a
+    # step lasts until an interrupt ends it (a sleep that ends only by the test's deadline): the
+    # second interrupt lands inside it however late it comes.
     abort_log = tmp_path / "abort" / "train.log"
     kernel.interrupt_when(_logged(abort_log, r"step 1/"), _logged(abort_log, "received SIGINT"))
     aborted = kernel.run_code(
         "import time\n"
         "from trainkit.loop.step import default_forward\n"
+        "forwards = []\n"
         "def slow_forward(model, batch):\n"
-        "    time.sleep(2)\n"
+        "    forwards.append(1)\n"
+        "    if len(forwards) > 1:\n"
+        "        time.sleep(600)\n"
         "    return default_forward(model, batch)\n"
         f"aborting = Trainer(TrainerConfig(max_steps=50, log_every_n_steps=1), "
         f"run_dir={str(tmp_path / 'abort')!r})\n"

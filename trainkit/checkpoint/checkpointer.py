@@ -33,6 +33,7 @@ from torch import nn
 from trainkit import rng, schedules
 from trainkit.checkpoint.contents import check_config, manifest
 from trainkit.checkpoint.files import CheckpointManager
+from trainkit.checkpoint.layout import newest_readable
 from trainkit.checkpoint.storages import Content, Storage, storages_for
 from trainkit.config import CheckpointConfig
 from trainkit.data.resumable import ResumableData
@@ -161,7 +162,7 @@ class Checkpointer:
     def load_state_dict(self, state: Mapping[str, Any], planned_steps: int | None = None) -> None:
         """Restore a checkpoint made by :meth:`state_dict` into the registered parts."""
         check_config(state, self.run_config)
-        storage = next(s for s in self.storages if s.owns(state))  # of the checkpoint's format
+        storage = next(s for s in self.storages if s.holds(state))  # of the checkpoint's format
         if not storage.load(state, self.parts, key="checkpoint.resume", optimizer=True):
             self._restart_ema("checkpoint has no EMA weights: the average starts from here")
         self._load_schedule(state, planned_steps)
@@ -190,9 +191,11 @@ class Checkpointer:
     def _latest(self) -> dict[str, Any] | None:
         """The newest checkpoint of this run dir, from the storages this run can resume from
         (its own first: a run saved sharded can go on in one process, not the reverse)."""
-        model = self.parts["model"]
-        return next((state for storage in self.storages if storage.resumes(model)
-                     if (state := storage.latest()) is not None), None)
+        for storage in self.storages:
+            read = functools.partial(storage.read, key="checkpoint.resume")
+            if (state := newest_readable(storage.list(), read)) is not None:
+                return state
+        return None
 
     def _read(self, path: Path, key: str) -> dict[str, Any]:
         """The checkpoint at ``path``, read by the storage of its format."""
@@ -243,7 +246,7 @@ class Checkpointer:
 
     def _init_from(self, path: str) -> None:
         state = self._read(Path(path), "checkpoint.init_from")
-        storage = next(s for s in self.storages if s.owns(state))
+        storage = next(s for s in self.storages if s.holds(state))
         has_ema = storage.load(state, self.parts, key="checkpoint.init_from", optimizer=False)
         if not has_ema:
             self._restart_ema(None)  # the average of the loaded weights, not of the random ones
@@ -331,13 +334,13 @@ class Checkpointer:
         ddp.broadcast_buffers(self.parts["model"], *(ema.buffers() if ema else ()))
         # Every rank's RNG state (dropout, augmentation draws differ per rank), for exact resumes.
         rng_per_rank = group.gather_to_main(rng.get_rng_state())  # collective: all ranks
-        self.storage.save(step, Content(self.parts, self.state_dict, rng_per_rank),
-                          periodic=periodic, best=best)  # async: returns once the state is copied
+        path = self.storage.save(step, Content(self.parts, self.state_dict, rng_per_rank),
+                                 periodic=periodic, best=best)  # async: returns once copied
         self.saved_step, self._saved_time = step, time.monotonic()
         self._next_due = self._due_after(step)
         group.barrier()  # no rank runs ahead of a checkpoint still being written (or copied)
         if self.on_saved is not None:
-            self.on_saved(self.storage.path_of(step, periodic=periodic), step)
+            self.on_saved(path, step)
 
     def wait(self) -> None:
         """Block until the last checkpoint is on disk (raise its write's error)."""

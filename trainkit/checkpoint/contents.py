@@ -5,7 +5,9 @@ Shared by both storages: a ``.pt`` file and a sharded directory are checked by t
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import platform
@@ -24,11 +26,9 @@ log = logging.getLogger("trainkit")
 
 def manifest(config: Mapping[str, Any]) -> dict[str, Any]:
     """What produced a checkpoint: versions, host, git commit and a hash of the resolved config."""
-    from trainkit import __version__
-
     canonical = json.dumps(config, sort_keys=True, default=str)
     return {
-        "trainkit": __version__,
+        "trainkit": trainkit_version(),
         "torch": str(torch.__version__),
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
@@ -37,6 +37,17 @@ def manifest(config: Mapping[str, Any]) -> dict[str, Any]:
         "git": _git_commit(),
         "config_sha256": hashlib.sha256(canonical.encode()).hexdigest(),
     }
+
+
+@functools.cache
+def trainkit_version() -> str:
+    """trainkit's version from its installed distribution's metadata (read, not imported from
+    the package's top, which this layer sits below); ``"unknown"`` when the code runs from a
+    source tree that was never installed."""
+    try:
+        return importlib.metadata.version("trainkit")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 # Config keys whose change makes a checkpoint unusable for this run (others only warn).

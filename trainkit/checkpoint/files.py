@@ -1,28 +1,34 @@
 """Single-file checkpoints that survive crashes: atomic writes, rotation after durability, safe
 loading.
 
-Layout inside ``<run>/checkpoints``: ``step_<global_step>.pt`` for periodic saves, ``last.pt``,
-always the newest complete checkpoint, and ``best.pt``, the best by ``checkpoint.monitor`` (kept
-apart from the rotation). A file being written is named ``.<name>.tmp`` and only renamed to its
-``.pt`` name after its bytes are on disk.
+The names are :mod:`~trainkit.checkpoint.layout`'s with the suffix ``.pt``: ``step_<N>.pt`` for
+periodic saves, ``last.pt``, always the newest complete checkpoint, and ``best.pt``, the best by
+``checkpoint.monitor`` (kept apart from the rotation); the extra names are hard links to the
+same bytes. A file being written is named ``.<name>.tmp`` and only renamed to its ``.pt`` name
+after its bytes are on disk.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainkit.checkpoint.layout import (
+    Layout,
+    fsync_dir,
+    missing,
+    newest_readable,
+    tmp_path,
+    unreadable,
+    write_failed,
+)
 from trainkit.errors import TrainkitError, one_line
 from trainkit.tree import tree_map
-
-log = logging.getLogger("trainkit")
-_STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 
 
 def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
@@ -33,7 +39,7 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = tmp_path(path)
     state = _on_cpu(state)
     try:
         with open(tmp, "wb") as f:
@@ -51,7 +57,7 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
@@ -84,11 +90,11 @@ def load_checkpoint(path: str | Path, *, key: str = "checkpoint.resume") -> dict
     """
     path = Path(path)
     if not path.is_file():
-        raise TrainkitError(f"checkpoint {path} does not exist: check {key}")
+        raise missing(path, key)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise TrainkitError(f"checkpoint {path} cannot be read ({one_line(err)})") from None
+        raise unreadable(path, err) from None
     if not isinstance(state, dict) or "model" not in state or "global_step" not in state:
         raise TrainkitError(f"{path} is not a trainkit checkpoint (no 'model'/'global_step' keys)")
     return state
@@ -104,16 +110,20 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | Path, keep_last: int = 3) -> None:
-        self.directory = Path(directory)
-        self.keep_last = keep_last
+        self.layout = Layout(directory, keep_last, suffix=".pt")
+        self.directory = self.layout.directory
+
+    @property
+    def keep_last(self) -> int:
+        return self.layout.keep_last
 
     @property
     def last(self) -> Path:
-        return self.directory / "last.pt"
+        return self.layout.last
 
     @property
     def best(self) -> Path:
-        return self.directory / "best.pt"
+        return self.layout.best
 
     def check_writable(self) -> None:
         """Fail now, not hours into a run, when checkpoints could not be written here."""
@@ -129,11 +139,7 @@ class CheckpointManager:
 
     def step_files(self) -> list[Path]:
         """Periodic checkpoints, oldest first."""
-        if not self.directory.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.directory.iterdir()
-                 if (m := _STEP_FILE.match(p.name))]
-        return [p for _, p in sorted(found)]
+        return self.layout.steps()
 
     def save(self, state: dict[str, Any], step: int, *, periodic: bool = True,
              best: bool = False) -> Path:
@@ -147,55 +153,45 @@ class CheckpointManager:
         try:
             return self._save(state, step, periodic=periodic, best=best)
         except OSError as err:
-            raise TrainkitError(
-                f"cannot write a checkpoint ({err.strerror or one_line(err, 60)}); existing "
-                "checkpoints are intact: free disk space or fix permissions, then re-run the same "
-                "command to resume", details=[f"checkpoint folder: {self.directory}"]
-            ) from None
+            raise write_failed(err, self.directory) from None
 
     def _save(self, state: dict[str, Any], step: int, *, periodic: bool, best: bool) -> Path:
         target = save_atomic(state, self.last)
         if best:
             _link_or_copy(self.last, self.best)
         if periodic:
-            numbered = self.directory / f"step_{step:09d}.pt"
+            numbered = self.layout.step_path(step)
             _link_or_copy(self.last, numbered)
             target = numbered
             # Only now that the new file is durable may old ones go.
-            for old in self.step_files()[: -self.keep_last]:
+            for old in self.layout.stale():
                 old.unlink(missing_ok=True)
         return target
 
     def candidates(self) -> list[Path]:
         """Files to try when resuming, newest first."""
-        files = list(reversed(self.step_files()))
-        if self.last.is_file():
-            files.insert(0, self.last)
-        return files
+        return self.layout.candidates()
 
     def load_latest(self) -> dict[str, Any] | None:
         """The newest checkpoint that loads; an unreadable one is skipped with a warning."""
-        for path in self.candidates():
-            try:
-                state = load_checkpoint(path)
-            except TrainkitError as err:
-                log.warning("skipping unreadable checkpoint: %s", err)
-                continue
-            state["_path"] = str(path)
-            return state
-        return None
+        return newest_readable(self.candidates(), read_checkpoint)
+
+
+def read_checkpoint(path: Path, key: str = "checkpoint.resume") -> dict[str, Any]:
+    """:func:`load_checkpoint`, with the path it came from as ``_path`` (for messages)."""
+    state = load_checkpoint(path, key=key)
+    state["_path"] = str(path)
+    return state
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
     """Give ``src``'s bytes a second name atomically: a hard link when the filesystem allows."""
-    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp = tmp_path(dst)
     tmp.unlink(missing_ok=True)
     try:
         try:
             os.link(src, tmp)
         except OSError:  # filesystems without hard links
-            import shutil
-
             shutil.copyfile(src, tmp)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
@@ -203,17 +199,4 @@ def _link_or_copy(src: Path, dst: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(dst.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a directory; the rename is still done
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(dst.parent)

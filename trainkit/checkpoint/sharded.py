@@ -8,6 +8,8 @@ holds"):
   be resharded onto another number of ranks), and ``trainkit.pt``, everything else (counters,
   schedule, precision, data position, config, manifest, every rank's RNG), a plain file that
   loads with ``weights_only=True``.
+The names and the rotation are :mod:`~trainkit.checkpoint.layout`'s, without a suffix:
+
 * ``last`` -- a relative symlink to the newest complete ``step_<N>``; ``best`` likewise (with
   ``checkpoint.monitor``). Each is replaced by renaming a new link over it: atomic.
 * ``.step_<N>.tmp/`` -- a save in progress, or one that died: never resumed from; the next save
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -35,7 +36,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from trainkit.checkpoint.files import _fsync_dir, save_atomic
+from trainkit.checkpoint.files import save_atomic
+from trainkit.checkpoint.layout import (
+    Layout,
+    fsync_dir,
+    missing,
+    newest_readable,
+    tmp_path,
+    unreadable,
+    write_failed,
+)
 from trainkit.distributed.group import barrier
 from trainkit.errors import TrainkitError, one_line
 
@@ -45,8 +55,6 @@ if TYPE_CHECKING:  # imported where used: with FSDP and sympy it costs ~0.8 s at
 log = logging.getLogger("trainkit")
 META_FILE = "trainkit.pt"  # the non-tensor part, next to DCP's files
 FORMAT = "trainkit-sharded-1"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_TMP_DIR = re.compile(r"^\.step_\d+\.tmp$")
 # Test-only: "STEP:RANK" makes that rank SIGKILL itself inside the write of that step, after its
 # shard file is written and before DCP's metadata exists (tests/dist/test_sharded_checkpoints).
 KILL_IN_WRITE_ENV = "TRAINKIT_TEST_KILL_IN_CHECKPOINT_WRITE"
@@ -78,8 +86,8 @@ class ShardedCheckpoints:
 
     def __init__(self, directory: str | Path, keep_last: int = 3, *,
                  async_save: bool = False) -> None:
-        self.directory = Path(directory)
-        self.keep_last = keep_last
+        self.layout = Layout(directory, keep_last, suffix="")
+        self.directory = self.layout.directory
         self.async_save = async_save
         self.distributed = _distributed()
         self.is_main = not self.distributed or dist.get_rank() == 0
@@ -88,19 +96,16 @@ class ShardedCheckpoints:
         self.written_step = -1  # the step this process last wrote its part of (not a file test)
 
     @property
+    def keep_last(self) -> int:
+        return self.layout.keep_last
+
+    @property
     def last(self) -> Path:
-        return self.directory / "last"
+        return self.layout.last
 
     @property
     def best(self) -> Path:
-        return self.directory / "best"
-
-    def _step_dir(self, step: int) -> Path:
-        return self.directory / f"step_{step:09d}"
-
-    def _tmp_dir(self, step: int) -> Path:
-        """Where ``step_dir(step)`` is written until it is whole."""
-        return self.directory / f".step_{step:09d}.tmp"
+        return self.layout.best
 
     # -- saving -------------------------------------------------------------------------------
 
@@ -118,7 +123,7 @@ class ShardedCheckpoints:
         import torch.distributed.checkpoint as dcp
 
         self.wait()
-        tmp, self.written_step = self._tmp_dir(step), step
+        tmp, self.written_step = tmp_path(self.layout.step_path(step)), step
         if self.is_main:
             self._guard(lambda: self._clear_leftovers(tmp))
             self._guard(lambda: save_atomic(meta or {}, tmp / META_FILE))
@@ -137,7 +142,7 @@ class ShardedCheckpoints:
         same), and point ``best`` at it when ``best``."""
         self.wait()
         if self.is_main:
-            target = self._step_dir(step)
+            target = self.layout.step_path(step)
             self._guard(lambda: save_atomic(meta or {}, target / META_FILE))
             if best:
                 self._guard(lambda: _point(self.best, target))
@@ -173,15 +178,15 @@ class ShardedCheckpoints:
         it, then old directories go -- each only after the one before is durable."""
         if not self.is_main:
             return
-        target = self._step_dir(step)
-        self._guard(lambda: self._rename_into_place(self._tmp_dir(step), target))
+        target = self.layout.step_path(step)
+        self._guard(lambda: self._rename_into_place(tmp_path(target), target))
         self._guard(lambda: _point(self.last, target))
         if best:
             self._guard(lambda: _point(self.best, target))
         self._rotate()
 
     def _rename_into_place(self, tmp: Path, target: Path) -> None:
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if target.exists():  # a re-save of this step (a resumed run passing it again)
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -190,22 +195,19 @@ class ShardedCheckpoints:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def _rotate(self) -> None:
         """Keep the newest ``keep_last`` directories, and whatever ``last``/``best`` name."""
-        kept = {_target(self.last), _target(self.best)}
-        for old in step_dirs(self.directory)[: -self.keep_last]:
-            if old.name not in kept:
-                shutil.rmtree(old, ignore_errors=True)
+        for old in self.layout.stale():
+            shutil.rmtree(old, ignore_errors=True)
 
     def _clear_leftovers(self, tmp: Path) -> None:
         """Remove folders of saves that died (one save is in flight at a time: none is ours),
         then make ``tmp``, empty."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        for path in self.directory.iterdir():
-            if _TMP_DIR.match(path.name):
-                shutil.rmtree(path, ignore_errors=True)
+        for path in self.layout.leftovers():
+            shutil.rmtree(path, ignore_errors=True)
         tmp.mkdir()
 
     def _barrier(self) -> None:
@@ -219,38 +221,15 @@ class ShardedCheckpoints:
         try:
             return write()
         except (OSError, CheckpointException) as err:
-            cause = err.strerror if isinstance(err, OSError) and err.strerror else one_line(err, 80)
-            raise TrainkitError(
-                f"cannot write a checkpoint ({cause}); existing checkpoints are intact: free disk "
-                "space or fix permissions, then re-run the same command to resume",
-                details=[f"checkpoint folder: {self.directory}"]) from None
+            raise write_failed(err, self.directory) from None
 
 # -- finding one to resume from -------------------------------------------------------------
-
-
-def step_dirs(directory: Path) -> list[Path]:
-    """Complete-by-name checkpoint directories in ``directory``, oldest first."""
-    if not directory.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
 
 
 def latest_meta(directory: str | Path) -> dict[str, Any] | None:
     """The non-tensor part of the newest complete directory in ``directory`` (``last``'s
     first); broken ones are skipped with one warning line each. Reads only: no collective."""
-    directory = Path(directory)
-    candidates = list(reversed(step_dirs(directory)))
-    last = _target(directory / "last")
-    if last is not None:
-        candidates.sort(key=lambda p: p.name != last)  # stable: the rest stay newest first
-    for path in candidates:
-        try:
-            return read_meta(path)
-        except TrainkitError as err:
-            log.warning("skipping unusable checkpoint: %s", err)
-    return None
+    return newest_readable(Layout(directory, suffix="").candidates(), read_meta)
 
 
 def _group(distributed: bool, async_save: bool) -> Any:
@@ -271,19 +250,11 @@ def _group(distributed: bool, async_save: bool) -> Any:
 
 def _point(link: Path, target: Path) -> None:
     """Make ``link`` a relative symlink to ``target``, replacing an old one atomically."""
-    tmp = link.with_name(f".{link.name}.tmp")
+    tmp = tmp_path(link)
     tmp.unlink(missing_ok=True)
     os.symlink(target.name, tmp)
     os.replace(tmp, link)
-    _fsync_dir(link.parent)
-
-
-def _target(link: Path) -> str | None:
-    """The directory name ``link`` points at, None without one."""
-    try:
-        return os.readlink(link)
-    except OSError:
-        return None
+    fsync_dir(link.parent)
 
 
 # -- reading --------------------------------------------------------------------------------
@@ -298,7 +269,7 @@ def read_meta(path: str | Path, *, key: str = "checkpoint.resume") -> dict[str, 
     """
     path = Path(path)
     if not path.exists():
-        raise TrainkitError(f"checkpoint {path} does not exist: check {key}")
+        raise missing(path, key)
     if (path / "last").is_symlink() or (path / "last.pt").is_file():
         last = "last" if (path / "last").is_symlink() else "last.pt"  # the one that exists
         raise TrainkitError(f"{path} is a checkpoints folder: give one of its checkpoints, "
@@ -312,7 +283,7 @@ def read_meta(path: str | Path, *, key: str = "checkpoint.resume") -> dict[str, 
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
         storage = FileSystemReader(path).read_metadata()
     except Exception as err:
-        raise TrainkitError(f"checkpoint {path} cannot be read ({one_line(err, 80)})") from None
+        raise unreadable(path, err) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise TrainkitError(f"{path} is not a trainkit sharded checkpoint ({META_FILE} has no "
                             f"format {FORMAT!r})")

@@ -32,7 +32,8 @@ from trainkit import rng
 from trainkit.checkpoint import reshard, sharded
 from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
 from trainkit.checkpoint.contents import check_weights_fit
-from trainkit.checkpoint.files import CheckpointManager, load_checkpoint
+from trainkit.checkpoint.files import CheckpointManager, read_checkpoint
+from trainkit.checkpoint.layout import Layout
 from trainkit.config import CheckpointConfig
 from trainkit.distributed import fsdp
 from trainkit.errors import TrainkitError
@@ -54,8 +55,9 @@ class Content:
 
 
 class Storage(Protocol):
-    """How and where checkpoints of one format are kept. Every rank makes one at the same point
-    and calls :meth:`save` together."""
+    """How and where checkpoints of one format are kept: the verbs another storage (an object
+    store, say) implements. The names and the rotation are :class:`~trainkit.checkpoint.layout.
+    Layout`'s. Every rank makes one at the same point and calls :meth:`save` together."""
 
     @property
     def last(self) -> Path:
@@ -65,29 +67,22 @@ class Storage(Protocol):
     def in_flight(self) -> bool:
         """Whether a save is still being written and waits for :meth:`poll` to publish it."""
 
-    def save(self, step: int, content: Content, *, periodic: bool, best: bool) -> None:
+    def save(self, step: int, content: Content, *, periodic: bool, best: bool) -> Path | None:
         """Write step ``step`` (also as the numbered one when ``periodic``, and as the best when
-        ``best``), then rotate; earlier checkpoints are intact when it fails."""
+        ``best``), then rotate; earlier checkpoints are intact when it fails. Returns where it
+        is (or is being written, when async) on every rank; None when this run writes none."""
 
-    def path_of(self, step: int, *, periodic: bool) -> Path | None:
-        """Where the checkpoint of ``step`` just saved is (or is being written, when async);
-        None when this run writes none."""
+    def list(self) -> list[Path]:
+        """This run's checkpoints that ``checkpoint.resume=auto`` may continue from, newest
+        first (none where this run's model cannot take their optimizer state)."""
 
-    def resumes(self, model: nn.Module) -> bool:
-        """Whether ``checkpoint.resume=auto`` may continue this run from this storage's
-        checkpoints (their optimizer state loads into ``model``'s)."""
-
-    def latest(self) -> dict[str, Any] | None:
-        """The newest valid checkpoint in the run's folder (its ``_path`` set), None if none."""
-
-    def holds(self, path: Path) -> bool:
-        """Whether ``path`` (``checkpoint.resume``, ``checkpoint.init_from``) is of this format."""
+    def holds(self, checkpoint: Path | Mapping[str, Any]) -> bool:
+        """Whether ``checkpoint`` is of this format: a path (``checkpoint.resume``,
+        ``checkpoint.init_from``) or a state that :meth:`read` returned."""
 
     def read(self, path: Path, key: str) -> dict[str, Any]:
-        """The checkpoint at ``path`` (``key`` names the setting, for the messages)."""
-
-    def owns(self, state: Mapping[str, Any]) -> bool:
-        """Whether ``state`` (from :meth:`read` or :meth:`latest`) is of this format."""
+        """The checkpoint at ``path``, its ``_path`` set (``key`` names the setting, for the
+        messages)."""
 
     def load(self, state: Mapping[str, Any], parts: Mapping[str, Any], *, key: str,
              optimizer: bool) -> bool:
@@ -112,9 +107,9 @@ def storages_for(model: nn.Module, directory: Path | None, config: CheckpointCon
                  runtime: Runtime) -> tuple[Storage, ...]:
     """This run's storages, the one it writes with first: directories for a model sharded by
     ``fully_shard`` (FSDP2), else files. A collective: every rank calls it at the same point."""
-    if fsdp.is_sharded(model):
+    if fsdp.is_sharded(model):  # a sharded optimizer takes its state from directories only
         return (ShardedStorage(directory, config, runtime, writes=True),
-                FileStorage(directory, config, runtime, writes=False))
+                FileStorage(directory, config, runtime, writes=False, listed=False))
     return (FileStorage(directory, config, runtime, writes=True),
             ShardedStorage(directory, config, runtime, writes=False))
 
@@ -124,11 +119,12 @@ class FileStorage:
     atomically (on a thread of their own with ``checkpoint.async_save``), every rank reads.
 
     ``directory`` None: the run writes no checkpoints (it can still start from a named one).
+    ``listed`` False: :meth:`list` finds none (a sharded run resumes from directories only).
     """
 
     def __init__(self, directory: Path | None, config: CheckpointConfig, runtime: Runtime, *,
-                 writes: bool = True) -> None:
-        self.runtime = runtime
+                 writes: bool = True, listed: bool = True) -> None:
+        self.runtime, self.listed = runtime, listed
         self.manager = (CheckpointManager(directory, config.keep_last)
                         if directory is not None else None)
         self.writes = writes and self.manager is not None and runtime.is_main  # rank 0 writes
@@ -141,36 +137,27 @@ class FileStorage:
 
     in_flight = False  # a background write blocks only the next save: nothing to publish
 
-    def save(self, step: int, content: Content, *, periodic: bool, best: bool) -> None:
-        if not self.writes:
-            return
-        state = content.state_dict()
-        if self.runtime.distributed:
-            state["rng_per_rank"] = content.rng_per_rank
-        # async: returns once the state is copied
-        (self._writer or self.manager).save(state, step, periodic=periodic, best=best)
-
-    def path_of(self, step: int, *, periodic: bool) -> Path | None:
+    def save(self, step: int, content: Content, *, periodic: bool, best: bool) -> Path | None:
         if self.manager is None:
             return None
-        return self.manager.directory / f"step_{step:09d}.pt" if periodic else self.manager.last
+        if self.writes:
+            state = content.state_dict()
+            if self.runtime.distributed:
+                state["rng_per_rank"] = content.rng_per_rank
+            # async: returns once the state is copied
+            (self._writer or self.manager).save(state, step, periodic=periodic, best=best)
+        return self.manager.layout.step_path(step) if periodic else self.manager.last
 
-    def resumes(self, model: nn.Module) -> bool:
-        return not fsdp.is_sharded(model)  # a sharded optimizer takes its state from directories
+    def list(self) -> list[Path]:
+        return self.manager.candidates() if self.manager is not None and self.listed else []
 
-    def latest(self) -> dict[str, Any] | None:
-        return self.manager.load_latest() if self.manager is not None else None
-
-    def holds(self, path: Path) -> bool:
-        return not path.is_dir()  # a missing path too: its message says so
+    def holds(self, checkpoint: Path | Mapping[str, Any]) -> bool:
+        if isinstance(checkpoint, Path):
+            return not checkpoint.is_dir()  # a missing path too: its message says so
+        return "format" not in checkpoint
 
     def read(self, path: Path, key: str) -> dict[str, Any]:
-        state = load_checkpoint(path, key=key)
-        state["_path"] = str(path)
-        return state
-
-    def owns(self, state: Mapping[str, Any]) -> bool:
-        return "format" not in state
+        return read_checkpoint(path, key)
 
     def load(self, state: Mapping[str, Any], parts: Mapping[str, Any], *, key: str,
              optimizer: bool) -> bool:
@@ -222,6 +209,7 @@ class ShardedStorage:
     def __init__(self, directory: Path | None, config: CheckpointConfig, runtime: Runtime, *,
                  writes: bool = True) -> None:
         self.directory, self.runtime = directory, runtime
+        self.layout = Layout(directory, config.keep_last, suffix="") if directory else None
         # a collective with async_save (a gloo group of its own): made by every rank at once
         self._dirs = (sharded.ShardedCheckpoints(directory, config.keep_last,
                                                  async_save=config.async_save)
@@ -235,10 +223,10 @@ class ShardedStorage:
     def in_flight(self) -> bool:
         return self._dirs is not None and self._dirs.in_flight
 
-    def save(self, step: int, content: Content, *, periodic: bool, best: bool) -> None:
+    def save(self, step: int, content: Content, *, periodic: bool, best: bool) -> Path | None:
         """Every rank writes its part of ``step_<step>/``; rank 0 adds ``trainkit.pt``."""
         if self._dirs is None:
-            return
+            return None
         parts, meta = content.parts, None
         if self.runtime.is_main:
             ema = parts["ema"]
@@ -249,27 +237,22 @@ class ShardedStorage:
                     "ema": {"decay": ema.decay, "updates": ema.updates} if ema else None}
         if self._dirs.written_step == step:  # the same step again (now the best): same
             self._dirs.update_meta(meta, step, best=best)  # weights, only trainkit.pt changed
-            return
-        tensors = reshard.tensor_state(parts["model"], parts["optimizer"], parts["ema"])
-        self._dirs.save(tensors, meta, step, best=best)
+        else:
+            tensors = reshard.tensor_state(parts["model"], parts["optimizer"], parts["ema"])
+            self._dirs.save(tensors, meta, step, best=best)
+        return self._dirs.layout.step_path(step)
 
-    def path_of(self, step: int, *, periodic: bool) -> Path | None:
-        return self.directory / f"step_{step:09d}" if self.directory is not None else None
+    def list(self) -> list[Path]:
+        # DCP reshards onto any model, sharded or not: a plain run lists them too
+        return self.layout.candidates() if self.layout is not None else []
 
-    def resumes(self, model: nn.Module) -> bool:
-        return True  # DCP reshards onto any model, sharded or not
-
-    def latest(self) -> dict[str, Any] | None:
-        return sharded.latest_meta(self.directory) if self.directory is not None else None
-
-    def holds(self, path: Path) -> bool:
-        return path.is_dir()
+    def holds(self, checkpoint: Path | Mapping[str, Any]) -> bool:
+        if isinstance(checkpoint, Path):
+            return checkpoint.is_dir()
+        return checkpoint.get("format") == sharded.FORMAT
 
     def read(self, path: Path, key: str) -> dict[str, Any]:
         return sharded.read_meta(path, key=key)
-
-    def owns(self, state: Mapping[str, Any]) -> bool:
-        return state.get("format") == sharded.FORMAT
 
     def load(self, state: Mapping[str, Any], parts: Mapping[str, Any], *, key: str,
              optimizer: bool) -> bool:

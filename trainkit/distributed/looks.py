@@ -14,8 +14,9 @@ class Looks:
     It starts with the first watchdog entered and then waits while none is: a thread started and
     joined per fit would cost ~0.3 ms of every fit. Looks run under the lock, so once
     :meth:`remove` returns no look of that watchdog runs. A watchdog here is anything with
-    ``poll_s`` (its interval), ``look_or_stop(now)`` and ``arm_fallback(remaining)``:
-    :class:`~trainkit.distributed.watchdog.Watchdog`.
+    ``poll_s`` (its interval), ``look_or_stop()`` and ``arm_fallback(remaining)``:
+    :class:`~trainkit.distributed.watchdog.Watchdog`. The intervals are real seconds; what a
+    look sees is dated by the watchdog's own clock.
     """
 
     def __init__(self) -> None:
@@ -37,16 +38,25 @@ class Looks:
             self._due.pop(watchdog, None)
             watchdog.arm_fallback(None)
 
+    def look(self, watchdog: Any) -> None:
+        """One look at an entered ``watchdog`` now, as this thread's next one would be (under
+        the lock: never at the same time as the thread's own)."""
+        with self._cond:
+            if watchdog in self._due:
+                self._look(watchdog)
+
+    def _look(self, watchdog: Any) -> None:
+        if watchdog.look_or_stop():
+            self._due[watchdog] = time.monotonic() + watchdog.poll_s
+        else:
+            del self._due[watchdog]
+
     def _run(self) -> None:
         with self._cond:
             while True:
                 for watchdog, due in list(self._due.items()):
-                    now = time.monotonic()
-                    if due <= now:
-                        if watchdog.look_or_stop(now):
-                            self._due[watchdog] = now + watchdog.poll_s
-                        else:
-                            del self._due[watchdog]
+                    if due <= time.monotonic():
+                        self._look(watchdog)
                 wake = min(self._due.values(), default=None)
                 self._cond.wait(None if wake is None else max(wake - time.monotonic(), 0.0))
 

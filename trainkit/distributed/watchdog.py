@@ -73,6 +73,8 @@ class Watchdog:
         run_dir: where ``hangs/rank<R>.txt`` goes; None dumps to stderr.
         rank: this process's rank.
         world_size: the number of ranks.
+        clock: what dates steps, pauses and hangs, in seconds (``time.monotonic``; a test
+            passes one it advances by hand and calls :meth:`look`).
 
     Example:
         >>> watchdog = Watchdog(timeout_s=600, run_dir="runs/demo")  # doctest: +SKIP
@@ -83,8 +85,9 @@ class Watchdog:
     """
 
     def __init__(self, timeout_s: float | None = None, action: str = "report", *,
-                 run_dir: str | Path | None = None, rank: int = 0, world_size: int = 1) -> None:
-        self.timeout_s, self.action = timeout_s, action
+                 run_dir: str | Path | None = None, rank: int = 0, world_size: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout_s, self.action, self.clock = timeout_s, action, clock
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.rank, self.world_size = rank, world_size
         # Called (from the watchdog thread) with the hang's facts before an abort: the Trainer
@@ -113,12 +116,12 @@ class Watchdog:
     @contextlib.contextmanager
     def busy(self, kind: str) -> Iterator[None]:
         """Mark an evaluation or a checkpoint save: it gets its own, longer limit."""
-        started = time.monotonic()
+        started = self.clock()
         self._busy = (*self._busy, (kind, started))
         try:
             yield
         finally:
-            now = time.monotonic()
+            now = self.clock()
             self._slowest[kind] = max(self._slowest.get(kind, 0.0), now - started)
             if len(self._busy) == 1:  # the step clock restarts after the pause...
                 self._since = now
@@ -177,20 +180,27 @@ class Watchdog:
     def _reset(self) -> None:
         self._step: int | None = None  # the last completed step (the loop's beat)
         self._first: int | None = None  # follow()'s count as the watching started
-        self._since = time.monotonic()  # the step clock's start: the fit's, or a pause's end
+        self._since = self.clock()  # the step clock's start: the fit's, or a pause's end
         self._noticed: tuple[int | None, float] = (None, 0.0)  # (step, the look that first saw it)
         self._busy: tuple[tuple[str, float], ...] = ()  # (kind, since), outermost first
         self._hang: dict[str, Any] | None = None  # this process's hang, while it lasts
         self._reported = False  # rank 0: the hang line is out and no recovery line yet
+        self._hung_looks = 0  # rank 0: consecutive looks that saw some rank hung
         self._seen: tuple[int | None, float] = (None, 0.0)  # (step, its idle time) at last look
         self._board: Board | None = None
         self._store_failed = False  # warned once that the job's store did not answer
         self._armed = False  # faulthandler's timer is ours and running
 
-    def look_or_stop(self, now: float) -> bool:
-        """One look; False when it failed and this watchdog stops watching."""
+    def look(self) -> None:
+        """Look now, as the watching thread does every ``poll_s`` (never at the same time as
+        it): what a test that advances an injected clock calls. Nothing while not entered."""
+        LOOKS.look(self)
+
+    def look_or_stop(self) -> bool:
+        """One look (the watching thread's); False when it failed and this watchdog stops
+        watching."""
         try:
-            self._look(now)
+            self._look(self.clock())
             return True
         except Exception as err:  # never take training down; say that watching stopped
             log.warning("hang watchdog stopped: %s", one_line(err))
@@ -262,12 +272,20 @@ class Watchdog:
     def _overview(self, records: Records) -> None:
         """Rank 0: one line when some rank hangs, one when all move again."""
         hung = any(rec and rec["hung"] for rec in records.values())
-        if hung and not self._reported:
-            log.warning(hang_line(records, stacks_place(self.run_dir, self.rank, self.world_size)))
-            self._reported = True
+        self._hung_looks = self._hung_looks + 1 if hung else 0
+        # a rank behind says where it is stuck at its own look, which may come after this one:
+        # wait for it a few looks, so that the line names the place
+        behind = behind_ranks(records) if hung else []
+        told = all(records[rank] is None or records[rank]["hung"] for rank in behind)
+        if hung and not self._reported and (told or self._hung_looks > 3):
+            self._report(records)
         elif not hung and self._reported:
             steps = [rec["step"] for rec in records.values() if rec and rec["step"] is not None]
             self._recovered(min(steps, default=None))
+
+    def _report(self, records: Records) -> None:
+        log.warning(hang_line(records, stacks_place(self.run_dir, self.rank, self.world_size)))
+        self._reported = True
 
     def arm_fallback(self, remaining: float | None) -> None:
         """A C timer that dumps to stderr should this thread itself never run again (a C call
@@ -306,6 +324,8 @@ class Watchdog:
                     rec and rec["hung"] for rec in records.values()):
                 time.sleep(self.poll_s)
                 records = self._records(own) or records
+            if not self._reported:  # the ranks behind had the grace to say where they are
+                self._report(records)
             behind = behind_ranks(records)
             steps = [records[r]["step"] for r in behind if records[r] is not None]
             hang = {"ranks": behind, "step": min(steps, default=None),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -62,8 +63,14 @@ def test_checks_run_without_a_usable_cache(tmp_path: Path, monkeypatch: pytest.M
 def test_a_corrupt_record_is_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRAINKIT_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "verified.json").write_text('{"half-written')
+    record = tmp_path / "cache" / "verified.json"
+    record.write_text('{"half-written')  # a crash mid-write, before atomic replaces
     path, md5 = _file(tmp_path)
-    check_md5(path, md5)
+    check_md5(path, md5)  # the half-written record is read as empty: the file is hashed
+    info = path.stat()
+    # rewritten whole, with this file in it: its size, mtime and md5
+    assert json.loads(record.read_text()) == {
+        str(path.resolve()): [info.st_size, info.st_mtime_ns, md5]}
+    assert not list(record.parent.glob(".verified.*.tmp"))  # no temporary file left
     _tamper_keeping_stamp(path)
-    check_md5(path, md5)  # the record was rewritten whole with this file in it
+    check_md5(path, md5)  # accepted from the new record, not hashed: the record is used

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import subprocess
@@ -179,6 +180,24 @@ def _tag_worker(worker_id: int) -> None:
     WorkerPid.tag = 100 + worker_id
 
 
+def _signals_pending(pid: int) -> int:
+    """The signals sent to process ``pid`` that it has not taken yet (a mask; 0 without /proc)."""
+    status = Path(f"/proc/{pid}/status")
+    if not status.is_file():
+        return 0
+    masks = [line.split(":")[1] for line in status.read_text().splitlines()
+             if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return sum(int(mask, 16) for mask in masks)
+
+
+def _wait_until_taken(pid: int) -> None:
+    """Until ``pid`` has taken (or died of) every signal sent to it: an ignored signal is gone
+    when ``kill`` returns, a blocked SIGTERM waits for the shield's thread to read it."""
+    deadline = time.monotonic() + 60
+    while _signals_pending(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)  # paces the check; the deadline only ends a failing test
+
+
 def test_workers_outlive_group_signals_and_still_run_the_users_worker_init() -> None:
     loader = make_loader(WorkerPid(64), 4, shuffle=False, num_workers=2,
                          worker_init_fn=_tag_worker)
@@ -188,25 +207,32 @@ def test_workers_outlive_group_signals_and_still_run_the_users_worker_init() -> 
     for signum in PREEMPTION_SIGNALS:  # sent by another process, as `kill -- -PGID` does
         subprocess.run(["kill", f"-{signal.Signals(signum).name[3:]}", str(pids[0].item())],
                        check=True)
-    time.sleep(0.3)
+    _wait_until_taken(pids[0].item())
     assert len(list(it)) == 15  # no "DataLoader worker (pid N) is killed by signal"
 
 
-def _shielded_then_sleep() -> None:
+def _shielded_then_answer(conn: multiprocessing.connection.Connection) -> None:
     shield_worker()
-    time.sleep(60)
+    conn.send("shielded")
+    while conn.recv() == "alive?":
+        conn.send("yes")
 
 
 def test_a_shielded_worker_still_obeys_its_parents_sigterm() -> None:
     # The DataLoader terminates a stuck worker with SIGTERM from the parent: that still works.
-    proc = multiprocessing.get_context("fork").Process(target=_shielded_then_sleep, daemon=True)
+    context = multiprocessing.get_context("fork")
+    ours, its = context.Pipe()
+    proc = context.Process(target=_shielded_then_answer, args=(its,), daemon=True)
     proc.start()
-    time.sleep(0.5)
+    assert ours.poll(60) and ours.recv() == "shielded"
     subprocess.run(["kill", "-TERM", str(proc.pid)], check=True)  # another sender: ignored
-    proc.join(0.5)
-    assert proc.is_alive()
+    _wait_until_taken(proc.pid)
+    ours.send("alive?")
+    assert ours.poll(60), "the worker did not answer"
+    answer = ours.recv() if proc.is_alive() else f"died, exit code {proc.exitcode}"
+    assert answer == "yes"
     proc.terminate()  # the parent's
-    proc.join(10)
+    proc.join(60)
     assert proc.exitcode == 0
 
 

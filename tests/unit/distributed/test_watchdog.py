@@ -11,6 +11,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,21 +29,51 @@ pytestmark = pytest.mark.serial  # timings: run alone (see pyproject.toml)
 BLOCK_AT = 8  # the first sample of the third batch of 4: steps 1 and 2 complete first
 
 
-class BlockingDataset(Dataset):
-    """Random samples; reading sample ``BLOCK_AT`` blocks for ``seconds`` (a stuck reader)."""
+class FakeClock:
+    """A monotonic clock that moves only when told: looks see exactly the idle times set."""
 
-    def __init__(self, seconds: float, n: int = 24) -> None:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class BlockingDataset(Dataset):
+    """Random samples; reading sample ``BLOCK_AT`` blocks on a pipe until a byte comes (a
+    reader stuck in a system call, which recovers)."""
+
+    def __init__(self, pipe: int, n: int = 24) -> None:
         g = torch.Generator().manual_seed(0)
         self.x, self.y = torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
-        self.seconds = seconds
+        self.pipe = pipe
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if index == BLOCK_AT:
-            time.sleep(self.seconds)
+            ready, _, _ = select.select([self.pipe], [], [], 120)
+            assert ready, "the hang was never dumped"
         return self.x[index], self.y[index]
+
+
+def release_when_dumped(stacks: Path, pipe: int) -> threading.Thread:
+    """A thread that writes a byte into ``pipe`` once the watchdog has written ``stacks`` (the
+    hang was seen), however long that takes on a loaded machine (or after 120 s, failing)."""
+
+    def wait_for_the_dump() -> None:
+        deadline = time.monotonic() + 120
+        while not stacks.is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)  # paces the check; the deadline only ends a failing test
+        os.write(pipe, b"x")
+
+    thread = threading.Thread(target=wait_for_the_dump, daemon=True)
+    thread.start()
+    return thread
 
 
 def test_a_blocking_data_loader_is_dumped_and_reported_and_its_recovery_too(
@@ -51,8 +82,15 @@ def test_a_blocking_data_loader_is_dumped_and_reported_and_its_recovery_too(
     model = nn.Linear(8, 3)
     trainer = Trainer(TrainerConfig(device="cpu", max_steps=6, hang_timeout_s=1.0),
                       run_dir=tmp_path, checkpoint=CheckpointConfig(resume=None))
-    data = DataLoader(BlockingDataset(seconds=2.5), batch_size=4)
-    summary = trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+    read, write = os.pipe()
+    releaser = release_when_dumped(tmp_path / "hangs" / "rank0.txt", write)
+    data = DataLoader(BlockingDataset(read), batch_size=4)
+    try:
+        summary = trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+    finally:
+        releaser.join()
+        os.close(read)
+        os.close(write)
 
     assert summary["status"] == "completed" and summary["global_step"] == 6
     stacks = (tmp_path / "hangs" / "rank0.txt").read_text()
@@ -68,15 +106,21 @@ def test_a_blocking_data_loader_is_dumped_and_reported_and_its_recovery_too(
 
 
 def test_evaluations_and_saves_longer_than_the_timeout_are_no_hang(tmp_path: Path) -> None:
-    watchdog = Watchdog(timeout_s=0.8, run_dir=tmp_path)
+    clock = FakeClock()
+    watchdog = Watchdog(timeout_s=60, run_dir=tmp_path, clock=clock)
     with watchdog:
         watchdog.beat(1)
+        watchdog.look()
         with watchdog.busy("evaluation"), watchdog.busy("checkpoint"):
-            time.sleep(2.0)  # 2.5 limits, nested like a best-checkpoint save in an evaluation
-        time.sleep(0.2)  # the step clock restarted when the evaluation ended
+            clock.advance(1000)  # nested like a best-checkpoint save in an evaluation
+            watchdog.look()  # their limit: 30 minutes
+        clock.advance(50)  # the step clock restarted when the evaluation ended
+        watchdog.look()
         assert not (tmp_path / "hangs").exists()
-        time.sleep(1.2)  # but a step that does not end is a hang
-        assert "no step after step 1" in (tmp_path / "hangs" / "rank0.txt").read_text()
+        clock.advance(11)  # but a step that does not end is a hang
+        watchdog.look()
+        assert "no step after step 1 for 61 s (limit 60 s)" in (
+            tmp_path / "hangs" / "rank0.txt").read_text()
 
 
 def test_zero_turns_it_off(tmp_path: Path) -> None:
@@ -86,30 +130,39 @@ def test_zero_turns_it_off(tmp_path: Path) -> None:
         assert threading.active_count() == before  # no thread at all
 
 
-def test_watchdogs_share_one_thread_that_never_looks_at_one_exited(tmp_path: Path) -> None:
-    looks: list[int] = []
+def counted_looks(enough: int) -> tuple[list[int], Callable[[], int], threading.Event]:
+    """What Trainer passes to follow() (its step counter), counting the reads: it moves at every
+    look (never a hang), and the event is set at the ``enough``-th read."""
+    looks, done = [], threading.Event()
 
-    def progress() -> int:  # what Trainer passes to follow(): its step counter
+    def progress() -> int:
         looks.append(1)
-        return len(looks)  # moves at every look: never a hang
+        if len(looks) >= enough:
+            done.set()
+        return len(looks)
 
+    return looks, progress, done
+
+
+def test_watchdogs_share_one_thread_that_never_looks_at_one_exited(tmp_path: Path) -> None:
     def watching_threads() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name == "trainkit-watchdog"]
 
+    looks, progress, looked = counted_looks(3)  # entering reads it once, the looks the rest
     first = Watchdog(timeout_s=0.4, run_dir=tmp_path)  # polls every 0.1 s
     first.follow(progress)
     with first:
-        time.sleep(0.5)
-    assert len(looks) >= 3  # entering read it once, the looks the rest
+        assert looked.wait(timeout=60)
     seen = len(looks)
-    time.sleep(0.3)
-    assert len(looks) == seen  # exited: no look at it any more
     (thread,) = watching_threads()
-    with Watchdog(timeout_s=0.4, run_dir=tmp_path) as second:
-        second.beat(1)
-        time.sleep(0.2)
+    _, second_progress, second_looked = counted_looks(3)
+    second = Watchdog(timeout_s=0.4, run_dir=tmp_path)
+    second.follow(second_progress)
+    with second:
+        assert second_looked.wait(timeout=60)  # the thread looked at the second one twice...
+    assert len(looks) == seen  # ...and not once at the first, exited
     assert watching_threads() == [thread] and thread.is_alive()  # the same thread, still there
-    assert len(looks) == seen and not (tmp_path / "hangs").exists()
+    assert not (tmp_path / "hangs").exists()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -189,14 +242,17 @@ def test_a_store_that_stops_answering_does_not_end_the_watching(
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = TCPStore("127.0.0.1", server.port, is_master=False,
                       timeout=datetime.timedelta(seconds=1))
-    watchdog = Watchdog(timeout_s=0.8, run_dir=tmp_path, world_size=2)
+    clock = FakeClock()
+    watchdog = Watchdog(timeout_s=60, run_dir=tmp_path, world_size=2, clock=clock)
     with caplog.at_level(logging.INFO, logger="trainkit"), watchdog:
         watchdog._board = Board(client, 2)  # as under torchrun: the job's store, two ranks
         del server
         watchdog.beat(1)
-        time.sleep(2.0)
+        watchdog.look()
+        clock.advance(61)
+        watchdog.look()  # a hang, and the store does not answer
         watchdog.beat(2)
-        time.sleep(0.5)
+        watchdog.look()  # moving again
     assert "no step after step 1" in (tmp_path / "hangs" / "rank0.txt").read_text()
     store_lines = [r for r in caplog.records if "store did not answer" in r.getMessage()]
     assert len(store_lines) == 1
