@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine, row
-from trainkit.errors import one_line
+from trainkit.core.errors import one_line
 
 # Run in this order.
 NAMES = ("overhead", "mnist_e2e", "precision", "loaders", "image_folder", "checkpoint",

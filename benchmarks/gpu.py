@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import emit, row, run_process
-from trainkit.device import memory_stats
+from trainkit.core.device import memory_stats
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]
 TINY_WIDTHS = (8, 16, 32, 32)  # CifarNet's widths for --quick on the CPU: its code, quickly
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _measure(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     from torch.utils.data import TensorDataset
 
-    from tests.fakes import write_fake_cifar10
+    from tests.helpers.fakes import write_fake_cifar10
     from trainkit.data import DevicePrefetcher, InMemoryLoader, make_loader
     from trainkit.data.datasets import load_cifar10
     from trainkit.loop.precision import Precision

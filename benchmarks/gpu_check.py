@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import REPO
-from trainkit.errors import one_line
+from trainkit.core.errors import one_line
 
 Case = Callable[["Context"], dict[str, Any]]
 CASE_TIMEOUT_S = 240  # one process; the whole check aims at <= 8 minutes on an H200
@@ -54,7 +54,7 @@ class Context:
     """Where the runs go, the data, the device and the overrides every run of a kind shares."""
 
     def __init__(self, work: Path, device: str) -> None:
-        from tests.fakes import write_fake_cifar10, write_fake_mnist
+        from tests.helpers.fakes import write_fake_cifar10, write_fake_mnist
 
         self.work, self.device = work, device
         self.cuda = device == "cuda"
@@ -358,8 +358,8 @@ def bf16(ctx: Context) -> dict[str, Any]:
 
 def out_of_memory(ctx: Context) -> dict[str, Any]:
     """A real allocator OOM in the third step: one line, status oom, the allocator's summary."""
-    outcome = ctx.train("oom", "model._target_=tests.models.ExhaustingNet", "trainer.max_steps=10",
-                        exp=ctx.mnist, expect=2)
+    outcome = ctx.train("oom", "model._target_=tests.helpers.models.ExhaustingNet",
+                        "trainer.max_steps=10", exp=ctx.mnist, expect=2)
     last = outcome["stderr"].strip().splitlines()[-1]
     log = (outcome["run"] / "train.log").read_text()
     checks = {
@@ -409,7 +409,7 @@ def micro_batch_auto_and_profile(ctx: Context) -> dict[str, Any]:
     completes; the profiler's trace holds CUDA kernels, the memory snapshots are written (one
     at the out-of-memory error)."""
     outcome = ctx.train(
-        "micro_batch", "model._target_=tests.models.BatchHungryNet", "data.batch_size=32",
+        "micro_batch", "model._target_=tests.helpers.models.BatchHungryNet", "data.batch_size=32",
         "trainer.micro_batch_size=auto", "trainer.max_steps=12", "trainer.profile.enabled=true",
         "trainer.profile.wait=2", "trainer.profile.warmup=1", "trainer.profile.active=2",
         "trainer.profile.memory_snapshot=true", exp=ctx.mnist)

@@ -87,8 +87,8 @@ def hand_loader(root: Path, workers: int, batch_size: int) -> Any:
 def trainkit_loader(root: Path, workers: int, batch_size: int) -> Any:
     """The training loader of ``data=image_folder data.root=<root>``, on this machine's device."""
     from trainkit.config import DataConfig
+    from trainkit.core.runtime import Runtime
     from trainkit.data.own_data import image_folder_loaders
-    from trainkit.runtime import Runtime
 
     cfg = DataConfig(name="image_folder", root=str(root), batch_size=batch_size,
                      loader="dataloader", num_workers=workers, random_flip=True,
@@ -101,9 +101,9 @@ def webdataset_loader(root: Path, workers: int, batch_size: int) -> Any:
     """The training loader of ``data=webdataset`` on ``root``'s images as shards (written once,
     beside the folder), on this machine's device."""
     from trainkit.config import DataConfig
+    from trainkit.core.runtime import Runtime
     from trainkit.data.shard_writer import write_shards
     from trainkit.data.shards import shard_loaders
-    from trainkit.runtime import Runtime
 
     shards = root.with_name(root.name + "-shards")
     if not (shards / "shards.json").is_file():

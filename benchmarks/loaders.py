@@ -196,7 +196,7 @@ def factory_datasets(root: str, quick: bool) -> dict[str, Any]:
 def make_data(root: Path, quick: bool) -> str:
     """Generated MNIST and CIFAR-10 files in the real formats (throughput does not depend on
     the pixel values)."""
-    from tests.fakes import write_fake_cifar10, write_fake_mnist
+    from tests.helpers.fakes import write_fake_cifar10, write_fake_mnist
 
     n = 512 if quick else 10_000
     write_fake_mnist(root, n_train=n, n_test=64)

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trainkit_extra: list[str] = []
         hand_extra = ["--precision", precision]
         if args.quick:
-            from tests.fakes import write_fake_mnist
+            from tests.helpers.fakes import write_fake_mnist
 
             data_root = str(write_fake_mnist(Path(tmp) / "data"))
             trainkit_extra = ["data.verify=false", "data.download=false", "trainer.max_steps=5",

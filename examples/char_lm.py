@@ -40,7 +40,7 @@ from trainkit import (
     make_loader,
     seed_everything,
 )
-from trainkit.errors import print_error
+from trainkit.core.errors import print_error
 from trainkit.models import GPT, Perplexity, PrintSample, lm_forward, lm_loss
 from trainkit.observe.logging import log_to_file
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fakes import write_fake_cifar10, write_fake_mnist
-from trainkit.errors import LINE_LIMIT
-from trainkit.signals import PREEMPTION_SIGNALS
+from tests.helpers.fakes import write_fake_cifar10, write_fake_mnist
+from trainkit.core.errors import LINE_LIMIT
+from trainkit.core.signals import PREEMPTION_SIGNALS
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,6 +8,11 @@ from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
 from trainkit.checkpoint.files import CheckpointManager, load_checkpoint, save_atomic
 from trainkit.checkpoint.load import load_model
 from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
+from trainkit.core.device import available_devices, move_to_device, resolve_device
+from trainkit.core.errors import ConfigError, TrainkitError
+from trainkit.core.rng import seed_everything
+from trainkit.core.runtime import Runtime
+from trainkit.core.signals import EXIT_PREEMPTED, Preemption
 from trainkit.data import (
     DevicePrefetcher,
     InMemoryLoader,
@@ -19,10 +24,8 @@ from trainkit.data import (
     make_loader,
 )
 from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
-from trainkit.device import available_devices, move_to_device, resolve_device
 from trainkit.distributed.fsdp import shard_model
 from trainkit.distributed.watchdog import EXIT_HUNG, Watchdog
-from trainkit.errors import ConfigError, TrainkitError
 from trainkit.loop.activations import apply_activation_checkpointing
 from trainkit.loop.callbacks import Callback, EarlyStopping
 from trainkit.loop.ema import EMA
@@ -30,9 +33,6 @@ from trainkit.loop.precision import Precision
 from trainkit.loop.step import StepResult, WindowStep, train_window, windows
 from trainkit.loop.trainer import NonFiniteLossError, Trainer, TrainState
 from trainkit.observe.trackers import MLflowSink, WandbSink
-from trainkit.rng import seed_everything
-from trainkit.runtime import Runtime
-from trainkit.signals import EXIT_PREEMPTED, Preemption
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainkit.errors import ConfigError
+from trainkit.core.errors import ConfigError
 
 # The choices of the settings that take one of a few words (checked by _check_choice)
 PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
@@ -76,7 +76,7 @@ class TrainerConfig:
     cudnn_benchmark: bool = True  # CUDA: autotune convolution algorithms per input shape
     tf32: bool = True  # CUDA, Ampere+: float32 matmuls and convolutions in TF32
     # CPU runs: glibc keeps freed memory for the next step instead of unmapping it (no page
-    # faults per step; see trainkit.loop.cpu_settings). Process-wide: once on, on until the exit.
+    # faults per step; see trainkit.core.cpu_settings). Process-wide: once on, on until the exit.
     cpu_keep_freed_memory: bool = True
     activation_checkpointing: list[str] = field(default_factory=list)
     # auto: DDP over several ranks; fsdp: weights, gradients and optimizer state sharded (FSDP2)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.callbacks import StopOnRank
+from tests.helpers.callbacks import StopOnRank
 
 
 class SayLastStep:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 FAULTS = ("sigterm", "sigkill", "error", "sleep")
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from trainkit.config import DataConfig
 from trainkit.data.shards import shard_loaders
-from trainkit.runtime import Runtime
+from trainkit.core.runtime import Runtime
 
 stop = threading.Event()
 

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, offline_env
-from tests.fakes import write_fake_cifar10, write_fake_mnist
+from tests.helpers.fakes import write_fake_cifar10, write_fake_mnist
 from trainkit.checkpoint import consolidate
 
 pytestmark = pytest.mark.dist

@@ -19,7 +19,7 @@ import torch
 
 from tests.conftest import REPO, offline_env
 from tests.dist.test_torchrun import only_run_dir, overrides, torchrun
-from tests.fakes import write_fake_mnist
+from tests.helpers.fakes import write_fake_mnist
 
 pytestmark = pytest.mark.dist
 

@@ -14,7 +14,7 @@ import torch
 
 from tests.conftest import REPO, offline_env
 from tests.dist.nets import rank_sum
-from tests.fakes import write_fake_mnist
+from tests.helpers.fakes import write_fake_mnist
 from trainkit.distributed.launch import launch, torchrun_command
 
 

@@ -20,8 +20,8 @@ def test_two_ranks_measure_and_rank_0_prints(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node=2", "--monitor-interval=0.1", "-m", "trainkit.probe",
                "--seconds", "0.3", "--out", str(out), "+exp=mnist", "trainer.precision=32",
-               "+dataset._target_=tests.probe_parts.fast_reader", "~model.widths",
-               "model._target_=tests.probe_parts.TinyNet", "data.batch_size=8",
+               "+dataset._target_=tests.helpers.probe_parts.fast_reader", "~model.widths",
+               "model._target_=tests.helpers.probe_parts.TinyNet", "data.batch_size=8",
                "data.eval_batch_size=64"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240,
                             env=offline_env(OMP_NUM_THREADS="1", TRAINKIT_DIST_TIMEOUT_S="60"))

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from tests.conftest import REPO, error_report, offline_env, run_train
 from tests.dist.nets import FlatNet
 from tests.dist.test_torchrun import torchrun_command
-from tests.fakes import write_fake_mnist
+from tests.helpers.fakes import write_fake_mnist
 from trainkit.checkpoint.sharded import KILL_IN_WRITE_ENV, latest_meta
 from trainkit.checkpoint.consolidate import load_full
 

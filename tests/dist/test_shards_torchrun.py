@@ -21,7 +21,7 @@ from tests.image_files import make_folder
 from trainkit.config import DataConfig
 from trainkit.data.shard_writer import write_shards
 from trainkit.data.shards import shard_loaders
-from trainkit.runtime import Runtime
+from trainkit.core.runtime import Runtime
 
 pytestmark = pytest.mark.dist
 

@@ -30,7 +30,7 @@ from tests.conftest import (
     wait_for_a_step,
 )
 from tests.dist.nets import FlatNet
-from tests.fakes import write_fake_mnist
+from tests.helpers.fakes import write_fake_mnist
 from trainkit import InMemoryLoader, Trainer, TrainerConfig, load_mnist
 
 pytestmark = pytest.mark.dist

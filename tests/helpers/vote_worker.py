@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from trainkit.core.runtime import Runtime
 from trainkit.distributed import group
-from trainkit.runtime import Runtime
 
 
 def main(out: Path) -> None:

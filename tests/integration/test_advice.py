@@ -19,7 +19,7 @@ ENV = offline_env(OMP_NUM_THREADS="1")  # as tests/integration/test_probe.py
 def run(run_dir: Path, *extra: str, model: str = "TinyNet") -> tuple[list[str], list[str]]:
     """Ten steps logged every two: the train.log lines that give advice, and summary's list."""
     result = run_train("+exp=mnist", f"hydra.run.dir={run_dir}", "trainer.precision=32",
-                       "~model.widths", f"model._target_=tests.probe_parts.{model}",
+                       "~model.widths", f"model._target_=tests.helpers.probe_parts.{model}",
                        "trainer.max_steps=10", "trainer.log_every_n_steps=2", "data.batch_size=8",
                        "data.eval_batch_size=64", *extra, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -28,7 +28,7 @@ def run(run_dir: Path, *extra: str, model: str = "TinyNet") -> tuple[list[str], 
     return [line for line in log if "advice: " in line], summary["advice"]
 
 
-SLOW = ("+dataset._target_=tests.probe_parts.slow_reader", "data.loader=dataloader",
+SLOW = ("+dataset._target_=tests.helpers.probe_parts.slow_reader", "data.loader=dataloader",
         "data.num_workers=0")
 
 
@@ -44,7 +44,7 @@ def test_a_slow_loader_gets_one_line_naming_the_share_and_the_setting(tmp_path: 
 def test_a_fast_loader_gets_none(tmp_path: Path) -> None:
     # fast next to its step: TinyNet's step is as short as the in-memory loader's batch gather,
     # so a loaded machine could tip it over the threshold either way
-    lines, advice = run(tmp_path, "+dataset._target_=tests.probe_parts.fast_reader",
+    lines, advice = run(tmp_path, "+dataset._target_=tests.helpers.probe_parts.fast_reader",
                         model="HeavyNet")
     assert lines == [] and advice == []
 
@@ -56,7 +56,8 @@ def test_advice_off_says_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host reads cost only on a GPU")
 def test_a_forward_that_reads_the_gpu_every_step_is_named(tmp_path: Path) -> None:
-    lines, advice = run(tmp_path, "+dataset._target_=tests.probe_parts.fast_reader",
-                        "model._target_=tests.probe_parts.ReadingNet", "trainer.device=cuda")
+    lines, advice = run(tmp_path, "+dataset._target_=tests.helpers.probe_parts.fast_reader",
+                        "model._target_=tests.helpers.probe_parts.ReadingNet",
+                        "trainer.device=cuda")
     assert [line.split("advice: ", 1)[1] for line in lines] == advice
     assert len(advice) == 1 and advice[0].startswith("host reads: "), advice

@@ -20,6 +20,7 @@ import torch
 from tests.conftest import REPO, error_report, offline_env, run_train, tiny_run
 from tests.image_files import make_folder
 from trainkit import load_model
+from trainkit.core.runtime import Runtime
 from trainkit.data.datasets import TensorData, load_mnist
 from trainkit.data.memory import InMemoryLoader
 from trainkit.entry import cli
@@ -27,7 +28,6 @@ from trainkit.entry.evaluate import evaluate_run
 from trainkit.entry.export import export_run
 from trainkit.entry.own_data import build_data
 from trainkit.entry.rebuild import image_source, rebuild
-from trainkit.runtime import Runtime
 
 pytestmark = pytest.mark.slow
 SITE = sysconfig.get_paths()["purelib"]

@@ -51,7 +51,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path) -> Path
     ([*EARLY_STOPPING, "+callbacks.acc._target_=trainkit.EarlyStopping",
       "+callbacks.acc.monitor=val/acc"],
      "two callbacks save their state under 'EarlyStopping' (EarlyStopping and EarlyStopping)"),
-    (["+callbacks.boom._target_=tests.callbacks.Boom"],
+    (["+callbacks.boom._target_=tests.helpers.callbacks.Boom"],
      "callback Boom raised in on_step_end: ValueError: boom at step 3"),
 ], ids=["eval_max_batches=0", "one-key-twice", "raises"])
 def test_bad_input_is_one_line_exit_2_and_keeps_the_checkpoint(

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import REPO, assert_same_weights, error_report, last_checkpoint, offline_env
-from trainkit.errors import LINE_LIMIT
+from trainkit.core.errors import LINE_LIMIT
 
 # 16 steps, an evaluation every 4 on 2 batches; min_delta so large that only the first evaluation
 # improves: patience 2 stops the run at step 12 -- unless the count were lost in a resume.
@@ -22,7 +22,8 @@ ARGS = ["--max-bytes", "60000", "--steps", "16", "--batch-size", "8", "--block",
 
 def lm_command(run_dir: Path, *callbacks: str, forward: str | None = None) -> list[str]:
     """The example's main() with test callbacks added (or its forward replaced)."""
-    code = ["import sys; sys.path.insert(0, 'examples'); import char_lm, tests.callbacks as t"]
+    code = ["import sys; sys.path.insert(0, 'examples')",
+            "import char_lm, tests.helpers.callbacks as t"]
     if forward:
         code.append(f"char_lm.forward = {forward}")
     code.append(f"char_lm.main(sys.argv[1:], callbacks=[{', '.join(callbacks)}])")

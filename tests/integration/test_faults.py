@@ -187,7 +187,7 @@ def test_a_bug_keeps_its_traceback_and_train_log_keeps_it_too(tmp_path: Path,
                                                               mnist_root: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_steps=4",
-                                 "model._target_=tests.models.BuggyNet"))
+                                 "model._target_=tests.helpers.models.BuggyNet"))
     assert result.returncode == 1  # not bad input: Python's own traceback, once
     assert result.stderr.count("Traceback") == 1 and "ZeroDivisionError" in result.stderr
     log = (run_dir / "train.log").read_text()

@@ -26,7 +26,7 @@ from tests.conftest import (
     start_in_own_group,
 )
 from tests.image_files import make_folder, truncate
-from trainkit.signals import EXIT_PREEMPTED
+from trainkit.core.signals import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
     run_dir, marker = tmp_path / "preempted", tmp_path / "at-step-3"
     command = [sys.executable, "-m", "trainkit.train",
                *folder_run(run_dir, folder, *common, "+callbacks.pause._target_="
-                           "tests.callbacks.PauseAt", "+callbacks.pause.step=3",
+                           "tests.helpers.callbacks.PauseAt", "+callbacks.pause.step=3",
                            f"+callbacks.pause.marker={marker}")]
     proc = start_in_own_group(command, tmp_path / "out.txt")
     try:
@@ -94,7 +94,7 @@ def test_two_ranks_under_torchrun_take_equal_batches(tmp_path: Path, folder: Pat
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          "--monitor-interval=0.1", "-m", "trainkit.train",
          *folder_run(tmp_path / "run", folder, "data.skip_corrupt=true",
-                     "+callbacks.count._target_=tests.callbacks.CountBatches",
+                     "+callbacks.count._target_=tests.helpers.callbacks.CountBatches",
                      f"+callbacks.count.folder={counts}")],
         cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"), capture_output=True,
         text=True, timeout=400)

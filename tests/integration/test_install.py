@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, last_checkpoint, offline_env
-from tests.fakes import write_fake_mnist
+from tests.helpers.fakes import write_fake_mnist
 
 pytestmark = pytest.mark.slow
 

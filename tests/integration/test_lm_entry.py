@@ -72,7 +72,7 @@ def test_lm_learns_logs_its_scalars_and_resumes_bitwise_after_sigterm(
         tmp_path: Path, corpus: Path) -> None:
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     procs = (start(whole, corpus),
-             start(cut, corpus, "+callbacks.stop._target_=tests.callbacks.SigtermAt",
+             start(cut, corpus, "+callbacks.stop._target_=tests.helpers.callbacks.SigtermAt",
                    "+callbacks.stop.step=60"))
     out_whole, out_cut = finish(procs[0], 0), finish(procs[1], 75)
     assert last_checkpoint(cut)["global_step"] == 60

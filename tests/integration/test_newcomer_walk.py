@@ -15,8 +15,8 @@ import torch
 
 from tests.conftest import REPO, error_report, last_checkpoint, offline_env, run_train, tiny_run
 from trainkit.checkpoint.contents import check_weights_fit
+from trainkit.core.errors import LINE_LIMIT, TrainkitError
 from trainkit.entry import cli
-from trainkit.errors import LINE_LIMIT, TrainkitError
 from trainkit.models import MnistNet
 
 FLAT = ("model._target_=tests.dist.nets.FlatNet", "~model.widths", "trainer.precision=32")
@@ -49,8 +49,8 @@ def test_make_loader_for_cuda_without_cuda_fails_on_the_device_not_pinning() -> 
     result = _run("-c", script, env=offline_env(CUDA_VISIBLE_DEVICES=""))
     assert result.returncode == 1
     last = result.stderr.rstrip().splitlines()[-1]
-    assert last.startswith("trainkit.errors.TrainkitError: device 'cuda' requested but CUDA is "
-                           "not available"), result.stderr
+    assert last.startswith("trainkit.core.errors.TrainkitError: device 'cuda' requested but "
+                           "CUDA is not available"), result.stderr
     assert "pin_memory" not in result.stderr
 
 

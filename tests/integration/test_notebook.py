@@ -17,7 +17,7 @@ from nbclient import NotebookClient
 from nbformat import NotebookNode
 
 from tests.conftest import REPO, last_checkpoint, offline_env
-from tests.fakes import write_fake_mnist
+from tests.helpers.fakes import write_fake_mnist
 
 EXAMPLES = REPO / "examples"
 NOTEBOOK = EXAMPLES / "quickstart.ipynb"

@@ -121,7 +121,7 @@ def test_out_of_memory_is_one_diagnosis_and_keeps_checkpoints(tmp_path: Path,
     before = (run_dir / "checkpoints" / "last.pt").read_bytes()
     result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_steps=4",
                                  "checkpoint.resume=null",
-                                 "model._target_=tests.models.OutOfMemoryNet"))
+                                 "model._target_=tests.helpers.models.OutOfMemoryNet"))
     assert result.returncode == 2
     details, last = error_report(result.stderr)
     assert "out of memory on cpu at step 2 with batch 32" in last

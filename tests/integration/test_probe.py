@@ -30,9 +30,9 @@ def probe(out: Path, *overrides: str, seconds: str = "0.7") -> subprocess.Comple
 
 def slow(*extra: str) -> list[str]:
     """A dataset whose samples each sleep, one DataLoader worker, a model that costs nothing."""
-    return ["+dataset._target_=tests.probe_parts.slow_reader", "data.loader=dataloader",
+    return ["+dataset._target_=tests.helpers.probe_parts.slow_reader", "data.loader=dataloader",
             "data.num_workers=1", "data.batch_size=8",
-            "model._target_=tests.probe_parts.TinyNet", *extra]
+            "model._target_=tests.helpers.probe_parts.TinyNet", *extra]
 
 
 def test_a_slow_dataset_is_input_bound_and_two_workers_load_it_faster(tmp_path: Path) -> None:
@@ -56,9 +56,9 @@ def test_a_slow_dataset_is_input_bound_and_two_workers_load_it_faster(tmp_path: 
 
 def test_a_heavy_model_on_in_memory_data_is_compute_bound(tmp_path: Path) -> None:
     out = tmp_path / "probe.json"
-    result = probe(out, "+dataset._target_=tests.probe_parts.fast_reader", "+dataset.size=16",
-                   "data.loader=memory", "data.batch_size=16",
-                   "model._target_=tests.probe_parts.HeavyNet", "+model.width=48")
+    result = probe(out, "+dataset._target_=tests.helpers.probe_parts.fast_reader",
+                   "+dataset.size=16", "data.loader=memory", "data.batch_size=16",
+                   "model._target_=tests.helpers.probe_parts.HeavyNet", "+model.width=48")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["verdict"]["bound"] == "compute", result.stdout
@@ -70,11 +70,11 @@ def test_a_heavy_model_on_in_memory_data_is_compute_bound(tmp_path: Path) -> Non
 
 def test_a_config_that_fails_to_build_is_one_line_and_exit_2(tmp_path: Path) -> None:
     out = tmp_path / "probe.json"
-    result = probe(out, "+dataset._target_=tests.probe_parts.fast_reader",
-                   "model._target_=tests.probe_parts.NoSuchNet")
+    result = probe(out, "+dataset._target_=tests.helpers.probe_parts.fast_reader",
+                   "model._target_=tests.helpers.probe_parts.NoSuchNet")
     assert result.returncode == 2, result.stderr[-3000:]
     _, last = error_report(result.stderr)
-    assert "model._target_=tests.probe_parts.NoSuchNet" in last
+    assert "model._target_=tests.helpers.probe_parts.NoSuchNet" in last
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 

@@ -205,7 +205,7 @@ def test_a_tracker_not_installed_is_one_line_naming_the_extra(
         tmp_path: Path, mnist_root: Path, module: str, target: str) -> None:
     # the package made unimportable, as where it is not installed (sys.modules[name] = None)
     code = (f"import sys; sys.modules[{module!r}] = None; sys.argv[0] = 'trainkit.train'; "
-            "from trainkit.train import main; main()")
+            "from trainkit.entry.train import main; main()")
     done = subprocess.run(
         [sys.executable, "-c", code,
          *tiny_run(tmp_path / "run", mnist_root, f"+sinks.x._target_={target}")],

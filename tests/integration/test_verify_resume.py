@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import REPO, error_report, offline_env
 from trainkit.checkpoint.files import save_atomic
-from trainkit.verify_resume import _report
+from trainkit.entry.verify_resume import _report
 
 CASES = {
     # shuffled in-memory batches, accumulation windows of 3, checkpoints written in the background

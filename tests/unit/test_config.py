@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
-from trainkit.errors import LINE_LIMIT, ConfigError
-from trainkit.train import CONFIG_DIR
+from trainkit.core.errors import LINE_LIMIT, ConfigError
+from trainkit.entry.train import CONFIG_DIR
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "exp").glob("*.yaml"))
 

@@ -8,10 +8,12 @@ from pathlib import Path
 from tests.conftest import REPO
 
 PACKAGE = REPO / "trainkit"
-# Bottom to top; the top-level modules sit below them all, the entry points above.
-LAYERS = ["distributed", "data", "models", "observe", "checkpoint", "loop", "entry"]
-ENTRY_POINTS = {"__init__", "__main__", "train", "verify_resume", "probe", "launch", "env",
-                "evaluate"}
+# Bottom to top. The schema (config.py) sits with core; the few top-level modules that keep a
+# documented path (``python -m trainkit.train``, ``trainkit.launch``, ...) hand on to any layer.
+LAYERS = ["core", "distributed", "data", "models", "observe", "checkpoint", "loop", "entry"]
+SCHEMA = {"config"}
+PASS_THROUGH = {"__init__", "__main__", "train", "verify_resume", "probe", "evaluate", "launch",
+                "env"}
 
 
 def _imported(path: Path) -> set[str]:
@@ -29,11 +31,12 @@ def _imported(path: Path) -> set[str]:
 
 
 def _layer(module: str) -> int | None:
-    """A module's rank in :data:`LAYERS` (-1: a top-level module); None for an entry point."""
+    """A module's rank in :data:`LAYERS` (the schema ranks with core); None above them all: the
+    pass-throughs and the package itself (``from trainkit import x`` loads every layer)."""
     part = module.split(".")[1]
     if part in LAYERS:
         return LAYERS.index(part)
-    return None if part in ENTRY_POINTS else -1
+    return 0 if part in SCHEMA else None
 
 
 def test_no_module_imports_a_layer_above_its_own() -> None:
@@ -46,6 +49,15 @@ def test_no_module_imports_a_layer_above_its_own() -> None:
         upward += [f"{relative}: {name}" for name in sorted(_imported(path))
                    if (other := _layer(name)) is None or other > own]
     assert upward == []
+
+
+def test_the_top_level_holds_folders_the_schema_and_documented_pass_throughs() -> None:
+    modules = {path.stem for path in PACKAGE.glob("*.py")}
+    assert modules <= SCHEMA | PASS_THROUGH, sorted(modules - SCHEMA - PASS_THROUGH)
+    for name in modules - SCHEMA - {"__init__", "__main__"}:
+        code = [line for line in (PACKAGE / f"{name}.py").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith(("#", '"', "'"))]
+        assert len(code) <= 8, f"trainkit/{name}.py is more than a module that hands on"
 
 
 def test_each_new_folder_says_its_concern_in_one_line_and_is_packaged() -> None:

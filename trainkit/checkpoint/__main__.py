@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainkit.errors import TrainkitError, command_name, print_error
+from trainkit.core.errors import TrainkitError, command_name, print_error
 
 
 def main(argv: list[str] | None = None) -> int:

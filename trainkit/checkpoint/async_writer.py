@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from trainkit.checkpoint.files import CheckpointManager
-from trainkit.errors import one_line
-from trainkit.tree import tree_leaves, tree_map
+from trainkit.core.errors import one_line
+from trainkit.core.tree import tree_leaves, tree_map
 
 log = logging.getLogger("trainkit")
 

@@ -30,18 +30,18 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from trainkit import rng, schedules
 from trainkit.checkpoint.contents import check_config, manifest
 from trainkit.checkpoint.files import CheckpointManager
 from trainkit.checkpoint.layout import newest_readable
 from trainkit.checkpoint.storages import Content, Storage, storages_for
 from trainkit.config import CheckpointConfig
+from trainkit.core import rng, schedules
+from trainkit.core.errors import TrainkitError
+from trainkit.core.runtime import Runtime
 from trainkit.data.resumable import ResumableData
 from trainkit.distributed import ddp, group
 from trainkit.distributed.watchdog import Watchdog, watched
-from trainkit.errors import TrainkitError
 from trainkit.observe.sinks import tracker_runs
-from trainkit.runtime import Runtime
 
 log = logging.getLogger("trainkit")
 _POSITION = ("epoch", "batch")  # a loader's state beyond these is its settings (seed, ...)

@@ -12,7 +12,7 @@ import torch
 
 from trainkit.checkpoint.files import save_atomic
 from trainkit.checkpoint.sharded import _quiet_single_process, read_meta
-from trainkit.errors import TrainkitError, one_line
+from trainkit.core.errors import TrainkitError, one_line
 
 
 def load_full(path: str | Path, *, key: str = "checkpoint") -> dict[str, Any]:

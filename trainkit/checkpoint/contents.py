@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from trainkit.config import flatten
-from trainkit.errors import LINE_LIMIT, TrainkitError
+from trainkit.core.errors import LINE_LIMIT, TrainkitError
 
 log = logging.getLogger("trainkit")
 

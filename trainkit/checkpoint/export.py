@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from trainkit.checkpoint.load import MODEL_JSON
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 FORMATS = ("safetensors", "pt", "pt2")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -27,8 +27,8 @@ from trainkit.checkpoint.layout import (
     unreadable,
     write_failed,
 )
-from trainkit.errors import TrainkitError, one_line
-from trainkit.tree import tree_map
+from trainkit.core.errors import TrainkitError, one_line
+from trainkit.core.tree import tree_map
 
 
 def save_atomic(state: dict[str, Any], path: str | Path) -> Path:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from trainkit.errors import TrainkitError, one_line
+from trainkit.core.errors import TrainkitError, one_line
 
 log = logging.getLogger("trainkit")
 _STEP = re.compile(r"^step_(\d+)")

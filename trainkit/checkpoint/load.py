@@ -17,8 +17,8 @@ from torch import nn
 
 from trainkit.checkpoint.contents import check_weights_fit
 from trainkit.checkpoint.select import find_checkpoint, model_weights, read_checkpoint
-from trainkit.device import resolve_device
-from trainkit.errors import TrainkitError, chain_lines
+from trainkit.core.device import resolve_device
+from trainkit.core.errors import TrainkitError, chain_lines
 
 MODEL_JSON = "model.json"
 

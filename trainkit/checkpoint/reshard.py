@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# torch.distributed.checkpoint is imported where used: with FSDP and sympy it costs ~0.8 s,
-# which a run without sharded checkpoints should not pay at start-up.
-from trainkit import rng
 from trainkit.checkpoint.contents import check_weights_fit
 from trainkit.checkpoint.sharded import _quiet_single_process
-from trainkit.errors import TrainkitError, one_line
+
+# torch.distributed.checkpoint is imported where used: with FSDP and sympy it costs ~0.8 s,
+# which a run without sharded checkpoints should not pay at start-up.
+from trainkit.core import rng
+from trainkit.core.errors import TrainkitError, one_line
 
 log = logging.getLogger("trainkit")
 

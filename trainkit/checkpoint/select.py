@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from trainkit.checkpoint.files import load_checkpoint
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 _STEP = re.compile(r"^step_(\d+)(\.pt)?$")
 WEIGHTS = ("auto", "ema", "raw")

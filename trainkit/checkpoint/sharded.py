@@ -46,8 +46,8 @@ from trainkit.checkpoint.layout import (
     unreadable,
     write_failed,
 )
+from trainkit.core.errors import TrainkitError, one_line
 from trainkit.distributed.group import barrier
-from trainkit.errors import TrainkitError, one_line
 
 if TYPE_CHECKING:  # imported where used: with FSDP and sympy it costs ~0.8 s at start-up
     import torch.distributed.checkpoint as dcp

@@ -28,16 +28,16 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from trainkit import rng
 from trainkit.checkpoint import reshard, sharded
 from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
 from trainkit.checkpoint.contents import check_weights_fit
 from trainkit.checkpoint.files import CheckpointManager, read_checkpoint
 from trainkit.checkpoint.layout import Layout
 from trainkit.config import CheckpointConfig
+from trainkit.core import rng
+from trainkit.core.errors import TrainkitError
+from trainkit.core.runtime import Runtime
 from trainkit.distributed import fsdp
-from trainkit.errors import TrainkitError
-from trainkit.runtime import Runtime
 
 log = logging.getLogger("trainkit")
 

@@ -15,6 +15,7 @@ Two paths, one interface -- :class:`ResumableData`: ``len``, iteration,
 ``tokenize`` and ``shards`` write token corpora and image shards.
 """
 
+from trainkit.core.rng import mix_seed
 from trainkit.data.augment import crop_flip
 from trainkit.data.build import build_loaders
 from trainkit.data.loaders import (
@@ -28,7 +29,6 @@ from trainkit.data.order import epoch_order
 from trainkit.data.prefetch import DevicePrefetcher
 from trainkit.data.resumable import ResumableData
 from trainkit.data.tokens import TokenLoader
-from trainkit.rng import mix_seed
 
 __all__ = [
     "DevicePrefetcher",

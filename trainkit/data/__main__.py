@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from trainkit.core.errors import TrainkitError, command_name, print_error
 from trainkit.data.checksums import check_md5
 from trainkit.data.datasets import (
     CIFAR10_FOLDER,
@@ -30,7 +31,6 @@ from trainkit.data.datasets import (
 )
 from trainkit.data.shard_writer import write_shards
 from trainkit.data.tokenize import TOKENIZERS, tokenize
-from trainkit.errors import TrainkitError, command_name, print_error
 
 
 def _mnist_files() -> tuple[Path, dict[str, str]]:

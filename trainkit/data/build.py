@@ -9,6 +9,8 @@ import torch
 from torch.utils.data import Dataset
 
 from trainkit.config import DataConfig
+from trainkit.core.errors import ConfigError
+from trainkit.core.runtime import Runtime
 from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.data.loaders import make_loader
 from trainkit.data.memory import InMemoryLoader
@@ -16,8 +18,6 @@ from trainkit.data.own_data import dataset_loaders, image_folder_loaders
 from trainkit.data.prefetch import DevicePrefetcher
 from trainkit.data.shards import shard_loaders
 from trainkit.data.tokens import token_loaders
-from trainkit.errors import ConfigError
-from trainkit.runtime import Runtime
 
 READERS = {"mnist": load_mnist, "cifar10": load_cifar10}  # the built-in datasets, by data.name
 # A user's own dataset: called as ``reader(root=data.root, train=True/False)``, returns one split:

@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 _RECORD = "verified.json"
 

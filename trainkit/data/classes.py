@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 CLASSES_FILE = "classes.json"
 STATE_KEY = "classes"  # in the data loader's state_dict, saved as checkpoint["data"]

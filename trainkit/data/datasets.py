@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainkit.core.errors import TrainkitError, chain_lines
 from trainkit.data.checksums import check_md5
 from trainkit.data.safe_pickle import load_restricted
-from trainkit.errors import TrainkitError, chain_lines
 
 # md5 of the uncompressed files torchvision leaves in <root>/MNIST/raw.
 MNIST_MD5 = {
@@ -237,7 +237,7 @@ _MIRROR_TRIED = re.compile(r"Tried (\S+), got: (.*?)(?= Tried \S+, got: |$)")
 
 
 def download_error_lines(err: BaseException) -> list[str]:
-    """``err`` and its causes as :func:`~trainkit.errors.chain_lines`, each error said once:
+    """``err`` and its causes as :func:`~trainkit.core.errors.chain_lines`, each error said once:
     mirrors that all failed alike are named together with the one error, and a cause the line
     before already quotes (``URLError: <urlopen error X>`` of ``OSError: X``) is left out."""
     lines: list[str] = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 
 def load_split(root: str | None = None, train: bool = True, *, path: str,

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from trainkit.core.errors import TrainkitError
 from trainkit.data.transforms import IMAGE_SUFFIXES, UnreadableImage, load_image, normalize
-from trainkit.errors import TrainkitError
 
 Transform = Callable[[torch.Tensor], Any]
 Stats = tuple[Sequence[float], Sequence[float]]

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
+from trainkit.core.errors import TrainkitError
 from trainkit.data.classes import STATE_KEY, check_same_classes
 from trainkit.data.image_folder import ImageBatch
 from trainkit.data.loaders import ResumableLoader
 from trainkit.data.prefetch import DevicePrefetcher
 from trainkit.data.resumable import saved_position
-from trainkit.errors import TrainkitError
 
 log = logging.getLogger("trainkit")
 

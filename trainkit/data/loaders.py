@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
+from trainkit.core.device import resolve_device
+from trainkit.core.errors import ConfigError
+from trainkit.core.rng import mix_seed
+from trainkit.core.signals import shielded_worker_init
 from trainkit.data.order import check_shard, epoch_order, shard_size
 from trainkit.data.resumable import DataPosition, saved_position
 from trainkit.data.shm import fit_shared_memory
-from trainkit.device import resolve_device
-from trainkit.errors import ConfigError
-from trainkit.rng import mix_seed
-from trainkit.signals import shielded_worker_init
 
 
 def default_num_workers(procs_per_node: int | None = None) -> int:

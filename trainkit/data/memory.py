@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
+from trainkit.core.errors import ConfigError
+from trainkit.core.rng import mix_seed
 from trainkit.data.augment import PAD_MODES, crop_flip
 from trainkit.data.datasets import TensorData
 from trainkit.data.order import check_shard, epoch_order, shard_size
 from trainkit.data.resumable import DataPosition, saved_position
-from trainkit.errors import ConfigError
-from trainkit.rng import mix_seed
 
 
 class InMemoryLoader:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from trainkit.errors import ConfigError
+from trainkit.core.errors import ConfigError
 
 
 def shard_size(n: int, *, shuffle: bool, rank: int, world_size: int) -> int:

@@ -25,6 +25,8 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from trainkit.config import DataConfig
+from trainkit.core.errors import ConfigError
+from trainkit.core.runtime import Runtime
 from trainkit.data.image_folder import BadFile, ImageFiles, collate_images, read_image_folder
 from trainkit.data.image_loader import ImageLoader
 from trainkit.data.loaders import make_loader
@@ -35,8 +37,6 @@ from trainkit.data.transforms import (
     stats_for,
     transform_for,
 )
-from trainkit.errors import ConfigError
-from trainkit.runtime import Runtime
 
 Transforms = Sequence[Callable[..., Any]] | None
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
+from trainkit.core.device import move_to_device
+from trainkit.core.tree import tensors
 from trainkit.data.resumable import DataPosition, saved_position, set_epoch
 from trainkit.data.transforms import normalize
-from trainkit.device import move_to_device
-from trainkit.tree import tensors
 
 
 class DevicePrefetcher:

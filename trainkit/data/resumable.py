@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 
 @runtime_checkable

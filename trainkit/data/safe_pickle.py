@@ -12,7 +12,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 try:  # NumPy 2 moved the array reconstructor; files written by NumPy 1 still name the old module
     from numpy._core.multiarray import _reconstruct

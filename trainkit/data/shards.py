@@ -46,13 +46,13 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainkit.config import DataConfig
+from trainkit.core.errors import ConfigError, TrainkitError
+from trainkit.core.rng import mix_seed
+from trainkit.core.runtime import Runtime
+from trainkit.core.signals import shielded_worker_init
 from trainkit.data.prefetch import DevicePrefetcher
 from trainkit.data.resumable import DataPosition, saved_position
 from trainkit.data.transforms import IMAGE_SUFFIXES, decode_image, stats_for, transform_for
-from trainkit.errors import ConfigError, TrainkitError
-from trainkit.rng import mix_seed
-from trainkit.runtime import Runtime
-from trainkit.signals import shielded_worker_init
 
 IMAGE_KEYS = tuple(suffix[1:] for suffix in IMAGE_SUFFIXES)
 INDEX = "shards.json"

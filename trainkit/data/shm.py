@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainkit.device import GIB
-from trainkit.errors import ConfigError
+from trainkit.core.device import GIB
+from trainkit.core.errors import ConfigError
 
 log = logging.getLogger("trainkit")
 

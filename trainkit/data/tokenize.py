@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from trainkit.errors import ConfigError, TrainkitError
+from trainkit.core.errors import ConfigError, TrainkitError
 
 CHUNK = 1 << 20  # bytes read (and tokens copied) at a time
 TOKENIZERS = ("bytes", "gpt2")

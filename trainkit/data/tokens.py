@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from trainkit.config import DataConfig
+from trainkit.core.errors import ConfigError
+from trainkit.core.rng import mix_seed
+from trainkit.core.runtime import Runtime
 from trainkit.data.resumable import DataPosition, saved_position
-from trainkit.errors import ConfigError
-from trainkit.rng import mix_seed
-from trainkit.runtime import Runtime
 
 DTYPES = ("uint16", "uint32")
 

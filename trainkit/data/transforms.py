@@ -30,7 +30,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from trainkit.config import DataConfig
-from trainkit.errors import TrainkitError, one_line
+from trainkit.core.errors import TrainkitError, one_line
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

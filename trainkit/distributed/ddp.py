@@ -16,7 +16,7 @@ from trainkit.distributed import fsdp
 from trainkit.distributed.group import is_distributed
 
 if TYPE_CHECKING:
-    from trainkit.runtime import Runtime
+    from trainkit.core.runtime import Runtime
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainkit.errors import TrainkitError, chain_lines, one_line
-from trainkit.runtime import Runtime
-from trainkit.submodules import match_modules
+from trainkit.core.errors import TrainkitError, chain_lines, one_line
+from trainkit.core.runtime import Runtime
+from trainkit.core.submodules import match_modules
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy

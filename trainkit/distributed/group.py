@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 if TYPE_CHECKING:
-    from trainkit.runtime import Runtime
+    from trainkit.core.runtime import Runtime
 
 # Seconds a collective may wait for a missing rank before failing (torch's defaults are 10-30
 # minutes); a dead peer is usually noticed at once anyway, as gloo and NCCL see its sockets close.

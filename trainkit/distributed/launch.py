@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from trainkit.core.errors import TrainkitError, command_name, print_error
+from trainkit.core.runtime import Runtime
+from trainkit.core.signals import EXIT_PREEMPTED
 from trainkit.distributed import group
-from trainkit.errors import TrainkitError, command_name, print_error
-from trainkit.runtime import Runtime
-from trainkit.signals import EXIT_PREEMPTED
 
 
 def default_nproc() -> int:
@@ -124,10 +124,11 @@ def _in_process_group(fn: Callable[..., Any], *args: Any) -> Any:
 def run_torchrun(args: Sequence[str]) -> int:
     """Run torchrun with ``args`` (its command line) in this process; return an exit status.
 
-    0 when every worker succeeded; 75 (:data:`~trainkit.signals.EXIT_PREEMPTED`) when the workers
-    stopped on a signal after saving, or this process was signalled and forwarded it (either way
-    re-running resumes); else the status of the worker that failed first (2 for bad input), whose
-    own last line said why; 1, with torchrun's report, when a worker died of a signal.
+    0 when every worker succeeded; 75 (:data:`~trainkit.core.signals.EXIT_PREEMPTED`) when the
+    workers stopped on a signal after saving, or this process was signalled and forwarded it
+    (either way re-running resumes); else the status of the worker that failed first (2 for bad
+    input), whose own last line said why; 1, with torchrun's report, when a worker died of a
+    signal.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -22,7 +22,7 @@ import os
 import re
 from collections.abc import MutableMapping
 
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 # Ports 20000-39999: above the usual services, below Linux's ephemeral range (32768+ overlaps a
 # little; a job id whose port is taken fails at once with "address already in use").

@@ -1,7 +1,7 @@
 """A SLURM job that requeues itself after its time-limit warning, and resumes where it stopped.
 
 With ``#SBATCH --signal=B:USR1@120`` SLURM sends SIGUSR1 two minutes before the time limit. The
-signal only sets the stop flag (:mod:`trainkit.signals`); the step in flight finishes, one
+signal only sets the stop flag (:mod:`trainkit.core.signals`); the step in flight finishes, one
 checkpoint is written, and then rank 0 runs ``scontrol requeue <job id>`` once
 (:func:`requeue_after_stop`). The requeued job keeps its id, and the entry point's default run
 directory is named after it (:func:`run_dir_name`), so it resumes from that checkpoint.
@@ -18,7 +18,7 @@ import signal
 import subprocess
 from collections.abc import Mapping
 
-from trainkit.errors import TrainkitError, one_line
+from trainkit.core.errors import TrainkitError, one_line
 
 log = logging.getLogger("trainkit")
 
@@ -62,7 +62,7 @@ def requeue_after_stop(received: int | None, *, enabled: bool, is_main: bool) ->
 
     Says in one line what happened: requeued, or why not (no ``scontrol`` on the PATH, as in
     most containers; scontrol's own error, e.g. a job submitted with ``--no-requeue``). Either
-    way the caller then exits 75 (:data:`~trainkit.signals.EXIT_PREEMPTED`).
+    way the caller then exits 75 (:data:`~trainkit.core.signals.EXIT_PREEMPTED`).
 
     Args:
         received: the signal that stopped the run (None: stopped otherwise).

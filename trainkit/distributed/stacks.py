@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainkit.errors import one_line
+from trainkit.core.errors import one_line
 
 HANG_DIR = "hangs"
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainkit.core.runtime import Runtime
 from trainkit.distributed import ddp, fsdp, group
-from trainkit.runtime import Runtime
 
 log = logging.getLogger("trainkit")
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from trainkit.core.errors import one_line
 from trainkit.distributed import group
 from trainkit.distributed.heartbeats import (
     Board,
@@ -45,7 +46,6 @@ from trainkit.distributed.heartbeats import (
 )
 from trainkit.distributed.looks import LOOKS
 from trainkit.distributed.stacks import dump_stacks, stacks_place, where
-from trainkit.errors import one_line
 
 log = logging.getLogger("trainkit")
 

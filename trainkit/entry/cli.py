@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args and args[0] in ("-h", "--help") else 2
     command, rest = args[0], args[1:]
     module = importlib.import_module(COMMANDS[command][0])
-    # The name its usage line shows (trainkit.errors.command_name); Hydra reads the overrides
+    # The name its usage line shows (trainkit.core.errors.command_name); Hydra reads the overrides
     # from sys.argv itself.
     argv_before, sys.argv = sys.argv, [f"trainkit {command}", *rest]
     if command == "train":

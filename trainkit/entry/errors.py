@@ -1,8 +1,8 @@
 """The entry point's error folding: user errors as one short last line, and an exit status.
 
 Part of the entry point (it knows Hydra's exceptions); the library raises
-:class:`~trainkit.errors.TrainkitError` and names settings in its own words (``run_dir``), which
-are translated to the Hydra override that sets them (``hydra.run.dir``).
+:class:`~trainkit.core.errors.TrainkitError` and names settings in its own words (``run_dir``),
+which are translated to the Hydra override that sets them (``hydra.run.dir``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch.distributed
 from hydra.errors import HydraException, InstantiationException
 from omegaconf.errors import OmegaConfBaseException
 
-from trainkit.errors import TrainkitError, chain_lines, one_line, print_error
+from trainkit.core.errors import TrainkitError, chain_lines, one_line, print_error
+from trainkit.core.signals import EXIT_PREEMPTED, StoppedOutsideTraining
 from trainkit.observe.logging import log_to_file
-from trainkit.signals import EXIT_PREEMPTED, StoppedOutsideTraining
 
 # Users who set HYDRA_FULL_ERROR=1 get full tracebacks; read before main() sets it for itself.
 _SHOW_TRACEBACK = os.environ.get("HYDRA_FULL_ERROR") == "1"

@@ -18,6 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainkit.core.cuda_settings import use_device
+from trainkit.core.errors import command_name
+from trainkit.core.runtime import Runtime
 from trainkit.distributed import group
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.own_data import build_data
@@ -29,11 +32,8 @@ from trainkit.entry.rebuild import (
     rebuild,
     split_args,
 )
-from trainkit.errors import command_name
 from trainkit.loop import evaluation
-from trainkit.loop.cuda_settings import use_device
 from trainkit.loop.precision import Precision
-from trainkit.runtime import Runtime
 
 USAGE = ("RUN_DIR [ckpt=best|last|step_N|PATH] [weights=auto|ema|raw] [key=value ...]")
 OPTIONS = {"ckpt": "", "weights": "auto"}

@@ -16,10 +16,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainkit.config import TrainConfig
+from trainkit.core.errors import ConfigError
+from trainkit.core.runtime import Runtime
 from trainkit.data import build_loaders
 from trainkit.data.classes import write_classes
-from trainkit.errors import ConfigError
-from trainkit.runtime import Runtime
 
 
 def build_data(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> tuple[Any, Any, int]:

@@ -26,14 +26,14 @@ from typing import Any
 import torch
 
 from trainkit.checkpoint.export import Inputs, Normalized
+from trainkit.core.cuda_settings import use_device
+from trainkit.core.errors import TrainkitError, command_name
+from trainkit.core.runtime import Runtime
 from trainkit.data.transforms import IMAGE_SUFFIXES
 from trainkit.distributed import group
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.rebuild import image_source, inputs_of, read_split, rebuild, split_args
-from trainkit.errors import TrainkitError, command_name
-from trainkit.loop.cuda_settings import use_device
 from trainkit.loop.precision import Precision
-from trainkit.runtime import Runtime
 
 USAGE = ("RUN_DIR inputs=FOLDER|test|train out=FILE.jsonl|FILE.pt [ckpt=best] [topk=5] "
          "[predict=pkg.module.function] [key=value ...]")

@@ -23,9 +23,9 @@ from trainkit.checkpoint.export import Inputs
 from trainkit.checkpoint.load import build_model
 from trainkit.checkpoint.select import find_checkpoint, model_weights, read_checkpoint
 from trainkit.config import TrainConfig
+from trainkit.core.errors import ConfigError, TrainkitError, one_line
 from trainkit.data.build import READERS
 from trainkit.data.datasets import TensorData
-from trainkit.errors import ConfigError, TrainkitError, one_line
 from trainkit.loop.step import default_forward
 
 

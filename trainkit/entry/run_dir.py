@@ -8,9 +8,9 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from trainkit.core.errors import TrainkitError
+from trainkit.core.runtime import Runtime
 from trainkit.distributed.slurm_requeue import run_dir_name
-from trainkit.errors import TrainkitError
-from trainkit.runtime import Runtime
 
 # What Hydra writes into a run directory before the job's own code runs.
 _HYDRA_ONLY = {".hydra"}

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainkit.errors import TrainkitError, command_name, print_error
+from trainkit.core.errors import TrainkitError, command_name, print_error
 from trainkit.observe.summary import read_summary
 
 

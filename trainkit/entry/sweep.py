@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainkit.errors import TrainkitError, command_name, one_line
+from trainkit.core.errors import TrainkitError, command_name, one_line
+from trainkit.core.signals import EXIT_PREEMPTED
 from trainkit.observe.summary import read_summary
-from trainkit.signals import EXIT_PREEMPTED
 
 STUDY = "trainkit"  # one study per sweep dir: its database is the dir's own
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainkit.submodules import match_modules
+from trainkit.core.submodules import match_modules
 
 log = logging.getLogger("trainkit")
 

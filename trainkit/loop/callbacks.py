@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainkit.errors import TrainkitError, one_line
+from trainkit.core.errors import TrainkitError, one_line
 from trainkit.observe.logging import log_to_file
 
 log = logging.getLogger("trainkit")

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainkit.core.errors import TrainkitError
 from trainkit.distributed import fsdp
 from trainkit.distributed.ddp import unwrap
-from trainkit.errors import TrainkitError
 
 
 class EMA:

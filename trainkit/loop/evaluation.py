@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
-from trainkit.device import move_to_device
+from trainkit.core.device import move_to_device
+from trainkit.core.errors import TrainkitError
 from trainkit.distributed import ddp, fsdp, group
-from trainkit.errors import TrainkitError
 from trainkit.loop.precision import Precision
 from trainkit.loop.step import Criterion, Forward, batch_size
 

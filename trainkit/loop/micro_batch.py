@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainkit.core.errors import TrainkitError
+from trainkit.core.tree import tree_map
 from trainkit.distributed import group
 from trainkit.distributed.ddp import sync_gradients
-from trainkit.errors import TrainkitError
 from trainkit.loop import oom
 from trainkit.loop.step import Batch, StepResult, WindowStep, batch_size
-from trainkit.tree import tree_map
 
 log = logging.getLogger("trainkit")
 

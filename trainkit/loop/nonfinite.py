@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 log = logging.getLogger("trainkit")
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from trainkit.device import GIB, memory_stats
-from trainkit.errors import one_line
+from trainkit.core.device import GIB, memory_stats
+from trainkit.core.errors import one_line
 from trainkit.observe.metrics import StepMeter
 
 log = logging.getLogger("trainkit")

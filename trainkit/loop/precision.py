@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from trainkit.device import bf16_native
-from trainkit.errors import TrainkitError
+from trainkit.core.device import bf16_native
+from trainkit.core.errors import TrainkitError
 
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 

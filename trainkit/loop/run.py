@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainkit.core.signals import Preemption
 from trainkit.distributed import group
 from trainkit.loop.ema import EMA
 from trainkit.loop.evaluation import EvalSchedule
@@ -19,7 +20,6 @@ from trainkit.loop.step import Criterion, Forward, WindowStep
 from trainkit.observe.logging import Progress
 from trainkit.observe.metrics import StepMeter
 from trainkit.observe.schedule import LogSchedule
-from trainkit.signals import Preemption
 
 
 @dataclass

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from trainkit.core.errors import TrainkitError
+from trainkit.core.runtime import Runtime
 from trainkit.distributed import group
-from trainkit.errors import TrainkitError
 from trainkit.loop import oom
 from trainkit.observe.advice import Advisor
 from trainkit.observe.metrics import StepMeter
@@ -25,7 +26,6 @@ from trainkit.observe.summary import (
     write_hparams,
     write_summary,
 )
-from trainkit.runtime import Runtime
 
 log = logging.getLogger("trainkit")
 

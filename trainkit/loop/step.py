@@ -10,12 +10,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from trainkit.device import move_to_device
+from trainkit.core.device import move_to_device
+from trainkit.core.errors import TrainkitError
+from trainkit.core.tree import tensors
 from trainkit.distributed.ddp import sync_gradients
-from trainkit.errors import TrainkitError
 from trainkit.loop.precision import Precision
 from trainkit.observe.metrics import DeviceMean
-from trainkit.tree import tensors
 
 Batch = Any
 # (outputs, targets), or (outputs, targets, {name: scalar}) with scalars of the step's own

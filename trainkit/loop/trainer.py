@@ -31,16 +31,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainkit import rng
 from trainkit.checkpoint.checkpointer import Checkpointer
 from trainkit.config import CheckpointConfig, TrainerConfig
+from trainkit.core import rng
+from trainkit.core.cuda_settings import apply_device_settings
+from trainkit.core.runtime import Runtime
+from trainkit.core.signals import Preemption
 from trainkit.data.resumable import set_epoch
 from trainkit.distributed import ddp, group, strategy
 from trainkit.distributed.watchdog import Watchdog, watched
 from trainkit.loop import evaluation
 from trainkit.loop.activations import apply_activation_checkpointing
 from trainkit.loop.callbacks import Callbacks
-from trainkit.loop.cuda_settings import apply_device_settings
 from trainkit.loop.ema import EMA
 from trainkit.loop.evaluation import EvalSchedule
 from trainkit.loop.micro_batch import micro_batched
@@ -63,8 +65,6 @@ from trainkit.observe.metrics import StepMeter, startup_seconds
 from trainkit.observe.profile import profilers
 from trainkit.observe.schedule import LogSchedule
 from trainkit.observe.sinks import MetricsSink, default_sinks
-from trainkit.runtime import Runtime
-from trainkit.signals import Preemption
 
 __all__ = ["NonFiniteLossError", "TrainState", "Trainer"]
 log = logging.getLogger("trainkit")

@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 import torch
 
-from trainkit.device import GIB
+from trainkit.core.device import GIB
 
 PREFIX = "advice: "
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from trainkit.device import GIB, available_devices, bf16_native, resolve_device
-from trainkit.errors import TrainkitError, command_name, print_error
+from trainkit.core.device import GIB, available_devices, bf16_native, resolve_device
+from trainkit.core.errors import TrainkitError, command_name, print_error
 
 # What torchrun sets for each worker, what SLURM sets for each task, and the knobs that change how
 # the backends connect (the usual suspects when a multi-node job hangs at start-up).

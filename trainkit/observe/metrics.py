@@ -10,7 +10,7 @@ import time
 import psutil
 import torch
 
-from trainkit.device import GIB, memory_stats
+from trainkit.core.device import GIB, memory_stats
 
 _processes: dict[int, psutil.Process] = {}
 _statm: dict[int, int] = {}  # pid -> an open /proc/<pid>/statm, -1 where there is none

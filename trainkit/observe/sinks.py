@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from trainkit.errors import one_line
+from trainkit.core.errors import one_line
 
 METRICS_FILE = "metrics.jsonl"
 TRACKERS_DIR = "trackers"  # <run_dir>/trackers/<name>.json: a tracker's run id, for a resume

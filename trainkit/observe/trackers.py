@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from trainkit.config import flatten
-from trainkit.errors import ConfigError
+from trainkit.core.errors import ConfigError
 from trainkit.observe.mlflow_process import CLOSE
 from trainkit.observe.sinks import remember_tracker_run, tracker_runs, warn_failed
 

@@ -12,7 +12,7 @@ import torch
 
 from trainkit.checkpoint.async_writer import AsyncCheckpointWriter, snapshot
 from trainkit.checkpoint.files import CheckpointManager, load_checkpoint
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 
 class GatedManager(CheckpointManager):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainkit.checkpoint.files import CheckpointManager, load_checkpoint, save_atomic
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 
 def _state(step: int) -> dict:

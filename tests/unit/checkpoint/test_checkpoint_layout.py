@@ -13,7 +13,7 @@ import torch
 from trainkit.checkpoint.files import CheckpointManager, load_checkpoint
 from trainkit.checkpoint.layout import Layout, newest_readable
 from trainkit.checkpoint.sharded import FORMAT, ShardedCheckpoints, latest_meta, read_meta
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -13,9 +13,9 @@ from tests.helpers.storage import RecordingStorage
 from trainkit.checkpoint import checkpointer as checkpointer_module
 from trainkit.checkpoint.checkpointer import Checkpointer
 from trainkit.config import CheckpointConfig
+from trainkit.core.runtime import Runtime
 from trainkit.loop.precision import Precision
 from trainkit.loop.train_state import TrainState
-from trainkit.runtime import Runtime
 
 
 def _checkpointer(storage: RecordingStorage, **config: object) -> Checkpointer:

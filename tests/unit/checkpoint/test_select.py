@@ -10,7 +10,7 @@ import torch
 
 from trainkit.checkpoint.files import save_atomic
 from trainkit.checkpoint.select import available, find_checkpoint, model_weights
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 
 def file_run(tmp_path: Path, *, best: bool) -> Path:

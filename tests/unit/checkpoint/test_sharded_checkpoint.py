@@ -16,7 +16,7 @@ from trainkit.checkpoint.sharded import (
     latest_meta,
     read_meta,
 )
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

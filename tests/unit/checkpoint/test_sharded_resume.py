@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from trainkit import rng
 from trainkit.checkpoint.reshard import carry_over
+from trainkit.core import rng
 from trainkit.loop.train_state import TrainState
 
 

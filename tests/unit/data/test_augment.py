@@ -117,7 +117,7 @@ def test_loader_state_dict_round_trip() -> None:
 
 
 def test_bad_settings_are_one_line_errors() -> None:
-    from trainkit.errors import ConfigError
+    from trainkit.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="pad_mode"):
         InMemoryLoader(_data(), 8, shuffle=True, pad_mode="wrap")
@@ -129,7 +129,7 @@ def test_bad_settings_are_one_line_errors() -> None:
 
 def test_data_config_checks_augmentation_ranges() -> None:
     from trainkit.config import DataConfig
-    from trainkit.errors import ConfigError
+    from trainkit.core.errors import ConfigError
 
     assert DataConfig(random_crop_padding=4, pad_mode="reflect").random_crop_padding == 4
     with pytest.raises(ConfigError, match=r"data\.random_crop_padding"):

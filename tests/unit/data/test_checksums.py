@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from trainkit.core.errors import TrainkitError
 from trainkit.data.checksums import cache_dir, check_md5
-from trainkit.errors import TrainkitError
 
 
 def _file(tmp_path: Path, content: bytes = b"official contents") -> tuple[Path, str]:

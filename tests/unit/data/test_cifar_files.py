@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fakes import fake_cifar_arrays, py2_pickle, write_py2_pickle
+from tests.helpers.fakes import fake_cifar_arrays, py2_pickle, write_py2_pickle
+from trainkit.core.errors import LINE_LIMIT, TrainkitError
 from trainkit.data.datasets import load_cifar10
 from trainkit.data.safe_pickle import load_restricted
-from trainkit.errors import LINE_LIMIT, TrainkitError
 
 FOLDER = "cifar-10-batches-py"
 

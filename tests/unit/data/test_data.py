@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from trainkit.config import DataConfig
+from trainkit.core.errors import ConfigError
+from trainkit.core.runtime import Runtime
 from trainkit.data import InMemoryLoader, build_loaders
 from trainkit.data.datasets import TensorData
-from trainkit.errors import ConfigError
-from trainkit.runtime import Runtime
 
 
 def _data(n: int = 100) -> TensorData:

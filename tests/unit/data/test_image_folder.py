@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.image_files import make_folder, truncate
+from trainkit.core.errors import TrainkitError
 from trainkit.data.classes import check_same_classes, read_classes, write_classes
 from trainkit.data.image_folder import BadFile, ImageFiles, collate_images, read_image_folder
 from trainkit.data.transforms import train_transform
-from trainkit.errors import TrainkitError
 
 
 @pytest.fixture(scope="module")

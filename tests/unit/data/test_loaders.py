@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from trainkit.core.errors import ConfigError
+from trainkit.core.signals import PREEMPTION_SIGNALS, shield_worker
 from trainkit.data import ResumableLoader, default_num_workers, make_loader
-from trainkit.errors import ConfigError
-from trainkit.signals import PREEMPTION_SIGNALS, shield_worker
 
 
 class NoisyRange(Dataset):

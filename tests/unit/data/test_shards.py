@@ -12,10 +12,10 @@ import torch
 
 from tests.image_files import make_folder
 from trainkit.config import DataConfig
+from trainkit.core.errors import ConfigError
+from trainkit.core.runtime import Runtime
 from trainkit.data.__main__ import main as data_main
 from trainkit.data.shards import shard_loaders
-from trainkit.errors import ConfigError
-from trainkit.runtime import Runtime
 
 CPU = Runtime(torch.device("cpu"))
 

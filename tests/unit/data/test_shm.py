@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from trainkit.core.errors import ConfigError
 from trainkit.data import make_loader
 from trainkit.data.shm import fit_shared_memory, plan_workers, shm_free_bytes
-from trainkit.errors import ConfigError
 
 MiB = 2**20
 

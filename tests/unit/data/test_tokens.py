@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from trainkit.core.errors import ConfigError
 from trainkit.data.__main__ import main as data_main
 from trainkit.data.tokenize import tokenize
 from trainkit.data.tokens import TokenLoader
-from trainkit.errors import ConfigError
 
 
 def token_file(path: Path, n: int, dtype: str = "uint16") -> np.ndarray:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.fakes import write_fake_mnist
+from tests.helpers.fakes import write_fake_mnist
 from trainkit import (
     InMemoryLoader,
     Runtime,

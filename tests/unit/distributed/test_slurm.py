@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from trainkit.core.errors import TrainkitError
 from trainkit.distributed.slurm import expand_nodelist, export_torch_env, port_for_job
 from trainkit.distributed.slurm_requeue import job_id, run_dir_name
-from trainkit.errors import TrainkitError
 
 SRUN = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
         "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "2(x2)",

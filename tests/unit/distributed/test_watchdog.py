@@ -274,7 +274,7 @@ def test_the_keys_compose_with_their_defaults() -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from trainkit.train import CONFIG_DIR
+    from trainkit.entry.train import CONFIG_DIR
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=["+exp=mnist", "trainer.hang_timeout_s=30"])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from trainkit.core.errors import LINE_LIMIT, TrainkitError, chain_lines, error_lines
 from trainkit.entry import cli
-from trainkit.errors import LINE_LIMIT, TrainkitError, chain_lines, error_lines
 
 
 def test_a_long_message_keeps_its_start_and_its_fix_within_the_limit() -> None:

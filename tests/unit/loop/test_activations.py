@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainkit.errors import ConfigError
+from trainkit.core.errors import ConfigError
 from trainkit.loop.activations import apply_activation_checkpointing
 from trainkit.models.mnist import MnistNet
 

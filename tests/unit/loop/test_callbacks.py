@@ -17,9 +17,9 @@ from torch import nn
 from benchmarks.syncs import fit_reads, gpu_path_on_the_cpu
 from tests.conftest import assert_same_weights, last_checkpoint
 from trainkit import Callback, CheckpointConfig, EarlyStopping, Trainer, TrainerConfig
+from trainkit.core.errors import LINE_LIMIT, TrainkitError
 from trainkit.data import InMemoryLoader
 from trainkit.data.datasets import TensorData
-from trainkit.errors import LINE_LIMIT, TrainkitError
 from trainkit.loop.callbacks import CallbackError
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 from trainkit.loop.ema import EMA
 
 

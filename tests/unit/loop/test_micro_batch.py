@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trainkit import CheckpointConfig, Trainer, TrainerConfig
-from trainkit.errors import ConfigError, TrainkitError
+from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.loop.micro_batch import split
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trainkit import CheckpointConfig, Trainer, TrainerConfig
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 
 
 class Exhausting(nn.Module):

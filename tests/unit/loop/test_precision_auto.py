@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import REPO
 from tests.unit.test_config import EXPERIMENTS, _compose
-from trainkit.errors import LINE_LIMIT
+from trainkit.core.errors import LINE_LIMIT
 from trainkit.loop.precision import (
     Hardware,
     Precision,

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from tests.helpers.sinks import RecordingSink
+from trainkit.core.runtime import Runtime
 from trainkit.loop.run_report import RunReport
 from trainkit.loop.train_state import TrainState
 from trainkit.observe.metrics import StepMeter
 from trainkit.observe.sinks import Sinks
 from trainkit.observe.summary import write_summary
-from trainkit.runtime import Runtime
 
 
 @pytest.fixture(autouse=True)

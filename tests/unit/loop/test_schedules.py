@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 
-from trainkit.errors import ConfigError
-from trainkit.schedules import advance, constant, warmup_cosine
+from trainkit.core.errors import ConfigError
+from trainkit.core.schedules import advance, constant, warmup_cosine
 
 
 def _closed_form(step: int, total: int, warmup: int, min_ratio: float) -> float:

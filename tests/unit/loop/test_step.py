@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainkit.errors import TrainkitError
+from trainkit.core.errors import TrainkitError
 from trainkit.loop.precision import Precision
 from trainkit.loop.step import batch_size, default_forward, train_window, windows
 
@@ -160,7 +160,7 @@ def test_unknown_precision() -> None:
 
 @pytest.mark.parametrize("total", [1, 2, 3, 4, 5, 9, 100])
 def test_one_cycle_survives_short_runs(total: int) -> None:
-    from trainkit.schedules import one_cycle
+    from trainkit.core.schedules import one_cycle
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     scheduler = one_cycle(optimizer, total)

@@ -21,9 +21,9 @@ from trainkit import (
     load_checkpoint,
     seed_everything,
 )
+from trainkit.core.errors import TrainkitError
 from trainkit.data import InMemoryLoader
 from trainkit.data.datasets import TensorData
-from trainkit.errors import TrainkitError
 from trainkit.loop.trainer import NonFiniteLossError
 
 

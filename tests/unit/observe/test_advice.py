@@ -5,9 +5,9 @@ from __future__ import annotations
 import psutil
 import torch
 
+from trainkit.core.device import GIB
 from trainkit.data import InMemoryLoader, make_loader
 from trainkit.data.datasets import TensorData
-from trainkit.device import GIB
 from trainkit.observe.advice import PREFIX, Advisor, input_hint
 
 CPU = torch.device("cpu")

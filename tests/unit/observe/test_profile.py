@@ -12,7 +12,7 @@ from torch import nn
 
 from trainkit import Trainer, TrainerConfig
 from trainkit.config import ProfileConfig
-from trainkit.errors import ConfigError
+from trainkit.core.errors import ConfigError
 
 
 def _batches(n: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from trainkit import CheckpointConfig, MLflowSink, Trainer, TrainerConfig, WandbSink
-from trainkit.errors import ConfigError
+from trainkit.core.errors import ConfigError
 
 
 class Recorder:

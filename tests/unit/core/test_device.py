@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from trainkit.device import available_devices, choose_device, move_to_device, resolve_device
-from trainkit.errors import TrainkitError
-from trainkit.runtime import Runtime
+from trainkit.core.device import available_devices, choose_device, move_to_device, resolve_device
+from trainkit.core.errors import TrainkitError
+from trainkit.core.runtime import Runtime
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA errors")
 

@@ -17,10 +17,10 @@ from typing import Any
 import psutil
 import torch
 
+from trainkit.core.device import GIB, move_to_device
+from trainkit.core.errors import TrainkitError
 from trainkit.data.resumable import set_epoch
-from trainkit.device import GIB, move_to_device
 from trainkit.distributed import group
-from trainkit.errors import TrainkitError
 from trainkit.loop.step import WindowStep, batch_size, windows
 from trainkit.observe.metrics import StepMeter
 

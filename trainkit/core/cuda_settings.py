@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from trainkit.loop.cpu_settings import keep_freed_memory
+from trainkit.core.cpu_settings import keep_freed_memory
 
 # cuBLAS picks a fixed reduction order only with one of these workspace settings; it is read when
 # the first cuBLAS handle is made, so it must be in the environment before CUDA is first used.

@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from tests.conftest import preemption_signals_heard
-from trainkit.signals import StoppedOutsideTraining, stop_outside_training
+from trainkit.core.signals import StoppedOutsideTraining, stop_outside_training
 
 
 def test_a_signal_outside_training_raises_once_then_the_same_one_is_ignored() -> None:

@@ -7,8 +7,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from trainkit.errors import TrainkitError
-from trainkit.tree import tree_map
+from trainkit.core.errors import TrainkitError
+from trainkit.core.tree import tree_map
 
 T = TypeVar("T")
 GIB = 2**30  # bytes in a GiB: every memory figure trainkit reports is in GiB

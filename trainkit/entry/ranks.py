@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from trainkit.core.runtime import Runtime
 from trainkit.distributed import group
-from trainkit.runtime import Runtime
 
 
 def join_ranks() -> list[str]:

@@ -12,14 +12,14 @@ from omegaconf import OmegaConf
 
 from tests.unit.test_config import _compose
 from trainkit.config import TrainerConfig
-from trainkit.device import bf16_native
-from trainkit.errors import ConfigError
-from trainkit.loop.cuda_settings import (
+from trainkit.core.cuda_settings import (
     CUBLAS_WORKSPACE_ENV,
     apply_cuda_settings,
     deterministic_algorithms,
     set_backend_flags,
 )
+from trainkit.core.device import bf16_native
+from trainkit.core.errors import ConfigError
 
 
 @pytest.mark.parametrize(("capability", "native"), [

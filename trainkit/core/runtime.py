@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainkit.device import resolve_device
+from trainkit.core.device import resolve_device
 
 
 @dataclass(frozen=True)

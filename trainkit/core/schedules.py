@@ -18,7 +18,7 @@ from torch.optim.lr_scheduler import (
     SequentialLR,
 )
 
-from trainkit.errors import ConfigError
+from trainkit.core.errors import ConfigError
 
 
 def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int, *, pct_start: float = 0.25,

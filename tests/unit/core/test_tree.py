@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from trainkit.tree import tensors, tree_leaves, tree_map
+from trainkit.core.tree import tensors, tree_leaves, tree_map
 
 Pair = collections.namedtuple("Pair", "x y")
 

@@ -1,4 +1,4 @@
-"""The allocator setting CPU runs get (trainkit.loop.cpu_settings)."""
+"""The allocator setting CPU runs get (trainkit.core.cpu_settings)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ FAULTS = """
 import resource, sys, torch
 torch.manual_seed(0)
 if sys.argv[1] == "keep":
-    from trainkit.loop.cpu_settings import keep_freed_memory
+    from trainkit.core.cpu_settings import keep_freed_memory
     assert keep_freed_memory() == "freed memory kept for reuse"
 from trainkit.models import MnistNet
 model = MnistNet()

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from trainkit.errors import LINE_LIMIT, ConfigError
+from trainkit.core.errors import LINE_LIMIT, ConfigError
 
 
 def match_modules(model: nn.Module, selectors: Sequence[str], key: str, *,

@@ -1,0 +1,1 @@
+"""What every layer uses: runtime, device, RNG, trees, errors, signals, LR schedules."""
