@@ -36,12 +36,14 @@ def _report(run_dir: Path | None, state: TrainState) -> tuple[RunReport, Recordi
 def test_a_finished_run_writes_its_summary_and_tells_the_sinks(tmp_path: Path) -> None:
     state = TrainState(global_step=4, samples_seen=64, epoch=1)
     report, sink = _report(tmp_path, state)
-    report.begin(StepMeter(torch.device("cpu")), time.perf_counter(), startup_s=1.5)
+    report.begin(StepMeter(torch.device("cpu")), time.perf_counter(), startup_s=1.5,
+                 setup_s=0.25)
     state.global_step, state.samples_seen = 10, 160  # six steps of this process's own
     summary = report.finish("completed", {"val/acc": 0.9}, stop_reason="x")
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert summary["status"] == "completed" and summary["metrics"] == {"val/acc": 0.9}
     assert summary["global_step"] == 10 and summary["startup_s"] == 1.5
+    assert summary["setup_s"] == 0.25
     assert summary["stop_reason"] == "x" and summary["advice"] == []
     assert summary["steps_per_s"] > 0  # counted from step 4, where this process began
     assert sink.named("finish") == [("completed", summary)]
