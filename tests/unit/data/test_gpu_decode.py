@@ -24,6 +24,8 @@ from trainkit.data.gpu_decode import (
     jpeg_plan,
 )
 from trainkit.data.image_folder import ImageFiles, collate_images
+from trainkit.data.image_loader import ImageLoader
+from trainkit.data.loaders import make_loader
 from trainkit.data.transforms import eval_transform, train_transform
 
 SIZES = [(48, 64), (71, 53), (40, 40), (90, 33)]
@@ -93,7 +95,7 @@ def test_the_worker_sends_bytes_and_a_crop_drawn_in_oriented_coordinates(
     h, w = SIZES[6 % len(SIZES)]
     assert (plan.height, plan.width, plan.orientation) == (w, h, 6)  # turned: sides swapped
     top, left, ch, cw = plan.box
-    assert 0 <= top and top + ch <= plan.height and 0 <= left and left + cw <= plan.width
+    assert top + ch <= plan.height and left + cw <= plan.width and min(top, left) >= 0
     assert Path(jpegs[5]).read_bytes() == sample[0].data.numpy().tobytes()
 
 
@@ -134,3 +136,28 @@ def test_an_unreadable_file_in_the_worker_is_a_bad_sample(tmp_path: Path) -> Non
     broken.write_bytes(b"not a jpeg")
     batch = collate_encoded([JpegFiles([str(broken)], [0], train_transform(24))[0]])
     assert batch.bad and batch.bad[0].path == str(broken)
+
+
+def test_the_image_loader_serves_the_cpu_paths_batches_through_a_worker(
+        jpegs: list[str], tmp_path: Path) -> None:
+    """The whole path: a worker process, the per-batch seeds, the prefetcher's finish hook
+    before normalisation, a PNG among the JPEGs."""
+    png = tmp_path / "a.png"
+    Image.fromarray(picture(np.random.default_rng(2), 1, 50, 60)).save(png)
+    files, transform = [*jpegs, str(png)], train_transform(24)
+    labels = [i % 3 for i in range(len(files))]
+    stats = ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
+
+    def batches(gpu: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        kind, collate = (JpegFiles, collate_encoded) if gpu else (ImageFiles, collate_images)
+        loader = make_loader(kind(files, labels, transform), 4, shuffle=True, seed=3,
+                             num_workers=1, collate_fn=collate)
+        decoder = JpegDecoder("cpu", channels=3, transform=transform) if gpu else None
+        images = ImageLoader(loader, "cpu", mean=stats[0], std=stats[1], decoder=decoder)
+        images.set_epoch(1)
+        return list(images)
+
+    gpu, cpu = batches(True), batches(False)
+    assert len(gpu) == len(cpu) == 3
+    for (x, y), (x_cpu, y_cpu) in zip(gpu, cpu):
+        assert x.dtype == torch.float32 and torch.equal(x, x_cpu) and torch.equal(y, y_cpu)
