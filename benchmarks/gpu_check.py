@@ -9,8 +9,7 @@ the sync counts; the throughput figures) and prints everything else, which ``gpu
 as ``<out_dir>/gpu_check.log``. Runs go to a temporary folder, deleted at the end. Independent
 cases run four at a time; the timing ones (``gpu_decode``, ``syncs``, ``throughput``) run
 alone at the end. Without CUDA (and no ``--device cpu``) it says so in one line and exits 0.
-Exit status 1 when a
-case failed.
+Exit status 1 when a case failed.
 
 Comparisons between runs are bitwise: those runs go through
 :mod:`benchmarks.deterministic_train` (deterministic cuDNN/cuBLAS/torch kernels), so a

@@ -174,7 +174,7 @@ class JpegDecoder:
         device: where to decode (``cuda``; ``cpu`` runs the same steps through libjpeg-turbo).
         channels: 3 (RGB) or 1 (grayscale: nvJPEG decodes the luma only).
         transform: the split's :class:`RandomResizedCropFlip` or :class:`ResizeCenterCrop`.
-        skip_corrupt: a JPEG the decoder rejects is replaced by another image of the batch
+        skip_corrupt: a JPEG neither decoder reads is replaced by another image of the batch
             (with its label) and reported to ``on_skip``; else one line naming it is raised.
     """
 
@@ -184,6 +184,7 @@ class JpegDecoder:
 
         self.device = torch.device(device)
         self.mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
+        self.channels = channels
         self.transform, self.skip_corrupt = transform, skip_corrupt
 
     def __call__(self, batch: EncodedBatch, labels: torch.Tensor,
@@ -218,30 +219,39 @@ class JpegDecoder:
             return []
         try:
             decoded = decode_jpeg(data, mode=self.mode, device=self.device)
-        except RuntimeError:  # one bad file fails the whole call: find it, one by one
-            decoded = [self._one(d, p) for d, p in zip(data, paths)]
-        return [None if image is None else self._finish(image, plan, path)
+        except RuntimeError:  # one file fails the whole call: find it, one by one
+            return [self._one(d, plan, path) for d, plan, path in zip(data, plans, paths)]
+        return [self._finish(image, plan, path)
                 for image, plan, path in zip(decoded, plans, paths)]
 
-    def _one(self, data: torch.Tensor, path: str) -> torch.Tensor | None:
+    def _one(self, data: torch.Tensor, plan: Plan, path: str) -> torch.Tensor | None:
+        """One JPEG; one the device's decoder refuses goes to the CPU path's decoder (a variant
+        nvJPEG lacks decodes there; a corrupt file is named as the CPU path names it)."""
         from torchvision.io import decode_jpeg
 
         try:
-            return decode_jpeg(data, mode=self.mode, device=self.device)
-        except RuntimeError as err:
-            # torchvision's message ends with the decoder's reason after its source location
-            return self._reject(path, str(err).strip().rsplit(", ", 1)[-1][:60] or "corrupt")
+            return self._finish(decode_jpeg(data, mode=self.mode, device=self.device), plan,
+                                path)
+        except RuntimeError:
+            pass
+        try:
+            image = decode_image(data.numpy().tobytes(), channels=self.channels, name=path)
+        except UnreadableImage as err:
+            return self._reject(path, str(err))
+        # decode_image applied the EXIF orientation already
+        return self._finish(image.to(self.device), plan._replace(orientation=1), path)
 
-    def _reject(self, path: str, why: str) -> None:
+    def _reject(self, path: str, message: str) -> None:
         if not self.skip_corrupt:
-            raise UnreadableImage(f"cannot decode an image file ({why}); replace or delete it, "
-                                  f"or set data.skip_corrupt=true to skip such files: {path}")
+            raise UnreadableImage(message)
         self.rejected.append(path)
 
     def _finish(self, image: torch.Tensor, plan: Plan, path: str) -> torch.Tensor | None:
         image = orient(image, plan.orientation)
         if tuple(image.shape[-2:]) != (plan.height, plan.width):
-            return self._reject(path, "its size differs from its header's")
+            return self._reject(path, f"an image file decodes to another size than its header "
+                                      f"says; replace or delete it, or set "
+                                      f"data.skip_corrupt=true to skip such files: {path}")
         if plan.box is None:
             return self.transform(image)  # ResizeCenterCrop: the CPU path's own code
         top, left, h, w = plan.box
