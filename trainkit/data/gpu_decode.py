@@ -19,6 +19,7 @@ float differ from libjpeg-turbo and the uint8 CPU kernel by a grey level or two.
 from __future__ import annotations
 
 import io
+import itertools
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -70,8 +71,9 @@ class EncodedBatch:
 
     def __init__(self, samples: Sequence[Encoded | torch.Tensor]) -> None:
         jpegs = [s for s in samples if isinstance(s, Encoded)]
-        self.data = torch.cat([s.data for s in jpegs]) if jpegs else torch.empty(0, torch.uint8)
-        ends = torch.tensor([len(s.data) for s in jpegs]).cumsum(0).tolist()
+        self.data = torch.cat([s.data for s in jpegs]) if jpegs else torch.empty(
+            0, dtype=torch.uint8)
+        ends = list(itertools.accumulate(len(s.data) for s in jpegs))
         self.spans = list(zip([0, *ends[:-1]], ends))
         self.plans = [s.plan for s in jpegs]
         self.paths = [s.path for s in jpegs]
@@ -186,12 +188,13 @@ class JpegDecoder:
         self.mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
         self.channels = channels
         self.transform, self.skip_corrupt = transform, skip_corrupt
+        self.rejected: list[str] = []  # the current batch's unreadable JPEGs (skip_corrupt)
 
     def __call__(self, batch: EncodedBatch, labels: torch.Tensor,
                  on_skip: Callable[[list[str]], None] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's images (and labels: changed only where a bad JPEG was replaced)."""
-        self.rejected: list[str] = []
+        self.rejected = []
         jpegs = iter(self._decode([batch.data[a:b] for a, b in batch.spans], batch.plans,
                                   batch.paths))
         images: list[torch.Tensor | None] = []
@@ -202,8 +205,8 @@ class JpegDecoder:
         if bad:
             good = next((i for i, image in enumerate(images) if image is not None), None)
             if good is None:
-                raise TrainkitError(f"no file of this batch can be decoded, e.g. "
-                                    f"{batch.paths[0]}")
+                raise TrainkitError(f"no image of a batch can be decoded: replace or delete "
+                                    f"such files, e.g. {self.rejected[0]}")
             labels = labels.clone()
             for i in bad:  # the batch keeps its size (and the epoch its length)
                 images[i], labels[i] = images[good], labels[good]

@@ -112,6 +112,8 @@ def test_other_files_are_finished_in_the_worker_as_on_the_cpu_path(tmp_path: Pat
     transform = train_transform(24)
     images, _, _ = _gpu_path(files, transform)
     assert torch.equal(images, _cpu_path(files, transform))
+    only_others = files[:3]  # a batch without a JPEG for the device
+    assert torch.equal(_gpu_path(only_others, transform)[0], _cpu_path(only_others, transform))
 
 
 def test_a_jpeg_the_decoder_rejects_is_named_or_skipped(jpegs: list[str],
