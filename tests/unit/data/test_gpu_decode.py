@@ -163,3 +163,9 @@ def test_the_image_loader_serves_the_cpu_paths_batches_through_a_worker(
     assert len(gpu) == len(cpu) == 3
     for (x, y), (x_cpu, y_cpu) in zip(gpu, cpu):
         assert x.dtype == torch.float32 and torch.equal(x, x_cpu) and torch.equal(y, y_cpu)
+
+
+def test_the_gpu_check_lists_the_decode_case_for_cuda_only() -> None:
+    from benchmarks.gpu_check import ALONE, CASES
+
+    assert CASES["gpu_decode"][1] is False and "gpu_decode" in ALONE  # a timing: run alone
