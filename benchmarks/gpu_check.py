@@ -7,9 +7,9 @@
 Writes ``<out_dir>/gpu_check.json`` (every case: ok, seconds, what it measured or why it failed;
 the sync counts; the throughput figures) and prints everything else, which ``gpu_check.sh`` keeps
 as ``<out_dir>/gpu_check.log``. Runs go to a temporary folder, deleted at the end. Independent
-cases run four at a time; the timing ones (``syncs``, ``throughput``) run alone at the end.
-Without CUDA (and no ``--device cpu``) it says so in one line and exits 0. Exit status 1 when a
-case failed.
+cases run four at a time; the timing ones (``gpu_decode``, ``syncs``, ``throughput``) run
+alone at the end. Without CUDA (and no ``--device cpu``) it says so in one line and exits 0.
+Exit status 1 when a case failed.
 
 Comparisons between runs are bitwise: those runs go through
 :mod:`benchmarks.deterministic_train` (deterministic cuDNN/cuBLAS/torch kernels), so a
@@ -450,7 +450,50 @@ def throughput(ctx: Context) -> dict[str, Any]:
     return result
 
 
-# name -> (case, runs on the CPU too); in this order, the last two alone
+def gpu_decode(ctx: Context) -> dict[str, Any]:
+    """``data.decode=gpu`` (a batch of JPEG bytes per nvJPEG call) trains ``+exp=folder`` on
+    photo-like JPEGs; its images/s against ``data.decode=cpu``, runs alternating."""
+    from benchmarks.common import alternate, median, ratio
+
+    root, files = _jpeg_folder(ctx.work / "jpegs", 2000)
+    exp = ["+exp=folder", f"data.root={root}", "data.num_workers=8",
+           "data.batch_size=128", "trainer.max_steps=60", "trainer.log_every_n_steps=20"]
+    outcomes: dict[str, dict[str, Any]] = {}
+
+    def run(decode: str) -> float:
+        name = f"decode_{decode}_{len(outcomes)}"  # cpu, gpu, gpu, cpu: a run dir each
+        outcomes[name] = completed(ctx.train(name, f"data.decode={decode}", exp=exp))
+        return float(outcomes[name]["samples_per_s"])
+
+    samples = alternate({"cpu": lambda: run("cpu"), "gpu": lambda: run("gpu")}, rounds=1)
+    return {"images_per_s": {side: median(samples, side) for side in samples},
+            "gpu_over_cpu": ratio(samples, "gpu", "cpu"), "samples": samples,
+            "gpu_run": outcomes["decode_gpu_2"], "files": files}
+
+
+def _jpeg_folder(where: Path, count: int) -> tuple[Path, str]:
+    """Photo-like JPEGs (:mod:`benchmarks.photos`), or without scikit-image smooth generated
+    pictures at photo sizes (they decode faster than photographs: the ratio is the figure)."""
+    from benchmarks.photos import photo_folder
+
+    try:
+        return photo_folder(count), "photo-like (benchmarks.photos)"
+    except SystemExit as err:  # no scikit-image on this machine
+        why = str(err)
+    import numpy as np
+    from PIL import Image
+
+    from tests.image_files import picture
+
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        folder = where / f"class_{i % 10}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(picture(rng, i % 10, 375, 500)).save(folder / f"{i}.jpg", quality=90)
+    return where, f"generated 375x500 pictures ({why})"
+
+
+# name -> (case, runs on the CPU too); in this order, the last three alone
 CASES: dict[str, tuple[Case, bool]] = {
     "unit_tests_on_cuda": (unit_tests_on_cuda, False),
     "compile": (compile_, False),
@@ -470,10 +513,11 @@ CASES: dict[str, tuple[Case, bool]] = {
     "fsdp_fp16_async_resume": (fsdp_fp16_async_resume, False),
     "dataloader_accumulation": (dataloader_accumulation, True),
     "micro_batch_auto_and_profile": (micro_batch_auto_and_profile, False),
+    "gpu_decode": (gpu_decode, False),
     "syncs": (syncs, True),
     "throughput": (throughput, True),
 }
-ALONE = ("syncs", "throughput")  # timings: nothing else runs meanwhile
+ALONE = ("gpu_decode", "syncs", "throughput")  # timings: nothing else runs meanwhile
 
 
 def run_case(name: str, ctx: Context) -> dict[str, Any]:

@@ -20,7 +20,7 @@ CLIP_ALGORITHMS = ("norm", "value")
 PAD_MODES = ("constant", "reflect")
 HANG_ACTIONS = ("report", "abort")
 STRATEGIES = ("auto", "ddp", "fsdp")
-DECODERS = ("cpu",)  # "gpu" (batches of JPEG bytes to nvJPEG) is planned
+DECODERS = ("cpu", "gpu")  # image folders' JPEGs: in the loader's workers, or nvJPEG on CUDA
 LOADERS = ("memory", "dataloader")
 MONITOR_MODES = ("max", "min")
 
@@ -197,7 +197,10 @@ class DataConfig:
     eval_transforms: list[Any] | None = None
     val_fraction: float = 0.1  # no val/ folder: this fraction of each class validates (seeded)
     skip_corrupt: bool = False  # an unreadable file: skip it (counted), instead of stopping
-    decode: str = "cpu"  # JPEGs decoded in the loader's workers; "gpu" (nvJPEG) is not built yet
+    # JPEGs of data=image_folder: "cpu" decodes and crops in the loader's workers; "gpu" (CUDA
+    # only) has the workers read the bytes and draw the crops, and decodes each batch on the GPU
+    # in one nvJPEG call (trainkit.data.gpu_decode); other formats are decoded in the workers.
+    decode: str = "cpu"
     # dataset._target_ returning a Hugging Face datasets.Dataset: its image and label columns
     image_column: str = "image"
     label_column: str = "label"
@@ -257,7 +260,7 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
         _check_bool("data.skip_corrupt", self.skip_corrupt)
         if self.decode not in DECODERS:
-            raise ConfigError(f"data.decode={self.decode!r}: use 'cpu'")
+            raise ConfigError(f"data.decode={self.decode!r}: use 'cpu' or 'gpu' (CUDA)")
         _check_choice("data.pad_mode", self.pad_mode, PAD_MODES)
 
 

@@ -12,6 +12,7 @@ from trainkit.config import DataConfig
 from trainkit.core.errors import ConfigError
 from trainkit.core.runtime import Runtime
 from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
+from trainkit.data.gpu_decode import check_gpu_decode
 from trainkit.data.loaders import make_loader
 from trainkit.data.memory import InMemoryLoader
 from trainkit.data.own_data import dataset_loaders, image_folder_loaders
@@ -52,6 +53,9 @@ def build_loaders(
         ConfigError: an unknown dataset name, or a batch size the data cannot fill.
         TrainkitError: the files are missing (offline), corrupt or malformed.
     """
+    if cfg.decode == "gpu":  # JPEGs decoded on the device: its preconditions, one line each
+        check_gpu_decode(cfg, runtime.device, own_dataset=reader is not None,
+                         custom_transforms=bool(train_transforms or eval_transforms))
     if cfg.name == "tokens":  # a token corpus: windows from memory-mapped files
         return token_loaders(cfg, runtime, seed=seed)  # type: ignore[return-value]
     own = {"seed": seed, "channels_last": channels_last, "train_transforms": train_transforms,

@@ -69,16 +69,21 @@ class ImageLoader:
             your own transforms) are taken as they are.
         classes: class names by index, kept in :meth:`state_dict` (None: none known).
         channels_last: NHWC-strided images on the device.
+        decoder: ``data.decode=gpu``'s :class:`~trainkit.data.gpu_decode.JpegDecoder`, which
+            finishes each batch of JPEG bytes on the device before normalisation.
     """
 
     def __init__(self, loader: ResumableLoader, device: torch.device | str, *,
                  mean: Sequence[float] | None, std: Sequence[float] | None,
-                 classes: Sequence[str] | None = None, channels_last: bool = False) -> None:
+                 classes: Sequence[str] | None = None, channels_last: bool = False,
+                 decoder: Any = None) -> None:
         self.loader = loader
         self.classes = list(classes) if classes is not None else None
         self.skipped: set[str] = set()
+        self.decoder = decoder
         self.prefetcher = DevicePrefetcher(_Checked(loader, self), device, mean=mean, std=std,
-                                           channels_last=channels_last, normalize_float=False)
+                                           channels_last=channels_last, normalize_float=False,
+                                           finish=self._decode if decoder is not None else None)
 
     @property
     def dataset(self) -> Any:
@@ -118,6 +123,9 @@ class ImageLoader:
         if self.classes is not None:
             check_same_classes(saved.get(STATE_KEY), self.classes)
         self.skipped.update(saved.get("skipped_files", ()))
+
+    def _decode(self, batch: tuple[Any, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decoder(batch[0], batch[1], self.note_skipped)
 
     def note_skipped(self, paths: Sequence[str]) -> None:
         """Count files a batch skipped; each new one is logged once."""

@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 from trainkit.config import DataConfig
 from trainkit.core.errors import ConfigError
 from trainkit.core.runtime import Runtime
+from trainkit.data.gpu_decode import JpegDecoder, JpegFiles, collate_encoded
 from trainkit.data.image_folder import BadFile, ImageFiles, collate_images, read_image_folder
 from trainkit.data.image_loader import ImageLoader
 from trainkit.data.loaders import make_loader
@@ -50,17 +51,21 @@ def image_folder_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
     folder has no ``val/`` and ``cfg.val_fraction`` is 0.
     """
     folder = read_image_folder(cfg.root, val_fraction=cfg.val_fraction, seed=seed)
+    gpu = cfg.decode == "gpu"  # JPEGs decoded on the device (trainkit.data.gpu_decode)
 
-    def files(split: Any, training: bool) -> ImageFiles:
+    def load(split: Any, training: bool) -> ImageLoader:
         transform = transform_for(cfg, training=training,
                                   custom=train_transforms if training else eval_transforms)
-        return ImageFiles(split.files, split.labels, transform, channels=cfg.channels,
-                          skip_corrupt=cfg.skip_corrupt)
+        files = (JpegFiles if gpu else ImageFiles)(split.files, split.labels, transform,
+                                                   channels=cfg.channels,
+                                                   skip_corrupt=cfg.skip_corrupt)
+        decoder = JpegDecoder(runtime.device, channels=cfg.channels, transform=transform,
+                              skip_corrupt=cfg.skip_corrupt) if gpu else None
+        return _loader(files, cfg, runtime, seed, channels_last, folder.classes,
+                       training=training, decoder=decoder)
 
-    train = _loader(files(folder.train, True), cfg, runtime, seed, channels_last, folder.classes,
-                    training=True)
-    val = (_loader(files(folder.val, False), cfg, runtime, seed, channels_last, folder.classes,
-                   training=False) if folder.val is not None else None)
+    train = load(folder.train, True)
+    val = load(folder.val, False) if folder.val is not None else None
     return train, val, len(folder.classes)
 
 
@@ -98,20 +103,20 @@ def dataset_loaders(train: Any, val: Any, cfg: DataConfig, runtime: Runtime, *, 
 
 def _loader(dataset: Dataset, cfg: DataConfig, runtime: Runtime, seed: int,
             channels_last: bool, classes: Sequence[str] | None, *,
-            training: bool) -> ImageLoader:
+            training: bool, decoder: JpegDecoder | None = None) -> ImageLoader:
     mean, std = stats_for(cfg)
     # Training on a CPU, the workers normalise (the main process trains meanwhile); on a GPU,
     # batches travel as uint8 (a quarter of the bytes) and the GPU normalises.
     on_cpu = torch.device(runtime.device).type == "cpu"
-    collate = functools.partial(collate_images, stats=(mean, std) if on_cpu else None,
-                                channels_last=channels_last)
+    collate = collate_encoded if decoder is not None else functools.partial(
+        collate_images, stats=(mean, std) if on_cpu else None, channels_last=channels_last)
     loader = make_loader(
         dataset, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
         device=runtime.device, seed=seed, rank=runtime.rank, world_size=runtime.world_size,
         num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
         drop_last=cfg.drop_last and training, collate_fn=collate)
     return ImageLoader(loader, runtime.device, mean=mean, std=std, classes=classes,
-                       channels_last=channels_last)
+                       channels_last=channels_last, decoder=decoder)
 
 
 def class_names(dataset: Any, image_column: str = "image",

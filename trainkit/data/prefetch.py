@@ -7,7 +7,7 @@ when it takes the batch. Elsewhere it is a pass-through that still normalises.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,8 @@ class DevicePrefetcher:
         channels_last: make 4-D inputs NHWC-strided on the device.
         normalize_float: also normalise float inputs with ``mean``/``std``; False takes them
             as they are (transforms that normalised already).
+        finish: called on each batch once on the device, before normalisation (on the side
+            stream on CUDA): ``data.decode=gpu``'s decoding.
 
     Example:
         >>> loader = DevicePrefetcher(make_loader(ds, 256, shuffle=True, device="cuda"),
@@ -45,13 +47,15 @@ class DevicePrefetcher:
 
     def __init__(self, loader: Iterable[Any], device: torch.device | str, *,
                  mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
-                 channels_last: bool = False, normalize_float: bool = True) -> None:
+                 channels_last: bool = False, normalize_float: bool = True,
+                 finish: Callable[[Any], Any] | None = None) -> None:
         if (mean is None) != (std is None):
             raise ValueError("give both mean and std, or neither")
         self.loader = loader
         self.device = torch.device(device)
         self.channels_last = channels_last
         self.normalize_float = normalize_float
+        self.finish = finish
         self._mean = self._std = None
         self._stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
         if mean is not None and std is not None:
@@ -113,6 +117,8 @@ class DevicePrefetcher:
             return self._prepare(move_to_device(batch, self.device))
 
     def _prepare(self, batch: Any) -> Any:
+        if self.finish is not None:
+            batch = self.finish(batch)
         if not isinstance(batch, (tuple, list)) or not batch:
             return batch
         x = batch[0]

@@ -1,0 +1,281 @@
+"""``data.decode=gpu``: an image folder's JPEGs decoded on the GPU, a batch in one nvJPEG call.
+
+The loader's workers do the cheap part (:class:`JpegFiles`): read the file's bytes and its JPEG
+header only (size, EXIF orientation), and draw the training crop with the same code and the
+same random numbers as the CPU path (:func:`~trainkit.data.transforms.crop_box`, then the flip),
+in the oriented image's coordinates. A file that is not a baseline RGB or grayscale JPEG (PNG,
+WebP, CMYK or progressive JPEG, ...) is decoded and transformed in the worker as on the CPU path
+and travels finished. :func:`collate_encoded` packs a batch's bytes into one tensor.
+
+On the device (:class:`JpegDecoder`, which the :class:`~trainkit.data.image_loader.ImageLoader`
+calls before normalising): one ``torchvision.io.decode_jpeg(list, device=...)`` call for the
+batch's JPEGs, then per image the EXIF orientation (nvJPEG ignores EXIF), the crop, the same
+:func:`~trainkit.data.transforms.resize` as the CPU path and the flip -- or, evaluating, the
+same :class:`~trainkit.data.transforms.ResizeCenterCrop`. On the CPU these steps give exactly
+the CPU path's pixels; on CUDA, nvJPEG's IDCT and chroma upsampling and the resize computed in
+float differ from libjpeg-turbo and the uint8 CPU kernel by a grey level or two.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from PIL import Image
+
+from trainkit.config import DataConfig
+from trainkit.core.errors import ConfigError, TrainkitError
+from trainkit.data.image_folder import BadFile, ImageBatch, ImageFiles
+from trainkit.data.transforms import (
+    RandomResizedCropFlip,
+    UnreadableImage,
+    crop_box,
+    decode_image,
+    resize,
+)
+
+_ORIENTATION = 0x0112  # the EXIF tag
+_TRANSPOSED = (5, 6, 7, 8)  # orientations that swap height and width
+
+
+class Plan(NamedTuple):
+    """What the device does to one decoded JPEG: its header's (oriented) size, the EXIF
+    orientation, the crop ``(top, left, h, w)`` in oriented coordinates (None: evaluation's
+    resize and centre crop), and whether to flip."""
+
+    height: int
+    width: int
+    orientation: int
+    box: tuple[int, int, int, int] | None
+    flip: bool
+
+
+class Encoded:
+    """A JPEG sample from a worker: its bytes (uint8, 1-D), its :class:`Plan`, its path.
+
+    A plain class, not a tuple or dataclass: the prefetcher's device move leaves it whole (the
+    bytes go to the decoder from host memory)."""
+
+    def __init__(self, data: torch.Tensor, plan: Plan, path: str) -> None:
+        self.data, self.plan, self.path = data, plan, path
+
+
+class EncodedBatch:
+    """A collated batch: the JPEGs' bytes in one tensor with their spans, and by position
+    either a JPEG's index or an already finished image (decoded in the worker)."""
+
+    def __init__(self, samples: Sequence[Encoded | torch.Tensor]) -> None:
+        jpegs = [s for s in samples if isinstance(s, Encoded)]
+        self.data = torch.cat([s.data for s in jpegs]) if jpegs else torch.empty(
+            0, dtype=torch.uint8)
+        ends = list(itertools.accumulate(len(s.data) for s in jpegs))
+        self.spans = list(zip([0, *ends[:-1]], ends))
+        self.plans = [s.plan for s in jpegs]
+        self.paths = [s.path for s in jpegs]
+        self.items = [s if isinstance(s, torch.Tensor) else None for s in samples]
+
+
+def jpeg_plan(data: bytes, transform: Any) -> Plan | None:
+    """The :class:`Plan` of a baseline RGB/grayscale JPEG (drawing the training crop and flip
+    as ``transform`` would); None for any other file, which the CPU path decodes."""
+    if data[:3] != b"\xff\xd8\xff":
+        return None
+    try:
+        with Image.open(io.BytesIO(data)) as pil:  # the header only: no pixels decoded
+            if pil.format != "JPEG" or pil.mode not in ("RGB", "L") or pil.info.get(
+                    "progressive") or pil.info.get("progression"):
+                return None
+            width, height = pil.size
+            orientation = int(pil.getexif().get(_ORIENTATION, 1))
+    except Exception:  # Pillow raises many types: the CPU path says what is wrong
+        return None
+    if orientation not in range(1, 9):
+        orientation = 1
+    if orientation in _TRANSPOSED:
+        height, width = width, height
+    if not isinstance(transform, RandomResizedCropFlip):
+        return Plan(height, width, orientation, None, False)
+    # RandomResizedCropFlip.__call__'s draws, in its order
+    box = crop_box(height, width, scale=transform.scale, ratio=transform.ratio)
+    flip = transform.flip and random.random() < 0.5
+    return Plan(height, width, orientation, box, flip)
+
+
+class JpegFiles(ImageFiles):
+    """:class:`~trainkit.data.image_folder.ImageFiles` whose JPEG samples are :class:`Encoded`
+    (bytes and plan), every other file decoded and transformed here as the CPU path does.
+    ``transform`` is :class:`RandomResizedCropFlip` (training) or :class:`ResizeCenterCrop`."""
+
+    def __getitem__(self, index: int) -> tuple[Any, int, list[str]] | BadFile:
+        skipped: list[str] = []
+        for step in range(len(self)):
+            i = (index + step) % len(self)
+            path = self.paths[i]
+            try:
+                sample = self._load(path)
+            except UnreadableImage as err:
+                if not self.skip_corrupt:
+                    return BadFile(path, str(err))
+                skipped.append(path)
+                continue
+            return sample, int(self.labels[i]), skipped
+        return BadFile(self.paths[index], "no file of this split can be decoded")
+
+    def _load(self, path: str) -> Encoded | torch.Tensor:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as err:
+            raise UnreadableImage(f"cannot read image file {path}: {err}") from None
+        plan = jpeg_plan(data, self.transform)
+        if plan is not None:
+            return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), plan, path)
+        image = decode_image(data, channels=self.channels, name=path)
+        return self.transform(image) if self.transform is not None else image
+
+
+def collate_encoded(samples: list[Any]) -> ImageBatch:
+    """:class:`JpegFiles` samples as an :class:`ImageBatch` whose images are an
+    :class:`EncodedBatch`; bad files travel as they are (the main process reports them)."""
+    bad = [s for s in samples if isinstance(s, BadFile)]
+    if bad:
+        return ImageBatch(None, torch.empty(0, dtype=torch.int64), [], bad)
+    labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
+    return ImageBatch(EncodedBatch([s[0] for s in samples]), labels,
+                      [p for s in samples for p in s[2]], [])
+
+
+def orient(image: torch.Tensor, orientation: int) -> torch.Tensor:
+    """A ``[C, H, W]`` image as its EXIF ``orientation`` (1-8) says to show it (as Pillow's
+    ``exif_transpose`` and torchvision's ``apply_exif_orientation`` do)."""
+    if orientation == 2:
+        return image.flip(-1)
+    if orientation == 3:
+        return image.flip(-2, -1)
+    if orientation == 4:
+        return image.flip(-2)
+    if orientation == 5:
+        return image.transpose(-2, -1)
+    if orientation == 6:
+        return image.rot90(-1, (-2, -1))
+    if orientation == 7:
+        return image.transpose(-2, -1).flip(-2, -1)
+    if orientation == 8:
+        return image.rot90(1, (-2, -1))
+    return image
+
+
+class JpegDecoder:
+    """Finishes :class:`EncodedBatch` es on ``device``: a uint8 ``[B, C, S, S]`` batch.
+
+    Args:
+        device: where to decode (``cuda``; ``cpu`` runs the same steps through libjpeg-turbo).
+        channels: 3 (RGB) or 1 (grayscale: nvJPEG decodes the luma only).
+        transform: the split's :class:`RandomResizedCropFlip` or :class:`ResizeCenterCrop`.
+        skip_corrupt: a JPEG neither decoder reads is replaced by another image of the batch
+            (with its label) and reported to ``on_skip``; else one line naming it is raised.
+    """
+
+    def __init__(self, device: torch.device | str, *, channels: int, transform: Any,
+                 skip_corrupt: bool = False) -> None:
+        from torchvision.io import ImageReadMode  # heavy import: on this path only
+
+        self.device = torch.device(device)
+        self.mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
+        self.channels = channels
+        self.transform, self.skip_corrupt = transform, skip_corrupt
+        self.rejected: list[str] = []  # the current batch's unreadable JPEGs (skip_corrupt)
+
+    def __call__(self, batch: EncodedBatch, labels: torch.Tensor,
+                 on_skip: Callable[[list[str]], None] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's images (and labels: changed only where a bad JPEG was replaced)."""
+        self.rejected = []
+        jpegs = iter(self._decode([batch.data[a:b] for a, b in batch.spans], batch.plans,
+                                  batch.paths))
+        images: list[torch.Tensor | None] = []
+        for item in batch.items:
+            images.append(item.to(self.device, non_blocking=True) if item is not None
+                          else next(jpegs))
+        bad = [i for i, image in enumerate(images) if image is None]
+        if bad:
+            good = next((i for i, image in enumerate(images) if image is not None), None)
+            if good is None:
+                raise TrainkitError(f"no image of a batch can be decoded: replace or delete "
+                                    f"such files, e.g. {self.rejected[0]}")
+            labels = labels.clone()
+            for i in bad:  # the batch keeps its size (and the epoch its length)
+                images[i], labels[i] = images[good], labels[good]
+            if on_skip is not None:
+                on_skip(self.rejected)
+        return torch.stack(images), labels  # type: ignore[arg-type]
+
+    def _decode(self, data: list[torch.Tensor], plans: list[Plan],
+                paths: list[str]) -> list[torch.Tensor | None]:
+        from torchvision.io import decode_jpeg
+
+        if not data:
+            return []
+        try:
+            decoded = decode_jpeg(data, mode=self.mode, device=self.device)
+        except RuntimeError:  # one file fails the whole call: find it, one by one
+            return [self._one(d, plan, path) for d, plan, path in zip(data, plans, paths)]
+        return [self._finish(image, plan, path)
+                for image, plan, path in zip(decoded, plans, paths)]
+
+    def _one(self, data: torch.Tensor, plan: Plan, path: str) -> torch.Tensor | None:
+        """One JPEG; one the device's decoder refuses goes to the CPU path's decoder (a variant
+        nvJPEG lacks decodes there; a corrupt file is named as the CPU path names it)."""
+        from torchvision.io import decode_jpeg
+
+        try:
+            return self._finish(decode_jpeg(data, mode=self.mode, device=self.device), plan,
+                                path)
+        except RuntimeError:
+            pass
+        try:
+            image = decode_image(data.numpy().tobytes(), channels=self.channels, name=path)
+        except UnreadableImage as err:
+            return self._reject(path, str(err))
+        # decode_image applied the EXIF orientation already
+        return self._finish(image.to(self.device), plan._replace(orientation=1), path)
+
+    def _reject(self, path: str, message: str) -> None:
+        if not self.skip_corrupt:
+            raise UnreadableImage(message)
+        self.rejected.append(path)
+
+    def _finish(self, image: torch.Tensor, plan: Plan, path: str) -> torch.Tensor | None:
+        image = orient(image, plan.orientation)
+        if tuple(image.shape[-2:]) != (plan.height, plan.width):
+            return self._reject(path, f"an image file decodes to another size than its header "
+                                      f"says; replace or delete it, or set "
+                                      f"data.skip_corrupt=true to skip such files: {path}")
+        if plan.box is None:
+            return self.transform(image)  # ResizeCenterCrop: the CPU path's own code
+        top, left, h, w = plan.box
+        size = self.transform.size
+        out = resize(image[..., top:top + h, left:left + w], (size, size))
+        return out.flip(-1) if plan.flip else out
+
+
+def check_gpu_decode(cfg: DataConfig, device: torch.device | str, *, own_dataset: bool,
+                     custom_transforms: bool) -> None:
+    """``data.decode=gpu``'s preconditions, each a one-line :class:`ConfigError`."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ConfigError(f"data.decode=gpu needs a CUDA device (this run's is {device}, CUDA "
+                          f"{'available' if torch.cuda.is_available() else 'unavailable'}): "
+                          "use data.decode=cpu")
+    if own_dataset or cfg.name != "image_folder":
+        raise ConfigError(f"data.decode=gpu is for data=image_folder (data.name={cfg.name!r}): "
+                          "use data.decode=cpu")
+    if custom_transforms:
+        raise ConfigError("data.decode=gpu applies the default transforms on the GPU, not "
+                          "data.train_transforms/eval_transforms: drop them or use "
+                          "data.decode=cpu")
+
