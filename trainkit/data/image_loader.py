@@ -22,39 +22,9 @@ from trainkit.data.classes import STATE_KEY, check_same_classes
 from trainkit.data.image_folder import ImageBatch
 from trainkit.data.loaders import ResumableLoader
 from trainkit.data.prefetch import DevicePrefetcher
-from trainkit.data.resumable import saved_position
+from trainkit.data.resumable import MappedBatches, saved_position
 
 log = logging.getLogger("trainkit")
-
-
-class _Checked:
-    """The DataLoader's :class:`ImageBatch` es as ``(images, labels)``; bad files stop here."""
-
-    def __init__(self, loader: ResumableLoader, owner: ImageLoader) -> None:
-        self.loader, self.owner = loader, owner
-        self.batch_size = loader.batch_size
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.loader.set_epoch(epoch, start_batch)
-
-    def state_dict(self) -> dict[str, int]:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.loader.load_state_dict(state)
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in self.loader:
-            if isinstance(batch, ImageBatch):
-                if batch.bad:
-                    raise TrainkitError(batch.bad[0].message)
-                self.owner.note_skipped(batch.skipped)
-                yield batch.images, batch.labels
-            else:
-                yield batch
 
 
 class ImageLoader:
@@ -81,9 +51,10 @@ class ImageLoader:
         self.classes = list(classes) if classes is not None else None
         self.skipped: set[str] = set()
         self.decoder = decoder
-        self.prefetcher = DevicePrefetcher(_Checked(loader, self), device, mean=mean, std=std,
-                                           channels_last=channels_last, normalize_float=False,
-                                           finish=self._decode if decoder is not None else None)
+        self.prefetcher = DevicePrefetcher(
+            MappedBatches(loader, self.checked), device, mean=mean, std=std,
+            channels_last=channels_last, normalize_float=False,
+            finish=self._decode if decoder is not None else None)
 
     @property
     def dataset(self) -> Any:
@@ -126,6 +97,16 @@ class ImageLoader:
 
     def _decode(self, batch: tuple[Any, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.decoder(batch[0], batch[1], self.note_skipped)
+
+    def checked(self, batch: Any) -> Any:
+        """A DataLoader's :class:`ImageBatch` as ``(images, labels)``: a bad file stops the run
+        here, in the main process, with one line; skipped ones are counted."""
+        if not isinstance(batch, ImageBatch):
+            return batch
+        if batch.bad:
+            raise TrainkitError(batch.bad[0].message)
+        self.note_skipped(batch.skipped)
+        return batch.images, batch.labels
 
     def note_skipped(self, paths: Sequence[str]) -> None:
         """Count files a batch skipped; each new one is logged once."""

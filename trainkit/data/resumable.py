@@ -9,7 +9,7 @@ at the start of every epoch; the loader's ``state_dict`` is saved with each chec
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -82,3 +82,28 @@ def set_epoch(data: Any, epoch: int, start_batch: int) -> None:
             f"cannot resume inside an epoch with a {type(data).__name__}: it cannot start at "
             f"batch {start_batch}; use trainkit's loaders or checkpoint at epoch ends"
         )
+
+
+class MappedBatches:
+    """A resumable loader's batches passed through ``fn`` (``(images, labels)`` out of a loader's
+    own batch type, a check on the way); the resume protocol and the length are the loader's."""
+
+    def __init__(self, loader: Any, fn: Callable[[Any], Any]) -> None:
+        self.loader, self.fn = loader, fn
+        self.batch_size = loader.batch_size
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.loader.set_epoch(epoch, start_batch)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[Any]:
+        batches: Iterable[Any] = self.loader
+        return map(self.fn, batches)

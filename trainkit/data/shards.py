@@ -51,7 +51,7 @@ from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
 from trainkit.core.signals import shielded_worker_init
 from trainkit.data.prefetch import DevicePrefetcher
-from trainkit.data.resumable import DataPosition, saved_position
+from trainkit.data.resumable import DataPosition, MappedBatches, saved_position
 from trainkit.data.transforms import IMAGE_SUFFIXES, decode_image, stats_for, transform_for
 
 IMAGE_KEYS = tuple(suffix[1:] for suffix in IMAGE_SUFFIXES)
@@ -214,30 +214,6 @@ class ShardLoader:
             yield batch
 
 
-class _Pairs:
-    """A :class:`ShardLoader`'s batches as ``(images, labels)``, for the device prefetcher."""
-
-    def __init__(self, loader: ShardLoader) -> None:
-        self.loader = loader
-        self.batch_size = loader.batch_size
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.loader.set_epoch(epoch, start_batch)
-
-    def state_dict(self) -> dict[str, int]:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.loader.load_state_dict(state)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for batch in self.loader:
-            yield batch.images, batch.labels
-
-
 def read_index(root: Path) -> dict[str, Any]:
     """``shards.json`` of ``root`` (``{}`` when there is none)."""
     path = root / INDEX
@@ -281,9 +257,14 @@ def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
     val = (_loader(cfg, runtime, seed, index, eval_transforms, training=False)
            if cfg.val_shards is not None or index.get("val") else None)
     wrap = {"mean": mean, "std": std, "channels_last": channels_last, "normalize_float": False}
-    return (DevicePrefetcher(_Pairs(train), runtime.device, **wrap),
-            DevicePrefetcher(_Pairs(val), runtime.device, **wrap) if val is not None else None,
-            int(num_classes))
+    pairs = [MappedBatches(loader, _pair) for loader in (train, val) if loader is not None]
+    prefetched = [DevicePrefetcher(loader, runtime.device, **wrap) for loader in pairs]
+    return prefetched[0], prefetched[1] if val is not None else None, int(num_classes)
+
+
+def _pair(batch: ShardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A :class:`ShardBatch` as ``(images, labels)``, for the device prefetcher."""
+    return batch.images, batch.labels
 
 
 def _loader(cfg: DataConfig, runtime: Runtime, seed: int, index: Mapping[str, Any],
