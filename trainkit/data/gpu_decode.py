@@ -111,22 +111,9 @@ class JpegFiles(ImageFiles):
     (bytes and plan), every other file decoded and transformed here as the CPU path does.
     ``transform`` is :class:`RandomResizedCropFlip` (training) or :class:`ResizeCenterCrop`."""
 
-    def __getitem__(self, index: int) -> tuple[Any, int, list[str]] | BadFile:
-        skipped: list[str] = []
-        for step in range(len(self)):
-            i = (index + step) % len(self)
-            path = self.paths[i]
-            try:
-                sample = self._load(path)
-            except UnreadableImage as err:
-                if not self.skip_corrupt:
-                    return BadFile(path, str(err))
-                skipped.append(path)
-                continue
-            return sample, int(self.labels[i]), skipped
-        return BadFile(self.paths[index], "no file of this split can be decoded")
-
     def _load(self, path: str) -> Encoded | torch.Tensor:
+        """A JPEG's bytes and plan; any other file decoded and transformed (the skip and
+        bad-file handling around it is :class:`ImageFiles`'s)."""
         try:
             data = Path(path).read_bytes()
         except OSError as err:

@@ -188,16 +188,19 @@ class ImageFiles(Dataset):
             i = (index + step) % len(self)
             path = self.paths[i]
             try:
-                image = load_image(path, channels=self.channels)
+                image = self._load(path)
             except UnreadableImage as err:
                 if not self.skip_corrupt:
                     return BadFile(path, str(err))
                 skipped.append(path)
                 continue
-            if self.transform is not None:
-                image = self.transform(image)
             return image, int(self.labels[i]), skipped
         return BadFile(self.paths[index], "no file of this split can be decoded")
+
+    def _load(self, path: str) -> Any:
+        """One file decoded and transformed (raises :class:`UnreadableImage`)."""
+        image = load_image(path, channels=self.channels)
+        return self.transform(image) if self.transform is not None else image
 
 
 class ImageBatch(NamedTuple):
