@@ -15,7 +15,6 @@ prefetcher, normalisation on the device, bad-file handling, class names in check
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -105,11 +104,7 @@ def _loader(dataset: Dataset, cfg: DataConfig, runtime: Runtime, seed: int,
             channels_last: bool, classes: Sequence[str] | None, *,
             training: bool, decoder: JpegDecoder | None = None) -> ImageLoader:
     mean, std = stats_for(cfg)
-    # Training on a CPU, the workers normalise (the main process trains meanwhile); on a GPU,
-    # batches travel as uint8 (a quarter of the bytes) and the GPU normalises.
-    on_cpu = torch.device(runtime.device).type == "cpu"
-    collate = collate_encoded if decoder is not None else functools.partial(
-        collate_images, stats=(mean, std) if on_cpu else None, channels_last=channels_last)
+    collate = collate_encoded if decoder is not None else collate_images
     loader = make_loader(
         dataset, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
         device=runtime.device, seed=seed, rank=runtime.rank, world_size=runtime.world_size,
