@@ -50,7 +50,7 @@ from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
 from trainkit.core.signals import shielded_worker_init
-from trainkit.data.prefetch import DevicePrefetcher
+from trainkit.data.image_loader import ImageLoader
 from trainkit.data.resumable import DataPosition, MappedBatches, saved_position
 from trainkit.data.transforms import IMAGE_SUFFIXES, decode_image, stats_for, transform_for
 
@@ -238,7 +238,7 @@ def shard_list(spec: str | Sequence[str] | None, index: Mapping[str, Any], split
 
 def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
                   channels_last: bool = False, train_transforms: Transforms = None,
-                  eval_transforms: Transforms = None) -> tuple[DevicePrefetcher, Any, int]:
+                  eval_transforms: Transforms = None) -> tuple[ImageLoader, Any, int]:
     """Training and validation loaders of ``data=webdataset``, and the class count;
     ``train_transforms`` / ``eval_transforms`` replace the default transforms when given."""
     # Imported here, once: the forked workers have them instead of importing them each (~1 s a
@@ -256,10 +256,12 @@ def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
     train = _loader(cfg, runtime, seed, index, train_transforms, training=True)
     val = (_loader(cfg, runtime, seed, index, eval_transforms, training=False)
            if cfg.val_shards is not None or index.get("val") else None)
-    wrap = {"mean": mean, "std": std, "channels_last": channels_last, "normalize_float": False}
-    pairs = [MappedBatches(loader, _pair) for loader in (train, val) if loader is not None]
-    prefetched = [DevicePrefetcher(loader, runtime.device, **wrap) for loader in pairs]
-    return prefetched[0], prefetched[1] if val is not None else None, int(num_classes)
+    # ImageLoader, as for an image folder: the class names go to classes.json and into every
+    # checkpoint, and a resume on shards of other classes is refused
+    loaders = [ImageLoader(MappedBatches(loader, _pair), runtime.device, mean=mean, std=std,
+                           classes=classes, channels_last=channels_last)
+               for loader in (train, val) if loader is not None]
+    return loaders[0], loaders[1] if val is not None else None, int(num_classes)
 
 
 def _pair(batch: ShardBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 
 from tests.image_files import make_folder
 from trainkit.config import DataConfig
-from trainkit.core.errors import ConfigError
+from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.runtime import Runtime
 from trainkit.data.__main__ import main as data_main
 from trainkit.data.shards import shard_loaders
@@ -70,6 +70,16 @@ def test_epoch_is_fixed_batches_and_resume_hands_out_the_same_batches(shards: Pa
     assert images.shape == (2, 3, 8, 8) and images.dtype == torch.float32
     assert labels.dtype == torch.int64 and set(labels.tolist()) <= {0, 1}
     assert [len(y) for _, y in val] == [2, 2]  # 4 validation images, in order
+
+
+def test_class_names_are_kept_in_the_state_and_other_classes_are_refused(shards: Path) -> None:
+    train, _, _ = shard_loaders(config(shards), CPU)
+    assert train.classes == ["class_0", "class_1"]  # what classes.json and checkpoints get
+    state = train.state_dict()
+    assert state["classes"] == ["class_0", "class_1"]
+    train.load_state_dict(state)
+    with pytest.raises(TrainkitError, match="class"):
+        train.load_state_dict({**state, "classes": ["cat", "dog"]})
 
 
 def test_own_shards_by_pattern_and_pipe_url(shards: Path) -> None:
