@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -23,7 +23,7 @@ from trainkit.core.errors import ConfigError
 from trainkit.core.rng import mix_seed
 from trainkit.core.signals import shielded_worker_init
 from trainkit.data.order import check_shard, epoch_order, shard_size
-from trainkit.data.resumable import DataPosition, saved_position
+from trainkit.data.resumable import DataPosition, PositionedLoader
 from trainkit.data.shm import fit_shared_memory
 
 
@@ -123,7 +123,7 @@ class SeededSamples(Dataset):
         return many(batch.indices) if many else [self.dataset[i] for i in batch.indices]
 
 
-class ResumableLoader:
+class ResumableLoader(PositionedLoader):
     """A ``DataLoader`` the Trainer can point at any batch of any epoch: ``set_epoch(e, b)``.
 
     Build it with :func:`make_loader`. Iterating yields the DataLoader's batches; ``len()`` is
@@ -150,19 +150,11 @@ class ResumableLoader:
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Serve ``epoch`` from batch ``start_batch`` on; the batches before are never loaded."""
-        self.position.set(epoch, start_batch)
+        super().set_epoch(epoch, start_batch)
         self.sampler.set_epoch(epoch, start_batch)
         # Workers' base seeds come from this generator; per-batch seeds (SeededSamples) make
         # transforms exact, this keeps anything else a worker draws tied to (seed, rank, epoch).
         self._generator.manual_seed(mix_seed(self._seed, self._rank, epoch))
-
-    def state_dict(self) -> dict[str, int]:
-        """The epoch and the batches of it already handed out."""
-        return self.position.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s position with the next iteration."""
-        self.set_epoch(*saved_position(state))
 
     def __iter__(self) -> Iterator[Any]:
         self.position.begin_pass()  # the sampler skips the batches before it

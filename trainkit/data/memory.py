@@ -17,10 +17,10 @@ from trainkit.core.rng import mix_seed
 from trainkit.data.augment import PAD_MODES, crop_flip
 from trainkit.data.datasets import TensorData
 from trainkit.data.order import check_shard, epoch_order, shard_size
-from trainkit.data.resumable import DataPosition, saved_position
+from trainkit.data.resumable import DataPosition, PositionedLoader, saved_position
 
 
-class InMemoryLoader:
+class InMemoryLoader(PositionedLoader):
     """Batches ``(images, labels)`` from a :class:`TensorData`, augmented and normalised on device.
 
     The uint8 data is moved to ``device`` once (GPU-resident on CUDA: no host copies per step);
@@ -102,10 +102,6 @@ class InMemoryLoader:
     def __len__(self) -> int:
         full, rest = divmod(self.num_samples, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
-
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Serve epoch ``epoch`` from batch ``start_batch`` on (constant time: no replay)."""
-        self.position.set(epoch, start_batch)
 
     def state_dict(self) -> dict[str, int]:
         """Where the loader is: the epoch and the batches of it already handed out."""

@@ -7,18 +7,18 @@ when it takes the batch. Elsewhere it is a pass-through that still normalises.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from trainkit.core.device import move_to_device
 from trainkit.core.tree import tensors
-from trainkit.data.resumable import DataPosition, saved_position, set_epoch
+from trainkit.data.resumable import DataPosition, PositionedLoader, set_epoch
 from trainkit.data.transforms import normalize
 
 
-class DevicePrefetcher:
+class DevicePrefetcher(PositionedLoader):
     """Wraps a loader; yields its batches on ``device``, the first tensor normalised there.
 
     Batches are ``(inputs, ...)`` tuples or lists. Inputs that arrive as uint8 (0-255) are cast
@@ -74,15 +74,8 @@ class DevicePrefetcher:
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Forward the resume protocol to the wrapped loader."""
-        self.position.set(epoch, start_batch)
+        super().set_epoch(epoch, start_batch)
         set_epoch(self.loader, epoch, start_batch)
-
-    def state_dict(self) -> dict[str, int]:
-        """The epoch and the batches of it handed out (the one in flight is not counted)."""
-        return self.position.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.set_epoch(*saved_position(state))
 
     def __iter__(self) -> Iterator[Any]:
         self.position.begin_pass()

@@ -62,6 +62,26 @@ def saved_position(state: Mapping[str, Any]) -> tuple[int, int]:
     return int(state["epoch"]), int(state["batch"])
 
 
+class PositionedLoader:
+    """The resume protocol of a loader whose place is one :class:`DataPosition`,
+    ``self.position``; one that must also point a sampler or a wrapped loader extends
+    :meth:`set_epoch`."""
+
+    position: DataPosition
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Serve ``epoch`` from batch ``start_batch`` on; the batches before are never loaded."""
+        self.position.set(epoch, start_batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch and the batches of it already handed out (one in flight is not counted)."""
+        return self.position.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s position with the next pass."""
+        self.set_epoch(*saved_position(state))
+
+
 def set_epoch(data: Any, epoch: int, start_batch: int) -> None:
     """Point any loader at an epoch and, when resuming, a batch inside it.
 

@@ -51,7 +51,7 @@ from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
 from trainkit.core.signals import shielded_worker_init
 from trainkit.data.image_loader import ImageLoader
-from trainkit.data.resumable import DataPosition, MappedBatches, saved_position
+from trainkit.data.resumable import DataPosition, MappedBatches, PositionedLoader
 from trainkit.data.transforms import IMAGE_SUFFIXES, decode_image, stats_for, transform_for
 
 IMAGE_KEYS = tuple(suffix[1:] for suffix in IMAGE_SUFFIXES)
@@ -178,7 +178,7 @@ def _label(sample: Mapping[str, Any]) -> int:
     return int(sample["cls"])
 
 
-class ShardLoader:
+class ShardLoader(PositionedLoader):
     """One rank's :class:`ShardBatch` es; the resume protocol of every trainkit loader."""
 
     def __init__(self, stream: ShardStream, *, num_workers: int, batches: int | None) -> None:
@@ -195,16 +195,6 @@ class ShardLoader:
         if self._batches is None:
             raise TypeError("the batch count of these shards is unknown (no shards.json)")
         return self._batches
-
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Serve ``epoch`` from batch ``start_batch`` on (the samples before are not decoded)."""
-        self.position.set(epoch, start_batch)
-
-    def state_dict(self) -> dict[str, int]:
-        return self.position.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.set_epoch(*saved_position(state))
 
     def __iter__(self) -> Iterator[ShardBatch]:
         self.stream.start = self.position.begin_pass()

@@ -19,7 +19,7 @@ What a run sees, exactly:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,12 @@ from trainkit.config import DataConfig
 from trainkit.core.errors import ConfigError
 from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
-from trainkit.data.resumable import DataPosition, saved_position
+from trainkit.data.resumable import DataPosition, PositionedLoader
 
 DTYPES = ("uint16", "uint32")
 
 
-class TokenLoader:
+class TokenLoader(PositionedLoader):
     """Batches ``{"tokens": int64 [batch, seq_len + 1]}`` from a memory-mapped token file.
 
     A :class:`~trainkit.data.ResumableData`: ``set_epoch(epoch, start_batch)`` points it
@@ -84,18 +84,6 @@ class TokenLoader:
 
     def __len__(self) -> int:
         return self._batches
-
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Serve ``epoch`` from batch ``start_batch`` on; the batches before are never read."""
-        self.position.set(epoch, start_batch)
-
-    def state_dict(self) -> dict[str, int]:
-        """The epoch and the batches of it already handed out."""
-        return self.position.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s position with the next iteration."""
-        self.set_epoch(*saved_position(state))
 
     def offsets(self, epoch: int, batch: int) -> np.ndarray:
         """Where batch ``batch`` of ``epoch``'s windows start on this rank."""
