@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from trainkit.core.cuda_settings import use_device
-from trainkit.core.errors import command_name
 from trainkit.core.runtime import Runtime
 from trainkit.distributed import group
 from trainkit.entry.errors import errors_as_one_line
@@ -31,6 +30,7 @@ from trainkit.entry.rebuild import (
     on_device,
     rebuild,
     split_args,
+    usage_status,
 )
 from trainkit.loop import evaluation
 from trainkit.loop.precision import Precision
@@ -42,10 +42,8 @@ OPTIONS = {"ckpt": "", "weights": "auto"}
 def main(argv: list[str] | None = None) -> int:
     """Run ``trainkit evaluate``; return its exit status."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(f"usage: {command_name('trainkit.evaluate')} {USAGE}\n\n{__doc__}",
-              file=sys.stdout if args else sys.stderr)
-        return 0 if args else 2
+    if (status := usage_status(args, "trainkit.evaluate", USAGE, __doc__)) is not None:
+        return status
     with errors_as_one_line():
         run_dir, options, overrides = split_args(args, OPTIONS, USAGE)
         record = evaluate_run(run_dir, options["ckpt"], options["weights"], overrides)

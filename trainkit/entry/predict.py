@@ -27,12 +27,19 @@ import torch
 
 from trainkit.checkpoint.export import Inputs, Normalized
 from trainkit.core.cuda_settings import use_device
-from trainkit.core.errors import TrainkitError, command_name
+from trainkit.core.errors import TrainkitError
 from trainkit.core.runtime import Runtime
 from trainkit.data.transforms import IMAGE_SUFFIXES
 from trainkit.distributed import group
 from trainkit.entry.errors import errors_as_one_line
-from trainkit.entry.rebuild import image_source, inputs_of, read_split, rebuild, split_args
+from trainkit.entry.rebuild import (
+    image_source,
+    inputs_of,
+    read_split,
+    rebuild,
+    split_args,
+    usage_status,
+)
 from trainkit.loop.precision import Precision
 
 USAGE = ("RUN_DIR inputs=FOLDER|test|train out=FILE.jsonl|FILE.pt [ckpt=best] [topk=5] "
@@ -44,10 +51,8 @@ OPTIONS = {"ckpt": "", "weights": "auto", "inputs": "", "out": "", "topk": "5",
 def main(argv: list[str] | None = None) -> int:
     """Run ``trainkit predict``; return its exit status."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(f"usage: {command_name('trainkit.predict')} {USAGE}\n\n{__doc__}",
-              file=sys.stdout if args else sys.stderr)
-        return 0 if args else 2
+    if (status := usage_status(args, "trainkit.predict", USAGE, __doc__)) is not None:
+        return status
     with errors_as_one_line():
         run_dir, options, overrides = split_args(args, OPTIONS, USAGE)
         out = _check_out(options["out"])

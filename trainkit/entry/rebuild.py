@@ -9,6 +9,7 @@ with (:func:`trainkit.train.build_data`), so an evaluation sees the same batches
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from trainkit.checkpoint.export import Inputs
 from trainkit.checkpoint.load import build_model
 from trainkit.checkpoint.select import find_checkpoint, model_weights, read_checkpoint
 from trainkit.config import TrainConfig
-from trainkit.core.errors import ConfigError, TrainkitError, one_line
+from trainkit.core.errors import ConfigError, TrainkitError, command_name, one_line
 from trainkit.data.build import READERS
 from trainkit.data.datasets import TensorData
 from trainkit.loop.step import default_forward
@@ -44,6 +45,16 @@ class Rebuilt:
     @property
     def step(self) -> int:
         return int(self.state["global_step"])
+
+
+def usage_status(args: Sequence[str], module: str, usage: str, doc: str | None) -> int | None:
+    """Print a command's usage when ``args`` is empty (to stderr: exit status 2) or asks for help
+    (to stdout: 0); None when the command should run."""
+    if args and args[0] not in ("-h", "--help"):
+        return None
+    print(f"usage: {command_name(module)} {usage}\n\n{doc}",
+          file=sys.stdout if args else sys.stderr)
+    return 0 if args else 2
 
 
 def split_args(args: Sequence[str], options: dict[str, str], usage: str
