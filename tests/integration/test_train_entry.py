@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +14,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import (
-    REPO,
-    assert_same_weights,
-    error_report,
-    last_checkpoint,
-    offline_env,
-    run_train,
-    tiny_run,
-)
+from tests import conftest
+from tests.conftest import REPO, assert_same_weights, error_report, last_checkpoint, tiny_run
+from tests.helpers.tA_single_thread import env, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -175,12 +170,12 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path: Path, mnist_root: Path, ove
 def test_config_error_leaves_no_outputs_folder(tmp_path: Path, mnist_root: Path) -> None:
     """Hydra makes outputs/<date>/<time>/ before the job checks the values: taken back."""
     (tmp_path / "runs").mkdir()  # a folder of the user's, empty: it stays
-    env = offline_env(PYTHONPATH=str(REPO))  # this checkout's trainkit, from another folder
+    here = env(PYTHONPATH=str(REPO))  # this checkout's trainkit, from another folder
     for where in ([], ["hydra.run.dir=runs/a"]):
         result = subprocess.run(
             [sys.executable, "-m", "trainkit.train", "+exp=mnist", f"data.root={mnist_root}",
              "data.batch_size=-4", *where],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+            cwd=tmp_path, env=here, capture_output=True, text=True, timeout=120)
         assert result.returncode == 2, result.stderr
         assert "data.batch_size must be >= 1" in error_report(result.stderr)[1]
         assert sorted(p.name for p in tmp_path.rglob("*")) == ["runs"]
@@ -209,13 +204,13 @@ def test_missing_data_offline_names_the_files(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists() and not list(empty.iterdir())
 
 
-def test_bad_input_deletes_no_checkpoint(tmp_path: Path, mnist_root: Path) -> None:
+def test_bad_input_deletes_no_checkpoint(tmp_path: Path, mnist_root: Path,
+                                        finished_run: Path) -> None:
     run_dir = tmp_path / "run"
-    assert run_train(*tiny_run(run_dir, mnist_root, "trainer.max_steps=2",
-                                "trainer.precision=32")).returncode == 0
+    shutil.copytree(finished_run, run_dir)  # a completed run in precision 32, of its own
     before = (run_dir / "checkpoints" / "last.pt").read_bytes()
     log_before = (run_dir / "train.log").read_text()
-    result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_steps=2"),
+    result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_epochs=2"),
                        "trainer.precision=16-mixed")  # a checkpoint of another precision
     assert result.returncode != 0
     details, last = error_report(result.stderr)
@@ -229,8 +224,9 @@ def test_bad_input_deletes_no_checkpoint(tmp_path: Path, mnist_root: Path) -> No
 
 @pytest.mark.realdata
 def test_mnist_reaches_99_percent_on_real_data(tmp_path: Path, real_mnist_root: Path) -> None:
-    env = offline_env(TRAINKIT_DATA_DIR=str(real_mnist_root))
-    result = run_train("+exp=mnist", f"hydra.run.dir={tmp_path}", env=env)
+    # the experiment as users run it: torch's own thread count
+    result = conftest.run_train("+exp=mnist", f"hydra.run.dir={tmp_path}",
+                                env=conftest.offline_env(TRAINKIT_DATA_DIR=str(real_mnist_root)))
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["metrics"]["val/acc"] >= 0.99, summary
