@@ -140,7 +140,7 @@ class _Launches:
                         _launch([r for r in ROWS if r["strategy"] == strategy],
                                 self.data_root, tmp)
                 self.results[strategy] = torch.load(tmp / "out.pt", weights_only=False)
-            except AssertionError as failed:  # every row of the launch fails with its output
+            except (AssertionError, subprocess.TimeoutExpired) as failed:  # each row fails
                 self.results[strategy] = str(failed)
         results = self.results[strategy]
         if isinstance(results, str):
