@@ -5,11 +5,11 @@ bf16-mixed on batch-norm, with compile...). Testing every combination would take
 runs; every *pair* of option values occurs in the 11 rows :func:`pairwise` generates from
 :data:`FACTORS` (a new option joins with one line there). Each row trains the built-in
 experiments' networks at test size on fake data (tests/dist/combo_fit.py, one process launch
-per row, torchrun with 2 processes for ddp and fsdp): once uninterrupted, once stopped by a real
-SIGTERM in the middle of the second epoch and resumed. The resumed run must end with the same
-weights, buffers, EMA and validation as the uninterrupted one, every rank's batch-norm
-statistics must be equal whenever the run evaluated or saved, and each checkpoint must hold the
-statistics the run evaluated with.
+per strategy for its rows, torchrun with 2 processes for ddp and fsdp): once uninterrupted, once
+stopped by a real SIGTERM in the middle of the second epoch and resumed. The resumed run must
+end with the same weights, buffers, EMA and validation as the uninterrupted one, every rank's
+batch-norm statistics must be equal whenever the run evaluated or saved, and each checkpoint
+must hold the statistics the run evaluated with.
 
 Bitwise, in every row, compile and 16-mixed included: on the CPU every kernel is deterministic,
 gloo sums 2 ranks' gradients in a fixed order, a resumed run compiles the same graphs into the
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -97,18 +98,63 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_fake_cifar10(root, n_train=96, n_test=32)
 
 
-def _launch(row: dict[str, Any], data_root: Path, tmp: Path) -> dict[str, Any]:
-    rows, out = tmp / "rows.json", tmp / "out.pt"
-    rows.write_text(json.dumps({"row": row}))
-    launcher = ([] if row["strategy"] == "none" else
+def _launch(rows: list[dict[str, Any]], data_root: Path, tmp: Path) -> None:
+    """Rows of one strategy in one process launch (under torchrun for ddp and fsdp), each row's
+    fits into ``tmp/<row id>``, their results into ``tmp/out.pt``."""
+    rows_file, out = tmp / "rows.json", tmp / "out.pt"
+    rows_file.write_text(json.dumps({_row_id(row): row for row in rows}))
+    launcher = ([] if rows[0]["strategy"] == "none" else
                 ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                  "--monitor-interval=0.1"])
-    command = [sys.executable, *launcher, "tests/dist/combo_fit.py", str(data_root), str(rows),
-               str(out)]
+    command = [sys.executable, *launcher, "tests/dist/combo_fit.py", str(data_root),
+               str(rows_file), str(out)]
+    # Inductor compiles in the process itself: no pool of compile workers (each a start of
+    # Python and torch) for a few small graphs; the same kernels either way.
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=offline_env(PYTHONPATH=str(REPO), TRAINKIT_DIST_TIMEOUT_S="120"))
+                          env=offline_env(PYTHONPATH=str(REPO), TRAINKIT_DIST_TIMEOUT_S="120",
+                                          TORCHINDUCTOR_COMPILE_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(out, weights_only=False)["row"]
+
+
+class _Launches:
+    """The results of every row, one process launch per strategy (3 starts of Python and torch
+    instead of 11, 3 per launch under torchrun): combo_fit.py trains the rows one after the
+    other, each from its own seed, model and run dirs. Under xdist the workers share one launch
+    per strategy (a file lock in the session's shared temporary folder): the first worker that
+    needs it starts it, another waits for it and reads its results."""
+
+    def __init__(self, data_root: Path, where: Path) -> None:
+        self.data_root, self.where = data_root, where
+        self.results: dict[str, dict[str, Any] | str] = {}
+
+    def result(self, row: dict[str, Any]) -> dict[str, Any]:
+        from filelock import FileLock  # torch's own dependency
+
+        strategy = row["strategy"]
+        if strategy not in self.results:
+            tmp = self.where / strategy
+            try:
+                with FileLock(f"{tmp}.lock"):
+                    if not (tmp / "out.pt").is_file():
+                        tmp.mkdir(parents=True, exist_ok=True)
+                        _launch([r for r in ROWS if r["strategy"] == strategy],
+                                self.data_root, tmp)
+                self.results[strategy] = torch.load(tmp / "out.pt", weights_only=False)
+            except (AssertionError, subprocess.TimeoutExpired) as failed:  # each row fails
+                self.results[strategy] = str(failed)
+        results = self.results[strategy]
+        if isinstance(results, str):
+            pytest.fail(results, pytrace=False)
+        return results[_row_id(row)]
+
+
+@pytest.fixture(scope="module")
+def launches(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> _Launches:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the session's folder, above each worker's
+        where = tmp_path_factory.getbasetemp().parent / "combinations"
+    else:
+        where = tmp_path_factory.mktemp("combinations")
+    return _Launches(data_root, where)
 
 
 def _checkpoint_model(run_dir: str, name: str) -> dict[str, torch.Tensor]:
@@ -131,10 +177,12 @@ def _assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
             assert torch.equal(got[key], expected[key]), f"{what} {key} differs"
 
 
-@pytest.mark.parametrize("row", ROWS, ids=_row_id)
+# The rows of one launch next to each other, so that an xdist worker tends to get them together.
+@pytest.mark.parametrize("row", sorted(ROWS, key=lambda row: FACTORS["strategy"].index(
+    row["strategy"])), ids=_row_id)
 def test_a_preempted_and_resumed_run_ends_as_the_uninterrupted_one(
-        row: dict[str, Any], data_root: Path, tmp_path: Path) -> None:
-    result = _launch(row, data_root, tmp_path)
+        row: dict[str, Any], launches: _Launches) -> None:
+    result = launches.result(row)
     whole, preempted, resumed = result["whole"], result["preempted"], result["resumed"]
     assert whole["summary"]["status"] == resumed["summary"]["status"] == "completed"
     assert preempted["summary"]["status"] == "preempted"
