@@ -248,9 +248,9 @@ def test_image_folder_resnet_run_predicts_and_exports_what_its_own_loader_evalua
     files = sorted(p for p in (folder / "val").rglob("*") if p.is_file())
     with torch.no_grad():
         assert torch.equal(load_model(out)(torch.stack([read(f) for f in files])), outputs)
-    # the command's own parsing, in this process (the console command's process is the pt2 test's)
-    assert cli.main(["export", str(run_dir), "--format", "safetensors", "--out",
-                     str(tmp_path / "model_export")]) == 0
+    result = trainkit_command("export", str(run_dir), "--format", "safetensors", "--out",
+                              str(tmp_path / "model_export"))
+    assert result.returncode == 0, result.stderr[-3000:]
     info = json.loads((tmp_path / "model_export" / "model.json").read_text())
     assert info["model"]["_target_"] == "torchvision.models.resnet18"
     assert torch.equal(run_without_trainkit(LOAD_SAFETENSORS, tmp_path / "model_export", batch,
