@@ -5,9 +5,12 @@ run's; its bad input is one line and exit 2, its checkpoints kept."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO, assert_same_weights, error_report, last_checkpoint, offline_env
 from trainkit.core.errors import LINE_LIMIT
@@ -51,14 +54,21 @@ def samples(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("sample at step")]
 
 
-def test_preempted_between_evaluations_then_rerun_matches_an_uninterrupted_run(
-        tmp_path: Path) -> None:
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    # the uninterrupted run and the preempted one side by side: SIGTERM at step 10, between the
-    # evaluations of steps 8 and 12, after the first one without improvement
-    procs = start(lm_command(whole)), start(lm_command(cut, "t.SigtermAt(10)"))
-    out_whole, out_cut = finish(procs[0], 0), finish(procs[1], 75)
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A run stopped by SIGTERM at step 10, between the evaluations of steps 8 and 12, after the
+    first one without improvement; and its stdout. Shared: the tests re-run copies of it."""
+    cut = tmp_path_factory.mktemp("char_lm") / "cut"
+    out_cut = finish(start(lm_command(cut, "t.SigtermAt(10)")), 75)
     assert last_checkpoint(cut)["global_step"] == 10
+    return cut, out_cut
+
+
+def test_preempted_between_evaluations_then_rerun_matches_an_uninterrupted_run(
+        tmp_path: Path, preempted: tuple[Path, str]) -> None:
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    shutil.copytree(preempted[0], cut)
+    out_whole, out_cut = finish(start(lm_command(whole)), 0), preempted[1]
     out_resumed = finish(start(lm_command(cut)), 0)
 
     for run_dir in (whole, cut):  # early stopping counted across the resume: both stop at 12
@@ -78,11 +88,12 @@ def test_preempted_between_evaluations_then_rerun_matches_an_uninterrupted_run(
     assert "train/z_loss" in (whole / "metrics.jsonl").read_text()
 
 
-def test_bad_input_is_one_line_exit_2_and_keeps_the_checkpoint(tmp_path: Path) -> None:
+def test_bad_input_is_one_line_exit_2_and_keeps_the_checkpoint(
+        tmp_path: Path, preempted: tuple[Path, str]) -> None:
     """A preempted run, then re-runs that fail: a forward whose third item is no mapping, one
     whose scalar is a vector. The checkpoint stays as it was."""
     run_dir = tmp_path / "run"
-    finish(start(lm_command(run_dir, "t.SigtermAt(2)")), 75)
+    shutil.copytree(preempted[0], run_dir)
     before = (run_dir / "checkpoints" / "last.pt").read_bytes()
     bad = {
         "lambda m, b: (*char_lm.forward(m, b)[:2], [1.0])":

@@ -4,6 +4,7 @@ new run started from another run's checkpoint (``checkpoint.init_from``)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,13 +26,25 @@ def _parameters(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in weights.items() if "running_" not in k and "num_batches" not in k}
 
 
-def test_a_finished_run_takes_more_steps_on_a_replanned_schedule(tmp_path: Path,
-                                                                  mnist_root: Path) -> None:
-    run = tmp_path / "run"
-    first = run_train(*tiny_run(run, mnist_root, "trainer.max_steps=6"))
+EMA = "trainer.ema_decay=0.9"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path) -> Path:
+    """One finished 6-step run with an EMA, shared: the run the first test extends (a copy of
+    it) and the checkpoint the init_from tests start from. Only read, never resumed in place."""
+    run = tmp_path_factory.mktemp("source")
+    first = run_train(*tiny_run(run, mnist_root, "trainer.max_steps=6", EMA))
     assert first.returncode == 0, first.stderr[-2000:]
+    return run
+
+
+def test_a_finished_run_takes_more_steps_on_a_replanned_schedule(
+        tmp_path: Path, mnist_root: Path, source: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(source, run)  # the finished 6-step run, extended here
     final_lr = _lrs(run)[6]
-    more = run_train(*tiny_run(run, mnist_root, "trainer.max_steps=12"))
+    more = run_train(*tiny_run(run, mnist_root, "trainer.max_steps=12", EMA))
     assert more.returncode == 0, more.stderr[-2000:]
     assert "resumed from" in more.stdout and "at step 6 " in more.stdout
     assert "LR schedule is re-planned over 12 steps from step 6" in more.stdout
@@ -40,7 +53,7 @@ def test_a_finished_run_takes_more_steps_on_a_replanned_schedule(tmp_path: Path,
     assert last_checkpoint(run)["global_step"] == 12
     # the re-planned one-cycle schedule is the one a 12-step run follows from step 6 on
     straight = tmp_path / "straight"
-    assert run_train(*tiny_run(straight, mnist_root, "trainer.max_steps=12")).returncode == 0
+    assert run_train(*tiny_run(straight, mnist_root, "trainer.max_steps=12", EMA)).returncode == 0
     extended, planned = _lrs(run), _lrs(straight)
     for step in (8, 10, 12):
         assert extended[step] == pytest.approx(planned[step], rel=1e-9)
@@ -57,11 +70,8 @@ def test_a_finished_run_takes_more_epochs(tmp_path: Path, mnist_root: Path) -> N
     assert (summary["status"], summary["epoch"], summary["global_step"]) == ("completed", 2, 32)
 
 
-def test_init_from_starts_a_new_run_from_the_weights_alone(tmp_path: Path,
-                                                          mnist_root: Path) -> None:
-    source = tmp_path / "source"
-    assert run_train(*tiny_run(source, mnist_root, "trainer.max_steps=5",
-                               "trainer.ema_decay=0.9")).returncode == 0
+def test_init_from_starts_a_new_run_from_the_weights_alone(tmp_path: Path, mnist_root: Path,
+                                                          source: Path) -> None:
     saved = last_checkpoint(source)
     tuned = tmp_path / "tuned"
     # lr 0 leaves the weights where they started: the checkpoint's
@@ -84,10 +94,8 @@ def test_init_from_starts_a_new_run_from_the_weights_alone(tmp_path: Path,
     assert again.returncode == 0 and "resumed from" in again.stdout
 
 
-def test_init_from_a_checkpoint_of_another_model_is_one_line(tmp_path: Path,
-                                                            mnist_root: Path) -> None:
-    source = tmp_path / "source"
-    assert run_train(*tiny_run(source, mnist_root, "trainer.max_steps=2")).returncode == 0
+def test_init_from_a_checkpoint_of_another_model_is_one_line(tmp_path: Path, mnist_root: Path,
+                                                            source: Path) -> None:
     ckpt = source / "checkpoints" / "last.pt"
     before = ckpt.read_bytes()
     other = tmp_path / "other"
@@ -110,14 +118,13 @@ def test_init_from_a_missing_file_names_the_key(tmp_path: Path, mnist_root: Path
     assert "does not exist" in last and "checkpoint.init_from" in last
 
 
-def test_library_init_from_is_the_same_key(tmp_path: Path, mnist_root: Path) -> None:
+def test_library_init_from_is_the_same_key(tmp_path: Path, mnist_root: Path,
+                                           source: Path) -> None:
     """The library equivalent: CheckpointConfig(init_from=...)."""
     from trainkit import CheckpointConfig, Trainer, TrainerConfig, load_mnist
     from trainkit.data import InMemoryLoader
     from trainkit.models import MnistNet
 
-    source = tmp_path / "source"
-    assert run_train(*tiny_run(source, mnist_root, "trainer.max_steps=2")).returncode == 0
     data = InMemoryLoader(load_mnist(mnist_root, train=True, verify=False, download=False), 32,
                           shuffle=True)
     model = MnistNet()

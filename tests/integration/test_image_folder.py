@@ -44,19 +44,27 @@ def folder_run(run_dir: Path, root: Path, *extra: str) -> list[str]:
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """3 classes x 6 training files of every kind (5 batches of 4 an epoch), one truncated."""
     root = make_folder(tmp_path_factory.mktemp("images"), per_class=6, val_per_class=2)
-    truncate(next((root / "train" / "class_1").glob("*.jpg")))
+    truncate(sorted((root / "train" / "class_1").glob("*.jpg"))[0])
     return root
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory, folder: Path) -> Path:
+    """The uninterrupted 2-epoch run over ``folder``, skipping its truncated file. Shared: the
+    SIGTERM test's reference and the truncated-file test's finished run (which uses a copy)."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    result = run_train(*folder_run(run_dir, folder, "data.skip_corrupt=true"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return run_dir
+
+
 def test_sigterm_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
-        tmp_path: Path, folder: Path) -> None:
+        tmp_path: Path, folder: Path, straight: Path) -> None:
     common = ("data.skip_corrupt=true",)
-    straight = run_train(*folder_run(tmp_path / "straight", folder, *common))
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    summary = json.loads((straight / "summary.json").read_text())
     assert summary["data/skipped_files"] == 1 and summary["global_step"] == 10
-    assert "skipped unreadable file" in (tmp_path / "straight" / "train.log").read_text()
-    assert json.loads((tmp_path / "straight" / "classes.json").read_text()) == {
+    assert "skipped unreadable file" in (straight / "train.log").read_text()
+    assert json.loads((straight / "classes.json").read_text()) == {
         "classes": ["class_0", "class_1", "class_2"]}
 
     run_dir, marker = tmp_path / "preempted", tmp_path / "at-step-3"
@@ -81,7 +89,7 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "at step 3 (epoch 1, batch 3)" in resumed.stdout
-    assert_same_weights(last_checkpoint(tmp_path / "straight")["model"],
+    assert_same_weights(last_checkpoint(straight)["model"],
                         last_checkpoint(run_dir)["model"])
     assert last_checkpoint(run_dir)["data"]["classes"] == ["class_0", "class_1", "class_2"]
     assert json.loads((run_dir / "summary.json").read_text())["data/skipped_files"] == 1
@@ -106,14 +114,15 @@ def test_two_ranks_under_torchrun_take_equal_batches(tmp_path: Path, folder: Pat
 
 
 def test_truncated_file_without_skip_stops_in_one_line_and_keeps_checkpoints(
-        tmp_path: Path) -> None:
-    root = make_folder(tmp_path / "images", per_class=4, val_per_class=1)
-    run_dir = tmp_path / "run"
-    first = run_train(*folder_run(run_dir, root, "trainer.max_epochs=1"))
-    assert first.returncode == 0, first.stderr[-2000:]
+        tmp_path: Path, folder: Path, straight: Path) -> None:
+    # a copy of the finished 2-epoch run and of its folder, whose one truncated file the run
+    # skipped (data.skip_corrupt=true); a third epoch without skip_corrupt meets that file
+    root, run_dir = tmp_path / "images", tmp_path / "run"
+    shutil.copytree(folder, root)
+    shutil.copytree(straight, run_dir)
     before = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()}
-    cut = truncate(sorted((root / "train" / "class_0").glob("*.jpg"))[0])
-    result = run_train(*folder_run(run_dir, root, "trainer.max_epochs=2"))
+    cut = sorted((root / "train" / "class_1").glob("*.jpg"))[0]
+    result = run_train(*folder_run(run_dir, root, "trainer.max_epochs=3"))
     assert result.returncode == 2
     details, last = error_report(result.stderr)
     assert last.endswith(cut.name), last
@@ -123,7 +132,7 @@ def test_truncated_file_without_skip_stops_in_one_line_and_keeps_checkpoints(
     cut.unlink()  # a class renamed (same count): the checkpoint's classes are not the data's
     for split in ("train", "val"):
         (root / split / "class_2").rename(root / split / "class_z")
-    result = run_train(*folder_run(run_dir, root, "trainer.max_epochs=2"))
+    result = run_train(*folder_run(run_dir, root, "trainer.max_epochs=3"))
     assert result.returncode == 2
     _, last = error_report(result.stderr)
     assert "classes differ" in last and "class_2" in last and "class_z" in last, last
