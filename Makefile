@@ -29,14 +29,19 @@ $(STAMP): pyproject.toml
 train: install
 	$(PY) -m trainkit.train +exp=mnist $(ARGS)
 
-# Most tests wait on processes they start (a Python and torch start is ~3 s of one core), so two
-# pytest workers share a 2-core machine well; the tests marked serial measure time (data waits,
-# throughput, hang timeouts) and run alone after the rest. Exit 5 is "no test selected" (a
-# PYTEST_ARGS that picks tests of one kind only).
+# Most tests wait on processes they start (a Python, torch and torchvision start is ~5 s of one
+# core), so two pytest workers share a 2-core machine well. Each worker, and each process its
+# tests start, gets one intra-op thread (PARALLEL_ENV): with torch's default of a thread per core,
+# the two workers' training processes spin-wait on each other's threads, which made a 188-step
+# MNIST run cost ~60 CPU s instead of ~3 on this 2-core machine (thread counts are the same
+# within a test, so what a test compares is unchanged). The tests marked serial measure time
+# (data waits, throughput, hang timeouts) and run alone after the rest, with torch's defaults.
+# Exit 5 is "no test selected" (a PYTEST_ARGS that picks tests of one kind only).
 WORKERS ?= 2
+PARALLEL_ENV ?= OMP_NUM_THREADS=1
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(WORKERS) -m "not serial" $(PYTEST_ARGS); rest=$$?; \
+	$(PARALLEL_ENV) $(PY) -m pytest -n $(WORKERS) -m "not serial" $(PYTEST_ARGS); rest=$$?; \
 	$(PY) -m pytest -m serial $(PYTEST_ARGS); serial=$$?; \
 	for status in $$rest $$serial; do [ $$status = 0 ] || [ $$status = 5 ] || exit $$status; done
 	$(MAKE) test-floor
@@ -45,7 +50,8 @@ test: install
 test-floor: install
 	.ci/floor_venv.sh $(PYTHON) $(PY) $(FLOOR_VENV) "$(FLOOR_TORCH)"
 	$(FLOOR_VENV)/bin/python -c "import torch; print('unit tests on torch', torch.__version__)"
-	$(FLOOR_VENV)/bin/python -m pytest tests/unit -q -n $(WORKERS) -m "not serial" $(PYTEST_ARGS)
+	$(PARALLEL_ENV) $(FLOOR_VENV)/bin/python -m pytest tests/unit -q -n $(WORKERS) -m "not serial" \
+	    $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check .

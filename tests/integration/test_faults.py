@@ -21,15 +21,16 @@ from tests.conftest import (
     error_report,
     hear_preemption_signals,
     last_checkpoint,
+    offline_env,
+    run_train,
     tiny_run,
 )
-from tests.helpers.tA_single_thread import env, run_train
 
 pytestmark = pytest.mark.slow
 
 # Shuffled data, a one-cycle schedule, AdamW and accumulation windows of 2: everything with
 # state. The experiment's 188 steps (40 epochs of 8 would be 320) give the signals time to land
-# mid-run. Every process runs with one intra-op thread (tests/helpers/tA_single_thread.py).
+# mid-run.
 COMMON = ("trainer.max_epochs=40", "trainer.accumulate_grad_batches=2",
           "trainer.eval_every_n_epochs=40")
 
@@ -52,7 +53,7 @@ def _start(run_dir: Path, mnist_root: Path, *extra: str) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "trainkit.train",
              *tiny_run(run_dir, mnist_root, *COMMON, *extra)],
-            cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT,
+            cwd=REPO, env=offline_env(), stdout=out, stderr=subprocess.STDOUT,
             preexec_fn=hear_preemption_signals)  # as started from a terminal
 
 
@@ -157,7 +158,7 @@ def test_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(
     result = subprocess.run(
         [sys.executable, "-m", "trainkit.train",
          *tiny_run(run_dir, mnist_root, "trainer.max_steps=12", *common)],
-        cwd=REPO, env=env(), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300,
         preexec_fn=_limit_file_size)
     assert result.returncode == 2
     details, last = error_report(result.stderr)

@@ -13,8 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_same_weights, last_checkpoint, tiny_run, wait_for_a_step
-from tests.helpers.tA_single_thread import run_train, start_in_own_group
+from tests.conftest import (
+    assert_same_weights,
+    last_checkpoint,
+    run_train,
+    start_in_own_group,
+    tiny_run,
+    wait_for_a_step,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,8 @@ import pytest
 from nbclient import NotebookClient
 from nbformat import NotebookNode
 
-from tests.conftest import REPO, last_checkpoint
+from tests.conftest import REPO, last_checkpoint, offline_env
 from tests.helpers.fakes import write_fake_mnist
-from tests.helpers.tA_single_thread import env
 
 EXAMPLES = REPO / "examples"
 NOTEBOOK = EXAMPLES / "quickstart.ipynb"
@@ -103,9 +102,7 @@ def kernel_for(tmp_path: Path) -> Iterator[Callable[[NotebookNode], Kernel]]:
     def start(nb: NotebookNode) -> Kernel:
         client = NotebookClient(nb, timeout=180, kernel_name="python3", allow_errors=True,
                                 resources={"metadata": {"path": str(EXAMPLES)}})
-        # one intra-op thread, in the kernel and the processes it launches
-        # (tests/helpers/tA_single_thread.py)
-        context = client.setup_kernel(env=env(CUDA_VISIBLE_DEVICES=""))
+        context = client.setup_kernel(env=offline_env(CUDA_VISIBLE_DEVICES=""))
         context.__enter__()
         clients.append(client)
         contexts.append(context)

@@ -14,9 +14,15 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests import conftest
-from tests.conftest import REPO, assert_same_weights, error_report, last_checkpoint, tiny_run
-from tests.helpers.tA_single_thread import env, run_train
+from tests.conftest import (
+    REPO,
+    assert_same_weights,
+    error_report,
+    last_checkpoint,
+    offline_env,
+    run_train,
+    tiny_run,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +176,7 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path: Path, mnist_root: Path, ove
 def test_config_error_leaves_no_outputs_folder(tmp_path: Path, mnist_root: Path) -> None:
     """Hydra makes outputs/<date>/<time>/ before the job checks the values: taken back."""
     (tmp_path / "runs").mkdir()  # a folder of the user's, empty: it stays
-    here = env(PYTHONPATH=str(REPO))  # this checkout's trainkit, from another folder
+    here = offline_env(PYTHONPATH=str(REPO))  # this checkout's trainkit, from another folder
     for where in ([], ["hydra.run.dir=runs/a"]):
         result = subprocess.run(
             [sys.executable, "-m", "trainkit.train", "+exp=mnist", f"data.root={mnist_root}",
@@ -224,9 +230,8 @@ def test_bad_input_deletes_no_checkpoint(tmp_path: Path, mnist_root: Path,
 
 @pytest.mark.realdata
 def test_mnist_reaches_99_percent_on_real_data(tmp_path: Path, real_mnist_root: Path) -> None:
-    # the experiment as users run it: torch's own thread count
-    result = conftest.run_train("+exp=mnist", f"hydra.run.dir={tmp_path}",
-                                env=conftest.offline_env(TRAINKIT_DATA_DIR=str(real_mnist_root)))
+    result = run_train("+exp=mnist", f"hydra.run.dir={tmp_path}",
+                       env=offline_env(TRAINKIT_DATA_DIR=str(real_mnist_root)))
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["metrics"]["val/acc"] >= 0.99, summary
