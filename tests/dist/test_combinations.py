@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 
 from tests.conftest import REPO, offline_env
 from tests.helpers.fakes import write_fake_cifar10, write_fake_mnist
@@ -128,8 +129,6 @@ class _Launches:
         self.results: dict[str, dict[str, Any] | str] = {}
 
     def result(self, row: dict[str, Any]) -> dict[str, Any]:
-        from filelock import FileLock  # torch's own dependency
-
         strategy = row["strategy"]
         if strategy not in self.results:
             tmp = self.where / strategy
