@@ -47,9 +47,22 @@ def startup_seconds(fit_started: float) -> tuple[float | None, float]:
 
 
 def seconds_since_process_start() -> float:
-    """Wall-clock seconds since this process started (the kernel's record, 10 ms resolution on
-    Linux): interpreter, imports and set-up included, as ``time`` would count them."""
-    return max(0.0, time.time() - _this_process().create_time())
+    """Seconds since this process started: interpreter, imports and set-up included, as ``time``
+    would count them.
+
+    On Linux from the kernel's own record, 10 ms resolution: the process's start in clock ticks
+    since boot (``/proc/self/stat``) against ``CLOCK_BOOTTIME``. psutil's ``create_time()`` adds
+    that to the boot time, which the kernel gives in whole seconds, so the difference with
+    ``time.time()`` is up to 1 s too large (measured 1.04 s for 0.05 s on this project's machine).
+    Elsewhere psutil's figure.
+    """
+    try:
+        with open("/proc/self/stat") as stat:  # field 22, starttime: after "pid (comm)", 20th
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+        return max(0.0, since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, AttributeError, ValueError, IndexError):  # not Linux
+        return max(0.0, time.time() - _this_process().create_time())
 
 
 def rss_bytes() -> int:

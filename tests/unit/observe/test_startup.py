@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -41,3 +42,18 @@ def test_a_session_under_ipython_is_not_a_process_start() -> None:
                             capture_output=True, text=True, timeout=120)
              for extra in ("import IPython; ", "")]
     assert [out.stdout.strip() for out in shown] == ["True", "False"], shown[0].stderr[-2000:]
+
+
+def test_the_process_start_is_read_to_the_kernels_tick() -> None:
+    """A child that sleeps 0.5 s after its imports reports at least that, and no more than the
+    parent counted from before starting it (plus one 10 ms tick): a boot time rounded to whole
+    seconds would add up to 1 s."""
+    code = ("import time; from trainkit.observe.metrics import seconds_since_process_start as s; "
+            "time.sleep(0.5); print(s())")
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 0.5 <= float(done.stdout) <= elapsed + 0.01
+
