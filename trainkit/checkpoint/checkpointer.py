@@ -352,6 +352,11 @@ class Checkpointer:
         if self.storages:
             self.storage.close()
 
+    def release_data(self) -> None:
+        """Let go of the run's data once its fit is over: the user's loader, with its worker
+        processes, is the user's alone again."""
+        self.parts["data"] = None
+
     def last_saved(self) -> str:
         """Which checkpoint a run that stops on an error leaves, as words for its message."""
         if self.directory is None or self.saved_step < 0:

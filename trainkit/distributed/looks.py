@@ -54,11 +54,19 @@ class Looks:
     def _run(self) -> None:
         with self._cond:
             while True:
-                for watchdog, due in list(self._due.items()):
-                    if due <= time.monotonic():
-                        self._look(watchdog)
-                wake = min(self._due.values(), default=None)
+                wake = self._look_due()
                 self._cond.wait(None if wake is None else max(wake - time.monotonic(), 0.0))
+
+    def _look_due(self) -> float | None:
+        """Look at the watchdogs that are due; when the next look is due (None: none entered).
+
+        A function of its own so that no watchdog stays in the waiting thread's locals: the
+        last one looked at would keep its Trainer (model, optimizer, data workers) alive.
+        """
+        for watchdog, due in list(self._due.items()):
+            if due <= time.monotonic():
+                self._look(watchdog)
+        return min(self._due.values(), default=None)
 
 
 LOOKS = Looks()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +25,8 @@ from trainkit.observe.schedule import LogSchedule
 @dataclass
 class Run:
     """One ``fit``'s objects, as the loop's methods share them (built by ``Trainer._new_run``;
-    the step, the vote and the guard once training starts)."""
+    the step, the vote and the guard once training starts). None of them refers back to the
+    run: with no reference cycle it goes, with the user's data, as soon as ``fit`` returns."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -42,7 +43,8 @@ class Run:
     logs: LogSchedule
     evals: EvalSchedule
     preemption: Preemption
-    evaluate: Callable[[], dict[str, float]] | None = None
+    val_data: Iterable[Any] | None = None  # evaluated with metrics, when given
+    metrics: Mapping[str, Any] = field(default_factory=dict)
     results: dict[str, float] | None = None  # of the last evaluation
     step: WindowStep | MicroBatching | None = None  # set as training starts
     vote: group.StepVote | None = None  # the same

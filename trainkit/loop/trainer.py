@@ -116,7 +116,8 @@ class Trainer:
         self._watchdog = Watchdog(self.config.hang_timeout_s, self.config.hang_action,
                                   run_dir=self.run_dir, rank=self.runtime.rank,
                                   world_size=self.runtime.world_size)
-        self._watchdog.follow(lambda: self.state.global_step)  # no call per step
+        state = self.state  # not self, which holds the watchdog: no reference cycle
+        self._watchdog.follow(lambda: state.global_step)  # no call per step
         self.checkpointer = Checkpointer(checkpoint or CheckpointConfig(), self.run_dir,
                                          self.runtime, self.run_config, self._watchdog)
 
@@ -154,6 +155,9 @@ class Trainer:
                 error = report.out_of_memory(
                     err, optimizer, batch=getattr(train_data, "batch_size", "?"),
                     accumulate=self.config.accumulate_grad_batches, precision=self.precision.mode)
+            finally:  # what this trainer keeps holds none of the fit's data (its loader's workers)
+                self.checkpointer.release_data()
+                self._watchdog.on_abort = None
             raise error  # outside the handler: the failed step's frames are gone
 
     def request_stop(self, reason: str = "stop requested") -> None:
@@ -214,8 +218,8 @@ class Trainer:
             return finished
         run = self._new_run(model, optimizer, ema, train_data, total_steps, report, **parts)
         if val_data is not None:
-            metrics = {name: m.to(self.runtime.device) for name, m in (metrics or {}).items()}
-            run.evaluate = functools.partial(self._validate, run, val_data, metrics)
+            run.val_data = val_data
+            run.metrics = {name: m.to(self.runtime.device) for name, m in (metrics or {}).items()}
         # the first step is next (timed from the process start only where that means it)
         report.begin(run.meter, started, *startup_seconds(report.started))
         log_start(type(ddp.unwrap(model)).__name__, self.runtime, total_steps,
@@ -271,9 +275,9 @@ class Trainer:
         self.callbacks.fire("on_fit_start", self)
         run.meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
-        run.vote = group.StepVote(
-            lambda: run.preemption.requested or self._stop_reason is not None,
-            save_due=self.checkpointer.time_due)
+        preemption = run.preemption  # not the run: the run holds the vote (no reference cycle)
+        run.vote = group.StepVote(lambda: preemption.requested or self._stop_reason is not None,
+                                  save_due=self.checkpointer.time_due)
         run.guard = NonFiniteGuard(cfg.nonfinite_patience, state, self.checkpointer.last_saved,
                                    self.runtime.device)
         run.step = WindowStep(
@@ -283,7 +287,7 @@ class Trainer:
             agree=run.vote.nonfinite if run.vote.active else None, scalars=run.meter.own)
         # trainer.micro_batch_size: each batch split (and, in auto, retried on out-of-memory)
         run.step = micro_batched(run.step, cfg, state, model, self._profilers)
-        run.evals.enabled = run.evaluate is not None
+        run.evals.enabled = run.val_data is not None
         run.logs.logged()  # the first line by time is due a period from now
 
     # -- the loop -----------------------------------------------------------------------------
@@ -297,8 +301,8 @@ class Trainer:
             set_epoch(run.data, state.epoch, state.batch_in_epoch)
             if self._epoch(run):
                 return ("stopped" if state.stop_reason else "preempted"), run.results or {}
-        if run.evaluate and not run.results:  # resumed a finished run: report it again
-            run.evaluate()
+        if run.val_data is not None and not run.results:  # resumed a finished run: report it again
+            self._validate(run)
         # none pending after a last step; some with a loader shorter than its len()
         run.guard.stop_if_diverged()
         return ("stopped" if state.stop_reason else "completed"), run.results or {}
@@ -327,7 +331,7 @@ class Trainer:
             if step_end:
                 fire("on_step_end", self, step)
             if run.evals.due(step):
-                run.evaluate()
+                self._validate(run)
             stop, save = vote.stop_and_save(vote_again)
             if stop or step == run.stop_at_step:
                 self._save_and_stop(run, step)
@@ -379,14 +383,13 @@ class Trainer:
             f"stopped at step {step}; re-run the same command to resume")
 
     @watched("evaluation")
-    def _validate(self, run: Run, data: Iterable[Any],
-                  metrics: Mapping[str, Any]) -> dict[str, float]:
+    def _validate(self, run: Run) -> dict[str, float]:
         """Evaluate (with the EMA weights when on), log, tell the callbacks, and let the
         Checkpointer keep the best (last: its checkpoint holds the callbacks' new state)."""
         ema, step = run.ema, self.state.global_step
         with ema.applied() if ema is not None else contextlib.nullcontext():
-            results = self.evaluate(run.model, data, criterion=run.criterion,
-                                    metrics=metrics, forward=run.forward)
+            results = self.evaluate(run.model, run.val_data, criterion=run.criterion,
+                                    metrics=run.metrics, forward=run.forward)
         run.report.sinks.log(results, step)
         log.info("epoch %d step %d %s", self.state.epoch_number, step,
                  " ".join(f"{k} {v:.4f}" for k, v in results.items()))
