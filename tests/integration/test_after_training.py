@@ -215,7 +215,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_overwritten(
 
 
 def test_image_folder_resnet_run_predicts_and_exports_what_its_own_loader_evaluates(
-        tmp_path: Path) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``+exp=folder`` (torchvision's ResNet-18, image files, EMA, best by val/acc): predict
     over its val/ folder gives, file for file, the outputs of the run's own validation loader
     (its resize, centre crop and normalisation), with its class names; so does its pt2 export,
@@ -231,6 +231,16 @@ def test_image_folder_resnet_run_predicts_and_exports_what_its_own_loader_evalua
     assert cli.main(["predict", str(run_dir), f"inputs={folder / 'val'}", f"out={raw}"]) == 0
     assert cli.main(["predict", str(run_dir), f"inputs={folder / 'val'}", f"out={rows}"]) == 0
     outputs = torch.load(raw, weights_only=True)["outputs"]
+    split = tmp_path / "test.pt"  # the run's own validation split: the same files, in order
+    assert cli.main(["predict", str(run_dir), "inputs=test", f"out={split}"]) == 0
+    by_split, by_file = torch.load(split, weights_only=True), torch.load(raw, weights_only=True)
+    assert by_split["inputs"] == by_file["inputs"]
+    assert torch.equal(by_split["outputs"], outputs)
+    with pytest.raises(SystemExit) as stop:  # a folder with no val/, none held out: one line
+        cli.main(["predict", str(run_dir), "inputs=test", f"data.root={folder / 'train'}",
+                  "data.val_fraction=0", f"out={tmp_path / 'none.pt'}"])
+    assert stop.value.code == 2
+    assert "has no val/ and the run held none out" in error_report(capsys.readouterr().err)[1]
     run = rebuild(run_dir, "best", "auto", [])
     _, val_data, _ = build_data(run.cfg, run.settings, Runtime.from_env("cpu"))
     batch = torch.cat([x.contiguous() for x, _ in val_data])  # as predict's: pixels compared
@@ -255,6 +265,38 @@ def test_image_folder_resnet_run_predicts_and_exports_what_its_own_loader_evalua
     assert info["model"]["_target_"] == "torchvision.models.resnet18"
     assert torch.equal(run_without_trainkit(LOAD_SAFETENSORS, tmp_path / "model_export", batch,
                                             tmp_path), outputs)
+
+
+def test_own_dataset_run_predicts_its_splits_and_files_and_exports_as_its_loader_evaluates(
+        tmp_path: Path) -> None:
+    """A run on a torch ``Dataset`` of the user's (PIL images of mixed sizes): ``inputs=test``
+    (the dataset's own samples), its files and its export all give the outputs of the run's own
+    validation loader, with the dataset's class names."""
+    folder = make_folder(tmp_path / "images", per_class=4, val_per_class=2)
+    run_dir = tmp_path / "run"
+    result = run_train("data=image_folder", f"data.root={folder}", f"hydra.run.dir={run_dir}",
+                       "data.name=own", "+dataset._target_=tests.image_files.Pictures",
+                       "model._target_=tests.image_files.TinyNet", "~model.widths",
+                       "data.image_size=24", "data.batch_size=4", "data.eval_batch_size=8",
+                       "data.num_workers=0", "trainer.max_steps=2", "trainer.precision=32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = rebuild(run_dir, "last", "auto", [])
+    _, val_data, _ = build_data(run.cfg, run.settings, Runtime.from_env("cpu"))
+    with torch.no_grad():
+        theirs = run.model(torch.cat([x for x, _ in val_data]))
+    by_split, by_file = tmp_path / "test.pt", tmp_path / "files.pt"
+    assert cli.main(["predict", str(run_dir), "inputs=test", f"out={by_split}"]) == 0
+    assert cli.main(["predict", str(run_dir), f"inputs={folder / 'val'}", f"out={by_file}"]) == 0
+    split, files = torch.load(by_split), torch.load(by_file)
+    assert split["inputs"] == list(range(6)) and len(files["inputs"]) == 6
+    assert torch.equal(split["outputs"], theirs) and torch.equal(files["outputs"], theirs)
+    out = export_run([str(run_dir)], fmt="pt2", out=tmp_path / "export")
+    assert json.loads((out / "model.json").read_text())["classes"] == [
+        "class_0", "class_1", "class_2"]
+    _, read = image_source(run)
+    with torch.no_grad():
+        exported = load_model(out)(torch.stack([read(Path(f)) for f in files["inputs"]]))
+    assert torch.equal(exported, theirs)
 
 
 def largest_logit(outputs: torch.Tensor, inputs: list) -> list[dict]:

@@ -35,8 +35,8 @@ def build_data(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> tupl
     train_data, val_data, num_classes = build_loaders(
         settings.data, runtime, seed=settings.trainer.seed,
         channels_last=settings.trainer.channels_last, reader=reader,
-        train_transforms=_transforms(data.get("train_transforms"), "data.train_transforms"),
-        eval_transforms=_transforms(data.get("eval_transforms"), "data.eval_transforms"))
+        train_transforms=build_transforms(data.get("train_transforms"), "data.train_transforms"),
+        eval_transforms=build_transforms(data.get("eval_transforms"), "data.eval_transforms"))
     asked = settings.data.num_classes
     if asked is not None and asked != num_classes:
         raise ConfigError(f"data.num_classes={asked} but the data has {num_classes} classes: "
@@ -46,7 +46,8 @@ def build_data(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> tupl
     return train_data, val_data, num_classes
 
 
-def _transforms(nodes: Any, key: str) -> list[Any] | None:
+def build_transforms(nodes: Any, key: str) -> list[Any] | None:
+    """The transform list config ``key`` gives (its ``_target_`` nodes built); None if unset."""
     if nodes is None:
         return None
     if not OmegaConf.is_list(nodes):

@@ -4,14 +4,15 @@
 Runs a finished run's model over a folder of images (``.png``/``.jpg``/..., its subfolders' too, in
 sorted order, read as the run read its evaluation images -- an image-folder run's resize and centre
 crop, a tensor dataset's mode and size -- and normalised as its loaders normalise) or over a split
-of its dataset (``test``, ``train``), and writes one row per input, in input order: ``out.jsonl``
-rows ``{"input": path or index, "classes": top-k names, "probs": their probabilities}``, or
-``out.pt`` with the raw outputs (``{"inputs": [...], "outputs": tensor}``). A model that is not a
-classifier names a function of its own, ``predict=pkg.module.function``, called as
-``function(outputs, inputs)`` for each batch and returning a list of JSON rows. Under torchrun each
-rank predicts its share and rank 0 writes the rows in order. Exit status: 0 when written, 2 on bad
-input (an existing ``out`` is left as it is). Without ckpt=: ``best`` where the run kept one, else
-``last``.
+of its data (``test``: the one it evaluated on, ``train``): an image folder's files, or a tensor
+dataset's or your own ``Dataset``'s samples by index. It writes one row per input, in input order:
+``out.jsonl`` rows ``{"input": path or index, "classes": top-k names, "probs": their
+probabilities}``, or ``out.pt`` with the raw outputs (``{"inputs": [...], "outputs": tensor}``).
+A model that is not a classifier names a function of its own, ``predict=pkg.module.function``,
+called as ``function(outputs, inputs)`` for each batch and returning a list of JSON rows. Under
+torchrun each rank predicts its share and rank 0 writes the rows in order. Exit status: 0 when
+written, 2 on bad input (an existing ``out`` is left as it is). Without ckpt=: ``best`` where the
+run kept one, else ``last``.
 """
 
 from __future__ import annotations
@@ -29,10 +30,14 @@ from trainkit.checkpoint.export import Inputs, Normalized
 from trainkit.core.cuda_settings import use_device
 from trainkit.core.errors import TrainkitError
 from trainkit.core.runtime import Runtime
+from trainkit.data.datasets import TensorData
+from trainkit.data.image_folder import BadFile, read_image_folder
+from trainkit.data.own_data import Samples
 from trainkit.data.transforms import IMAGE_SUFFIXES
 from trainkit.distributed import group
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.rebuild import (
+    eval_transform,
     image_source,
     inputs_of,
     read_split,
@@ -97,8 +102,7 @@ def _source(spec: str, run: Any) -> tuple[list[Any], Callable[[list[int]], torch
     """What to predict: its names (paths or indices), a reader of uint8 images by index, and
     the model's inputs (mean/std, size, classes) from the run's data."""
     if spec in ("test", "train"):
-        split = read_split(run.cfg, run.settings, train=spec == "train")
-        return list(range(len(split))), lambda index: split.images[index], inputs_of(split)
+        return _split(run, train=spec == "train")
     folder = Path(spec)
     if not spec or not folder.is_dir():
         raise TrainkitError(f"inputs={spec}: give a folder of images, or test or train for a "
@@ -107,9 +111,44 @@ def _source(spec: str, run: Any) -> tuple[list[Any], Callable[[list[int]], torch
     files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise TrainkitError(f"inputs={spec}: no images ({', '.join(IMAGE_SUFFIXES)}) in it")
+    return _files(run, files)
+
+
+def _files(run: Any, files: Sequence[Path]) -> tuple[list[Any], Callable[[list[int]],
+                                                                          torch.Tensor], Inputs]:
     inputs, read = image_source(run)
     return ([str(f) for f in files], lambda index: torch.stack([read(files[i]) for i in index]),
             inputs)
+
+
+def _split(run: Any, *, train: bool) -> tuple[list[Any], Callable[[list[int]], torch.Tensor],
+                                              Inputs]:
+    """A split of the run's data: an image folder's files (``test``: its validation files), a
+    tensor dataset's images, or your own ``Dataset``'s samples, each by its index."""
+    data = run.settings.data
+    if run.cfg.get("dataset") is None and data.name == "image_folder":
+        folder = read_image_folder(data.root, val_fraction=data.val_fraction,
+                                   seed=run.settings.trainer.seed)  # the run's own split
+        split = folder.train if train else folder.val
+        if split is None:
+            raise TrainkitError(f"inputs=test: the image folder {data.root} has no val/ and the "
+                                "run held none out (data.val_fraction=0); give a folder instead")
+        return _files(run, [Path(f) for f in split.files])
+    split = read_split(run.cfg, run.settings, train=train)
+    if isinstance(split, TensorData):
+        return list(range(len(split))), lambda index: split.images[index], inputs_of(split)
+    inputs, transform, custom = eval_transform(run)
+    samples = Samples(split, transform, channels=data.channels, image_column=data.image_column,
+                      label_column=data.label_column, transform_all=custom)
+
+    def read(index: list[int]) -> torch.Tensor:
+        images = [samples[i] for i in index]
+        bad = next((s for s in images if isinstance(s, BadFile)), None)
+        if bad is not None:
+            raise TrainkitError(f"cannot read {bad.path} of the run's dataset: {bad.message}")
+        return torch.stack([image for image, *_ in images])
+
+    return list(range(len(split))), read, inputs
 
 
 def _rows_of(options: dict[str, str], inputs: Inputs) -> Callable[[torch.Tensor, list], list]:

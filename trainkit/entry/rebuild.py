@@ -104,8 +104,9 @@ def on_device(model: nn.Module, settings: TrainConfig, device: torch.device) -> 
     return model
 
 
-def read_split(cfg: DictConfig, settings: TrainConfig, *, train: bool) -> TensorData:
-    """One split of the run's dataset, whole, as the loaders read it."""
+def read_split(cfg: DictConfig, settings: TrainConfig, *, train: bool) -> Any:
+    """One split of the run's dataset, whole, as the loaders read it: a ``TensorData``, or the
+    map-style ``Dataset`` that the run's ``dataset._target_`` returns."""
     from hydra.utils import instantiate
 
     data = settings.data
@@ -156,22 +157,34 @@ def build_forward(cfg: DictConfig) -> Any:
 
 
 def image_source(run: Rebuilt) -> tuple[Inputs, Callable[[Path], torch.Tensor]]:
-    """What the model takes, and a reader of an image file into it (uint8 ``[C, H, W]``): an
-    image-folder run's own evaluation transform (:mod:`trainkit.data.transforms`), or for a run
-    on tensor data (MNIST, CIFAR-10, yours) the file in that data's mode and size."""
+    """What the model takes, and a reader of an image file into it (uint8 ``[C, H, W]``): for a
+    run on tensor data (MNIST, CIFAR-10, a ``TensorData`` of yours) the file in that data's mode
+    and size; for a run that decoded images (an image folder, shards, your own ``Dataset``) the
+    run's own evaluation transform (:mod:`trainkit.data.transforms`)."""
     data = run.settings.data
-    if data.name != "image_folder" or run.cfg.get("dataset") is not None:
-        inputs = inputs_of(read_split(run.cfg, run.settings, train=False))
-        return inputs, lambda path: read_image(path, inputs.image_size)
-    from hydra.utils import instantiate
+    if run.cfg.get("dataset") is not None or data.name not in ("image_folder", "webdataset"):
+        split = read_split(run.cfg, run.settings, train=False)
+        if isinstance(split, TensorData):
+            inputs = inputs_of(split)
+            return inputs, lambda path: read_image(path, inputs.image_size)
+    from trainkit.data.transforms import load_image
 
+    inputs, transform, _ = eval_transform(run)
+    return inputs, lambda path: transform(load_image(path, channels=data.channels))
+
+
+def eval_transform(run: Rebuilt) -> tuple[Inputs, Callable[[torch.Tensor], torch.Tensor], bool]:
+    """For a run that decoded images: what its model takes, the transform its evaluation gave a
+    decoded uint8 image, and whether that is the run's own ``data.eval_transforms``."""
     from trainkit.data.classes import read_classes
-    from trainkit.data.transforms import load_image, stats_for, transform_for
+    from trainkit.data.transforms import stats_for, transform_for
+    from trainkit.entry.own_data import build_transforms
 
+    data = run.settings.data
     classes = (read_classes(run.state) or read_classes(run.run_dir)
                or [str(i) for i in range(data.num_classes or 0)])
     nodes = run.cfg.data.get("eval_transforms")
-    custom = [instantiate(node, _convert_="all") for node in nodes] if nodes else None
+    custom = build_transforms(nodes, "data.eval_transforms")
     transform = transform_for(data, training=False, custom=custom)
     described = ({"eval_transforms": OmegaConf.to_container(nodes, resolve=True)} if nodes
                  else {"resize_short_side": int(data.image_size / data.crop_pct),
@@ -179,7 +192,7 @@ def image_source(run: Rebuilt) -> tuple[Inputs, Callable[[Path], torch.Tensor]]:
     mean, std = stats_for(data)
     inputs = Inputs(mean, std, (data.channels, data.image_size, data.image_size), classes,
                     fused=True, transform=described)
-    return inputs, lambda path: transform(load_image(path, channels=data.channels))
+    return inputs, transform, custom is not None
 
 
 def read_image(path: Path, size: Sequence[int]) -> torch.Tensor:
