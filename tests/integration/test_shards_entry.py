@@ -1,6 +1,6 @@
 """data=webdataset through the real entry point: shards written by `python -m trainkit.data
 shards` from a generated image folder, then `+exp=folder data=webdataset` trains on them and
-evaluates on the validation shards."""
+evaluates on the validation shards; the run then predicts and exports as an image-folder run."""
 
 from __future__ import annotations
 
@@ -10,9 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO, offline_env
 from tests.image_files import make_folder
+from trainkit import load_model
+from trainkit.entry import cli
+from trainkit.entry.export import export_run
+from trainkit.entry.rebuild import image_source, rebuild
 
 pytestmark = pytest.mark.slow
 
@@ -40,3 +45,15 @@ def test_shards_then_the_entry_point_trains_on_them(tmp_path: Path) -> None:
     assert summary["status"] == "completed" and summary["global_step"] == 6
     assert 0.0 <= summary["metrics"]["val/acc"] <= 1.0
     assert "(3 per epoch)" in (run_dir / "train.log").read_text()
+    # after training: predict over image files and export, as for an image-folder run
+    rows = tmp_path / "val.pt"
+    assert cli.main(["predict", str(run_dir), f"inputs={tmp_path / 'pets' / 'val'}",
+                     f"out={rows}"]) == 0
+    predicted = torch.load(rows, weights_only=True)
+    out = export_run([str(run_dir)], fmt="pt2", out=tmp_path / "export")
+    info = json.loads((out / "model.json").read_text())
+    assert info["classes"] == ["class_0", "class_1"] and info["image_size"] == [3, 16, 16]
+    _, read = image_source(rebuild(run_dir, "", "auto", []))
+    with torch.no_grad():
+        exported = load_model(out)(torch.stack([read(Path(f)) for f in predicted["inputs"]]))
+    assert len(predicted["inputs"]) == 4 and torch.equal(exported, predicted["outputs"])
