@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import REPO, assert_same_weights, last_checkpoint, offline_env
+from tests.conftest import REPO, assert_same_weights, error_report, last_checkpoint, offline_env
+from trainkit.entry import cli
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +70,7 @@ def evaluations(run_dir: Path) -> dict[int, float]:
 
 
 def test_lm_learns_logs_its_scalars_and_resumes_bitwise_after_sigterm(
-        tmp_path: Path, corpus: Path) -> None:
+        tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]) -> None:
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     procs = (start(whole, corpus),
              start(cut, corpus, "+callbacks.stop._target_=tests.helpers.callbacks.SigtermAt",
@@ -103,6 +104,14 @@ def test_lm_learns_logs_its_scalars_and_resumes_bitwise_after_sigterm(
     assert rates == pytest.approx([64 * s for s in samples_s])  # seq_len tokens per window
     assert " tokens/s data wait " in (whole / "train.log").read_text()
     assert "done: val/loss" in (whole / "train.log").read_text()
+
+    # after training: predict and export take image models, and say so in one line
+    for command in (["export", str(whole)], ["predict", str(whole), "inputs=test",
+                                             f"out={tmp_path / 'rows.jsonl'}"]):
+        with pytest.raises(SystemExit) as stop:
+            cli.main(command)
+        assert stop.value.code == 2
+        assert "trained a language model on tokens" in error_report(capsys.readouterr().err)[1]
 
 
 def test_model_smaller_than_the_corpus_vocabulary_is_one_line(tmp_path: Path,

@@ -112,6 +112,10 @@ def read_split(cfg: DictConfig, settings: TrainConfig, *, train: bool) -> Any:
     data = settings.data
     if cfg.get("dataset") is not None:
         return instantiate(cfg.dataset, _partial_=True)(root=data.root, train=train)
+    if data.name == "tokens":  # predict's and export's inputs are images
+        raise TrainkitError("this run trained a language model on tokens: predict and export "
+                            "take image models; `trainkit evaluate` evaluates it, and its "
+                            "weights load with trainkit.load_checkpoint")
     if data.name not in READERS:
         raise TrainkitError(f"data.name={data.name!r}: only the built-in datasets "
                             f"({', '.join(READERS)}) have test and train splits here; give a "
