@@ -267,15 +267,22 @@ def test_image_folder_resnet_run_predicts_and_exports_what_its_own_loader_evalua
                                             tmp_path), outputs)
 
 
+@pytest.mark.parametrize("dataset", [
+    ("tests.image_files.Pictures",),
+    ("tests.image_files.hf_split", "+dataset.cache_dir={tmp}/hf_cache")], ids=["torch", "hf"])
 def test_own_dataset_run_predicts_its_splits_and_files_and_exports_as_its_loader_evaluates(
-        tmp_path: Path) -> None:
-    """A run on a torch ``Dataset`` of the user's (PIL images of mixed sizes): ``inputs=test``
-    (the dataset's own samples), its files and its export all give the outputs of the run's own
+        tmp_path: Path, dataset: tuple[str, ...]) -> None:
+    """A run on a dataset of the user's, a torch ``Dataset`` (PIL images of mixed sizes) or a
+    Hugging Face ``datasets.Dataset`` (its image column's file bytes): ``inputs=test`` (the
+    dataset's own samples), its files and its export all give the outputs of the run's own
     validation loader, with the dataset's class names."""
+    if dataset[0].endswith("hf_split"):
+        pytest.importorskip("datasets")
     folder = make_folder(tmp_path / "images", per_class=4, val_per_class=2)
     run_dir = tmp_path / "run"
     result = run_train("data=image_folder", f"data.root={folder}", f"hydra.run.dir={run_dir}",
-                       "data.name=own", "+dataset._target_=tests.image_files.Pictures",
+                       "data.name=own", f"+dataset._target_={dataset[0]}",
+                       *(o.format(tmp=tmp_path) for o in dataset[1:]),
                        "model._target_=tests.image_files.TinyNet", "~model.widths",
                        "data.image_size=24", "data.batch_size=4", "data.eval_batch_size=8",
                        "data.num_workers=0", "trainer.max_steps=2", "trainer.precision=32")

@@ -25,7 +25,6 @@ from trainkit.core.errors import TrainkitError
 from trainkit.data.transforms import IMAGE_SUFFIXES, UnreadableImage, load_image
 
 Transform = Callable[[torch.Tensor], Any]
-Stats = tuple[Sequence[float], Sequence[float]]
 
 
 @dataclass(frozen=True)

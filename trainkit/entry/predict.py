@@ -52,6 +52,10 @@ USAGE = ("RUN_DIR inputs=FOLDER|test|train out=FILE.jsonl|FILE.pt [ckpt=best] [t
 OPTIONS = {"ckpt": "", "weights": "auto", "inputs": "", "out": "", "topk": "5",
            "predict": ""}
 
+# What predict runs over: its inputs' names (paths or indices), a reader of uint8 images by
+# index, and what the model takes (mean/std, size, classes)
+Source = tuple[list[Any], Callable[[list[int]], torch.Tensor], Inputs]
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``trainkit predict``; return its exit status."""
@@ -97,8 +101,7 @@ def predict_run(run_dir: Path, options: dict[str, str], overrides: Sequence[str]
             "raw": options["out"].endswith(".pt")}
 
 
-def _source(spec: str, run: Any) -> tuple[list[Any], Callable[[list[int]], torch.Tensor],
-                                           Inputs]:
+def _source(spec: str, run: Any) -> Source:
     """What to predict: its names (paths or indices), a reader of uint8 images by index, and
     the model's inputs (mean/std, size, classes) from the run's data."""
     if spec in ("test", "train"):
@@ -114,15 +117,13 @@ def _source(spec: str, run: Any) -> tuple[list[Any], Callable[[list[int]], torch
     return _files(run, files)
 
 
-def _files(run: Any, files: Sequence[Path]) -> tuple[list[Any], Callable[[list[int]],
-                                                                          torch.Tensor], Inputs]:
+def _files(run: Any, files: Sequence[Path]) -> Source:
     inputs, read = image_source(run)
     return ([str(f) for f in files], lambda index: torch.stack([read(files[i]) for i in index]),
             inputs)
 
 
-def _split(run: Any, *, train: bool) -> tuple[list[Any], Callable[[list[int]], torch.Tensor],
-                                              Inputs]:
+def _split(run: Any, *, train: bool) -> Source:
     """A split of the run's data: an image folder's files (``test``: its validation files), a
     tensor dataset's images, or your own ``Dataset``'s samples, each by its index."""
     data = run.settings.data

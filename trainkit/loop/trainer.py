@@ -157,7 +157,6 @@ class Trainer:
                     accumulate=self.config.accumulate_grad_batches, precision=self.precision.mode)
             finally:  # what this trainer keeps holds none of the fit's data (its loader's workers)
                 self.checkpointer.release_data()
-                self._watchdog.on_abort = None
             raise error  # outside the handler: the failed step's frames are gone
 
     def request_stop(self, reason: str = "stop requested") -> None:
@@ -261,6 +260,7 @@ class Trainer:
             raise
         finally:
             self.checkpointer.close()  # a write still in flight ends whole, however fit ends
+            self._watchdog.on_abort = None  # its report holds the run's data
         extra = {"stop_reason": self.state.stop_reason} if status == "stopped" else {}
         summary = run.report.finish(status, results, **extra,
                                    **getattr(run.data, "report", dict)())  # data/skipped_files
