@@ -14,6 +14,7 @@ import torch
 
 from tests.unit.loop.test_micro_batch import Fits
 from trainkit import CheckpointConfig, Trainer, TrainerConfig
+from trainkit.distributed import group
 
 
 def batches(rank: int, n: int = 2, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -31,6 +32,11 @@ def main(out: Path) -> None:
     trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.5), batches(rank))
     torch.save({"weights": model.net.state_dict(), "sizes": model.sizes,
                 "micro_batch_size": trainer.state.micro_batch_size}, out / f"rank{rank}.pt")
+    # The group fit joined is left before the interpreter exits, as docs/distributed.md's
+    # script does: otherwise gloo's worker thread may free the last collective's tensors during
+    # the interpreter's finalization, and the rank aborts ("terminate called", exit -6) after
+    # a finished run (group.shutdown's store barrier explains it).
+    group.shutdown()
 
 
 if __name__ == "__main__":
