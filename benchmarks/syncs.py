@@ -3,6 +3,10 @@
     python -m benchmarks.syncs --out syncs.json   # on a GPU: read counts, sync_debug_mode counts
     python -m benchmarks.syncs --device cpu       # the same code on the CPU (read counts only)
 
+Two feeds: pre-placed batches (``fit_reads``) and the real image loader (``loader_syncs``: uint8
+batches from an image folder through ``make_loader``, its collate, pinned memory and the
+``DevicePrefetcher``; with ``data.decode=gpu`` also the ``JpegDecoder``).
+
 Reading a device tensor on the host (``item``, ``tolist``, ``bool(t)``, ``float(t)``, ``.cpu()``,
 ...) makes the CPU wait for the GPU, so it cannot queue the next step meanwhile. ``Trainer.fit``
 reads only at logging steps (and checkpoint steps, and the last step), so a run of ``N`` steps
@@ -11,6 +15,12 @@ three ways, each a check that fails (exit status 1) when a read creeps into ever
 
 - ``host_reads``: Python-level reads counted by patching those ``torch.Tensor`` methods (any
   device; reads inside C++ are not seen).
+- ``host_syncs``: Python-level calls that make the host wait for a device, counted by patching
+  them on any device: ``torch.tensor``/``torch.as_tensor`` of host data onto the run's device (on
+  CUDA a blocking copy from pageable memory; on the CPU the same code, counted as it would be),
+  ``torch.cuda.synchronize`` and ``Stream``/``Event.synchronize``, and on CUDA ``.to``/``.cuda``
+  of an unpinned CPU tensor. With ``data.decode=gpu`` on CUDA, nvJPEG's own waits on its own
+  stream (inside ``decode_jpeg``, which returns decoded images) are not counted.
 - ``sync_warnings`` (CUDA): what ``torch.cuda.set_sync_debug_mode("warn")`` reports, which also
   sees C++ syncs (a blocking copy, ``nonzero``, ...).
 - ``strict_window`` (CUDA): steps between two logging steps run under
@@ -28,6 +38,7 @@ import contextlib
 import functools
 import json
 import sys
+import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -68,6 +79,64 @@ def counting_host_reads() -> Iterator[Counter[str]]:
                 setattr(torch.Tensor, name, method)
 
 
+SYNC_CALLS = ("tensor", "as_tensor", "synchronize", "Stream.synchronize", "Event.synchronize",
+              "to (unpinned)", "cuda (unpinned)")
+
+
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
+    """The device a ``Tensor.to``/``.cuda`` call names, if any."""
+    target = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))),
+                                       None))
+    return torch.device(target) if target is not None else None
+
+
+@contextlib.contextmanager
+def counting_host_syncs(device: torch.device | str) -> Iterator[Counter[str]]:
+    """Count the calls that make the host wait for ``device`` (module docstring), by name."""
+    device = torch.device(device)
+    counts: Counter[str] = Counter()
+    patches: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, name: str, label: str, when: Any) -> None:
+        method = getattr(owner, name)
+
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if when(args, kwargs):
+                counts[label] += 1
+            return method(*args, **kwargs)
+        patches.append((owner, name, owner.__dict__.get(name)))
+        setattr(owner, name, call)
+
+    def from_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        target = kwargs.get("device")
+        return (target is not None and torch.device(target).type == device.type
+                and not isinstance(args[0] if args else kwargs.get("data"), torch.Tensor))
+
+    def unpinned(args: tuple[Any, ...], kwargs: dict[str, Any], cuda: bool = False) -> bool:
+        self, target = args[0], _device_of(args[1:], kwargs)
+        return (device.type == "cuda" and self.device.type == "cpu" and not self.is_pinned()
+                and (cuda or (target is not None and target.type == "cuda")))
+
+    always = lambda args, kwargs: True  # noqa: E731
+    patch(torch, "tensor", "tensor", from_host)
+    patch(torch, "as_tensor", "as_tensor", from_host)
+    patch(torch.cuda, "synchronize", "synchronize", always)
+    patch(torch.cuda.Stream, "synchronize", "Stream.synchronize", always)
+    patch(torch.cuda.Event, "synchronize", "Event.synchronize", always)
+    patch(torch.Tensor, "to", "to (unpinned)", unpinned)
+    patch(torch.Tensor, "cuda", "cuda (unpinned)",
+          lambda args, kwargs: unpinned(args, kwargs, cuda=True))
+    try:
+        yield counts
+    finally:
+        for owner, name, own in reversed(patches):  # as it was: defined there, or inherited
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
@@ -102,37 +171,76 @@ def with_own_scalar(model: nn.Module, batch: Any) -> tuple[Any, ...]:
 
 def fit_reads(steps: int, log_every: int, device: torch.device | str, precision: str = "32",
               forward: Any = None) -> dict[str, Any]:
-    """One ``Trainer.fit`` of ``steps`` steps (clipping, momentum, the NaN/inf check on, a
-    forward with a scalar of its own) with its host reads counted; on CUDA also the syncs
-    ``set_sync_debug_mode("warn")`` reports. On the CPU it runs the GPU's path
-    (:func:`gpu_path_on_the_cpu`), which is what it is there to check."""
+    """One ``Trainer.fit`` of ``steps`` steps over pre-placed batches (clipping, momentum, the
+    NaN/inf check on, a forward with a scalar of its own), its host reads and syncs counted
+    (:func:`counted_fit`)."""
+    device = torch.device(device)
+    return counted_fit(_model(), _batches(steps, device), steps, log_every, device, precision,
+                       forward=forward or with_own_scalar)
+
+
+def counted_fit(model: nn.Module, data: Any, steps: int, log_every: int, device: torch.device,
+                precision: str = "32", forward: Any = None) -> dict[str, Any]:
+    """``Trainer.fit`` of ``steps`` steps on ``data`` with its host reads and host syncs
+    counted; on CUDA also the syncs ``set_sync_debug_mode("warn")`` reports. On the CPU it runs
+    the GPU's path (:func:`gpu_path_on_the_cpu`), which is what it is there to check."""
     from trainkit import Trainer, TrainerConfig
 
-    device = torch.device(device)
-    model = _model()
-    data = _batches(steps, device)
-    config = TrainerConfig(device=str(device), max_epochs=1, max_steps=steps,
+    config = TrainerConfig(device=str(device), max_epochs=10_000, max_steps=steps,
                            log_every_n_steps=log_every, log_every_n_seconds=0,
                            gradient_clip_val=1.0, precision=precision)
     trainer = Trainer(config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     cuda = device.type == "cuda"
-    with counting_host_reads() as reads, warnings.catch_warnings(record=True) as caught, \
+    with counting_host_reads() as reads, counting_host_syncs(device) as host_syncs, \
+            warnings.catch_warnings(record=True) as caught, \
             (contextlib.nullcontext() if cuda else gpu_path_on_the_cpu()):
         warnings.simplefilter("always")
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            summary = trainer.fit(model, optimizer, data, forward=forward or with_own_scalar)
+            summary = trainer.fit(model, optimizer, data, **({"forward": forward} if forward
+                                                               else {}))
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     return {"steps": steps, "log_every": log_every, "precision": precision,
             "host_reads": sum(reads.values()), "by_method": dict(reads),
+            "host_syncs": sum(host_syncs.values()), "syncs_by_call": dict(host_syncs),
             "sync_warnings": len(syncs) if cuda else None,
             "first_sync": str(syncs[0].message)[:200] if syncs else None,
             "global_step": summary["global_step"]}
+
+
+def image_folder(root: Path) -> Path:
+    """A small image folder (JPEGs, EXIF-turned ones, PNGs, ...) made once under ``root``."""
+    from tests.image_files import make_folder
+
+    if not (root / "train").is_dir():
+        make_folder(root, classes=2, per_class=12, val_per_class=1, sizes=(24, 40))
+    return root
+
+
+def loader_syncs(steps: int, log_every: int, device: torch.device | str, root: Path, *,
+                 decode: str = "cpu", precision: str = "32") -> dict[str, Any]:
+    """:func:`counted_fit` over the real loader of ``data=image_folder`` at ``root``: uint8
+    batches through ``make_loader`` (pinned on CUDA), its collate and the ``DevicePrefetcher``,
+    normalised on the device; ``decode="gpu"`` sends JPEG bytes to the ``JpegDecoder`` on
+    ``device`` (on the CPU: libjpeg-turbo through the same list call)."""
+    from trainkit.config import DataConfig
+    from trainkit.core.runtime import Runtime
+    from trainkit.data.own_data import image_folder_loaders
+
+    device = torch.device(device)
+    cfg = DataConfig(name="image_folder", root=str(image_folder(root)), batch_size=2,
+                     num_workers=0, image_size=16, decode=decode, download=False, verify=False)
+    train, _, classes = image_folder_loaders(cfg, Runtime(device), seed=0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, classes))
+    result = counted_fit(model.to(device), train, steps, log_every, device, precision)
+    return {"feed": f"image_folder loader, decode={decode}", **result}
 
 
 def strict_window(device: torch.device, precision: str = "32") -> dict[str, Any]:
@@ -155,9 +263,27 @@ def strict_window(device: torch.device, precision: str = "32") -> dict[str, Any]
     return {"ok": True}
 
 
-def measure(device: torch.device, steps: int = 40, log_every: int = 10) -> dict[str, Any]:
-    """For each precision: runs of (N, L), (2N, 2L) -- as many logs -- and (2N, L)."""
-    result: dict[str, Any] = {"benchmark": "syncs", "device": str(device), "by_precision": {}}
+COUNTS = ("host_reads", "host_syncs", "sync_warnings")
+
+
+def _growth(name: str, runs: list[dict[str, Any]]) -> list[str]:
+    """A failure for each count that differs between ``(N, L)`` and ``(2N, 2L)`` (same logs)."""
+    failures = []
+    for key in COUNTS:
+        same_logs, more_steps = runs[0][key], runs[1][key]
+        if same_logs is not None and same_logs != more_steps:
+            failures.append(f"{name}: {key} grow with steps ({same_logs} over {runs[0]['steps']} "
+                            f"steps, {more_steps} over {runs[1]['steps']}, same logs; "
+                            f"{runs[1]['syncs_by_call'] or runs[1]['by_method']})")
+    return failures
+
+
+def measure(device: torch.device, steps: int = 40, log_every: int = 10, *,
+            loader_steps: int = 6, loader_log_every: int = 3) -> dict[str, Any]:
+    """For each precision, and for the real image loader (``decode`` cpu and gpu, one epoch of
+    ``2 * loader_steps`` batches): runs of (N, L), (2N, 2L) -- as many logs -- and (2N, L)."""
+    result: dict[str, Any] = {"benchmark": "syncs", "device": str(device), "by_precision": {},
+                              "by_loader": {}}
     failures = []
     for precision in ("32", "bf16-mixed", "16-mixed"):
         runs = [fit_reads(n, every, device, precision)
@@ -165,28 +291,37 @@ def measure(device: torch.device, steps: int = 40, log_every: int = 10) -> dict[
                                  (2 * steps, log_every))]
         entry: dict[str, Any] = {"runs": runs}
         if precision in CHECKED:
-            for key in ("host_reads", "sync_warnings"):
-                same_logs, more_logs = runs[0][key], runs[1][key]
-                if same_logs is not None and same_logs != more_logs:
-                    failures.append(f"{precision}: {key} grow with steps ({same_logs} over "
-                                    f"{steps} steps, {more_logs} over {2 * steps}, same logs)")
+            failures += _growth(precision, runs)
             if device.type == "cuda":
                 entry["strict_window"] = strict_window(device, precision)
                 if not entry["strict_window"]["ok"]:
                     failures.append(f"{precision}: a sync between logging steps: "
                                     f"{entry['strict_window']['error']}")
         result["by_precision"][precision] = entry
+    with tempfile.TemporaryDirectory(prefix="trainkit-syncs-") as folder:
+        for decode in ("cpu", "gpu"):
+            n, every = loader_steps, loader_log_every
+            runs = [loader_syncs(k, e, device, Path(folder), decode=decode)
+                    for k, e in ((n, every), (2 * n, 2 * every), (2 * n, every))]
+            result["by_loader"][f"decode={decode}"] = {"runs": runs}
+            failures += _growth(f"loader decode={decode}", runs)
     result["failures"] = failures
-    result["rows"] = [
-        row(f"syncs: {precision} host reads over {2 * steps} vs {steps} steps (same logs)",
-            result["by_precision"][precision]["runs"][1]["host_reads"]
-            - result["by_precision"][precision]["runs"][0]["host_reads"],
-            "0" if precision in CHECKED else "(GradScaler: one a step)",
-            None if precision not in CHECKED else not any(f.startswith(precision + ":")
-                                                         for f in failures), unit="reads")
-        for precision in result["by_precision"]
-    ]
+    result["rows"] = [_row(f"{precision} host reads+syncs", entry["runs"],
+                           precision in CHECKED, failures, precision)
+                      for precision, entry in result["by_precision"].items()]
+    result["rows"] += [_row(f"image loader {name}: host reads+syncs", entry["runs"], True,
+                            failures, f"loader {name}")
+                       for name, entry in result["by_loader"].items()]
     return result
+
+
+def _row(name: str, runs: list[dict[str, Any]], checked: bool, failures: list[str],
+         prefix: str) -> dict[str, Any]:
+    grown = sum(runs[1][k] - runs[0][k] for k in ("host_reads", "host_syncs"))
+    return row(f"syncs: {name} over {runs[1]['steps']} vs {runs[0]['steps']} steps (same logs)",
+               grown, "0" if checked else "(GradScaler: one a step)",
+               not any(f.startswith(prefix + ":") for f in failures) if checked else None,
+               unit="calls")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -39,14 +39,39 @@ def test_the_syncs_check_says_why_not_without_cuda() -> None:
 
 
 def test_the_sync_count_check_passes_on_the_cpu() -> None:
-    """The harness the GPU check runs under set_sync_debug_mode, with its read counts."""
+    """The harness the GPU check runs under set_sync_debug_mode, with its read and sync counts,
+    over pre-placed batches and through the real image loader (uint8 batches from files through
+    make_loader, collate and the DevicePrefetcher; decode=gpu's JpegDecoder on the CPU)."""
     from benchmarks.syncs import measure
 
-    result = measure(torch.device("cpu"), steps=6, log_every=3)
+    result = measure(torch.device("cpu"), steps=6, log_every=3, loader_steps=4,
+                     loader_log_every=2)
     assert result["failures"] == []
     runs = result["by_precision"]["16-mixed"]["runs"]
     assert runs[1]["host_reads"] > runs[0]["host_reads"]  # GradScaler's read per step, reported
-    assert [r["met"] for r in result["rows"]] == [True, True, None]
+    assert [r["met"] for r in result["rows"]] == [True, True, None, True, True]
+    for name in ("decode=cpu", "decode=gpu"):
+        short, long_same_logs, long_more_logs = result["by_loader"][name]["runs"]
+        assert short["global_step"] == 4 and long_same_logs["global_step"] == 8
+        assert short["host_syncs"] == long_same_logs["host_syncs"] == 0, long_same_logs
+        assert long_more_logs["host_reads"] > long_same_logs["host_reads"]  # reads are seen
+
+
+def test_the_sync_count_sees_a_constant_built_per_batch(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    """c95d846 built normalize's constants with torch.tensor(list, device=...) on every batch: a
+    blocking copy from pageable memory on CUDA. The count sees that pattern on the CPU too."""
+    from benchmarks.syncs import loader_syncs
+    from trainkit.data import transforms
+
+    def per_batch(self: transforms.Normalize, images: torch.Tensor, **kwargs: object) -> object:
+        torch.tensor(self.mean, device=images.device)  # the old code's pattern
+        return own(self, images, **kwargs)
+
+    own = transforms.Normalize.__call__
+    monkeypatch.setattr(transforms.Normalize, "__call__", per_batch)
+    runs = [loader_syncs(n, every, "cpu", tmp_path) for n, every in ((4, 2), (8, 4))]
+    assert [r["syncs_by_call"] for r in runs] == [{"tensor": 4}, {"tensor": 8}]
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import torch
 from trainkit.core.device import move_to_device
 from trainkit.core.tree import tensors
 from trainkit.data.resumable import DataPosition, PositionedLoader, set_epoch
-from trainkit.data.transforms import normalize
+from trainkit.data.transforms import Normalize
 
 
 class DevicePrefetcher(PositionedLoader):
@@ -57,11 +57,13 @@ class DevicePrefetcher(PositionedLoader):
         self.normalize_float = normalize_float
         self.finish = finish
         self._mean = self._std = None
-        self._stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+        self._normalize: Normalize | None = None
         if mean is not None and std is not None:
-            self._stats = (tuple(mean), tuple(std))
-            self._mean = torch.tensor(mean, device=self.device).view(1, -1, 1, 1)
-            self._std = torch.tensor(std, device=self.device).view(1, -1, 1, 1)
+            # every constant on the device once, here: built per batch, each would be a copy
+            # from pageable host memory that the host waits for
+            self._normalize = Normalize(mean, std, self.device)
+            self._mean = torch.tensor(mean).view(1, -1, 1, 1).to(self.device)
+            self._std = torch.tensor(std).view(1, -1, 1, 1).to(self.device)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.position = DataPosition()
 
@@ -119,7 +121,7 @@ class DevicePrefetcher(PositionedLoader):
             # one multiply-add after the cast (trainkit.data.transforms.normalize)
             layout = torch.channels_last if self.channels_last and x.dim() == 4 else (
                 torch.contiguous_format)
-            x = (normalize(x, *self._stats, memory_format=layout) if self._stats
+            x = (self._normalize(x, memory_format=layout) if self._normalize is not None
                  else x.float().div_(255))
         elif isinstance(x, torch.Tensor) and self._mean is not None and self.normalize_float:
             x = (x - self._mean) / self._std
