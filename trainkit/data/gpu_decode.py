@@ -11,7 +11,10 @@ On the device (:class:`JpegDecoder`, which the :class:`~trainkit.data.image_load
 calls before normalising): one ``torchvision.io.decode_jpeg(list, device=...)`` call for the
 batch's JPEGs, then per image the EXIF orientation (nvJPEG ignores EXIF), the crop, the same
 :func:`~trainkit.data.transforms.resize` as the CPU path and the flip -- or, evaluating, the
-same :class:`~trainkit.data.transforms.ResizeCenterCrop`. On the CPU these steps give exactly
+same :class:`~trainkit.data.transforms.ResizeCenterCrop`. A JPEG nvJPEG refuses is decoded on
+the CPU instead; an out-of-memory error, a device error or a torchvision without nvJPEG is
+raised, never hidden by that fallback (:func:`fatal`). :func:`probe_nvjpeg` tries nvJPEG once at
+the start. On the CPU these steps give exactly
 the CPU path's pixels; on CUDA, nvJPEG's IDCT and chroma upsampling and the resize computed in
 float differ from libjpeg-turbo and the uint8 CPU kernel by a grey level or two.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import logging
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +42,8 @@ from trainkit.data.transforms import (
     decode_image,
     resize,
 )
+
+log = logging.getLogger("trainkit")
 
 _ORIENTATION = 0x0112  # the EXIF tag
 _TRANSPOSED = (5, 6, 7, 8)  # orientations that swap height and width
@@ -78,6 +84,12 @@ class EncodedBatch:
         self.plans = [s.plan for s in jpegs]
         self.paths = [s.path for s in jpegs]
         self.items = [s if isinstance(s, torch.Tensor) else None for s in samples]
+
+    def pin_memory(self) -> EncodedBatch:
+        """The DataLoader's pinning (on CUDA): the finished images pinned, so their copy to the
+        device does not block the host; the bytes stay (nvJPEG reads them on the host)."""
+        self.items = [s.pin_memory() if s is not None else None for s in self.items]
+        return self
 
 
 def jpeg_plan(data: bytes, transform: Any) -> Plan | None:
@@ -156,6 +168,80 @@ def orient(image: torch.Tensor, orientation: int) -> torch.Tensor:
     return image
 
 
+Decode = Callable[..., Any]  # torchvision.io.decode_jpeg's signature (the tests' seam)
+# Not a file's fault: raised, never answered by decoding one by one or on the CPU. torch 2.11
+# (the floor) may lack AcceleratorError; torchvision wraps errors in "Error while decoding JPEG
+# images: <what>", hence the messages.
+_FATAL_TYPES = tuple(t for t in (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", None))
+                     if t is not None)
+_FATAL_MESSAGES = ("out of memory", "not compiled with nvjpeg", "cuda error")
+
+
+def fatal(err: BaseException) -> bool:
+    """True for an error of the device or the build (out of memory, a CUDA error, no nvJPEG),
+    which no fallback may hide; False for a file the decoder refuses."""
+    return isinstance(err, _FATAL_TYPES) or any(m in str(err).lower() for m in _FATAL_MESSAGES)
+
+
+class StreamOrder:
+    """Orders ``decode_jpeg`` on CUDA against the stream that uses its images.
+
+    torchvision (``decode_jpegs_cuda.cpp``) allocates the images on the caller's current
+    stream, writes them on a stream of its own pool after waiting for that stream only (not the
+    caller's), then makes the current stream wait for it. On the prefetcher's stream a block
+    freed by the previous batch, its resize still queued, could be handed to the decoder and
+    overwritten. So the images are allocated on a stream of ours that runs nothing else (its
+    blocks are reused only once the uses recorded here are done), the using stream waits for
+    it, and each image records that use. No host wait is added.
+
+    ``stream``, ``current`` and ``context`` default to torch.cuda's (a test passes fakes).
+    """
+
+    def __init__(self, device: torch.device, *, stream: Any = None,
+                 current: Callable[[], Any] | None = None,
+                 context: Callable[[Any], Any] | None = None) -> None:
+        self.stream = stream if stream is not None else torch.cuda.Stream(device)
+        self.current = current or (lambda: torch.cuda.current_stream(device))
+        self.context = context or torch.cuda.stream
+
+    def decode(self, decode: Decode, data: Any, **kwargs: Any) -> Any:
+        """``decode(data, **kwargs)`` with its outputs ordered before their use here."""
+        user = self.current()
+        with self.context(self.stream):
+            images = decode(data, **kwargs)
+        user.wait_stream(self.stream)
+        for image in images if isinstance(images, list) else [images]:
+            image.record_stream(user)
+        return images
+
+
+def probe_nvjpeg(device: torch.device | str, decode: Decode | None = None) -> str:
+    """Decode one small JPEG on ``device``, once at the start: the line to log.
+
+    Raises:
+        ConfigError: the decoder fails (no nvJPEG in this torchvision, a device error).
+    """
+    from PIL import Image
+
+    if decode is None:
+        from torchvision.io import decode_jpeg as decode
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 8), (200, 30, 90)).save(buffer, "JPEG")
+    data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    try:
+        shape = tuple(decode([data], device=torch.device(device))[0].shape)
+    except Exception as err:  # any failure: the run must not start on this path
+        raise ConfigError(f"data.decode=gpu: torchvision cannot decode JPEGs on {device} "
+                          f"({' '.join(str(err).split())[:160]}): use data.decode=cpu") from None
+    if shape != (3, 8, 16):
+        raise ConfigError(f"data.decode=gpu: a 16x8 JPEG decoded on {device} as {shape}: use "
+                          "data.decode=cpu")
+    import torchvision
+
+    return (f"data.decode=gpu: torchvision {torchvision.__version__} decodes JPEGs on {device}"
+            f"{' (nvJPEG)' if torch.device(device).type == 'cuda' else ''}")
+
+
 class JpegDecoder:
     """Finishes :class:`EncodedBatch` es on ``device``: a uint8 ``[B, C, S, S]`` batch.
 
@@ -165,13 +251,18 @@ class JpegDecoder:
         transform: the split's :class:`RandomResizedCropFlip` or :class:`ResizeCenterCrop`.
         skip_corrupt: a JPEG neither decoder reads is replaced by another image of the batch
             (with its label) and reported to ``on_skip``; else one line naming it is raised.
+        decode: ``torchvision.io.decode_jpeg`` unless given (the tests' seam).
+        order: how decoding is ordered against this stream (:class:`StreamOrder` on CUDA).
     """
 
     def __init__(self, device: torch.device | str, *, channels: int, transform: Any,
-                 skip_corrupt: bool = False) -> None:
-        from torchvision.io import ImageReadMode  # heavy import: on this path only
+                 skip_corrupt: bool = False, decode: Decode | None = None,
+                 order: StreamOrder | None = None) -> None:
+        from torchvision.io import ImageReadMode, decode_jpeg  # heavy import: on this path only
 
         self.device = torch.device(device)
+        self.decode = decode or decode_jpeg
+        self.order = order or (StreamOrder(self.device) if self.device.type == "cuda" else None)
         self.mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
         self.channels = channels
         self.transform, self.skip_corrupt = transform, skip_corrupt
@@ -203,27 +294,31 @@ class JpegDecoder:
 
     def _decode(self, data: list[torch.Tensor], plans: list[Plan],
                 paths: list[str]) -> list[torch.Tensor | None]:
-        from torchvision.io import decode_jpeg
-
         if not data:
             return []
         try:
-            decoded = decode_jpeg(data, mode=self.mode, device=self.device)
-        except RuntimeError:  # one file fails the whole call: find it, one by one
+            decoded = self._on_device(data)
+        except RuntimeError as err:  # one file fails the whole call: find it, one by one
+            if fatal(err):
+                raise
             return [self._one(d, plan, path) for d, plan, path in zip(data, plans, paths)]
         return [self._finish(image, plan, path)
                 for image, plan, path in zip(decoded, plans, paths)]
 
+    def _on_device(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The decode function on the device, ordered against this stream on CUDA."""
+        if self.order is None:
+            return self.decode(data, mode=self.mode, device=self.device)
+        return self.order.decode(self.decode, data, mode=self.mode, device=self.device)
+
     def _one(self, data: torch.Tensor, plan: Plan, path: str) -> torch.Tensor | None:
         """One JPEG; one the device's decoder refuses goes to the CPU path's decoder (a variant
         nvJPEG lacks decodes there; a corrupt file is named as the CPU path names it)."""
-        from torchvision.io import decode_jpeg
-
         try:
-            return self._finish(decode_jpeg(data, mode=self.mode, device=self.device), plan,
-                                path)
-        except RuntimeError:
-            pass
+            return self._finish(self._on_device([data])[0], plan, path)
+        except RuntimeError as err:
+            if fatal(err):
+                raise
         try:
             image = decode_image(data.numpy().tobytes(), channels=self.channels, name=path)
         except UnreadableImage as err:
@@ -252,7 +347,8 @@ class JpegDecoder:
 
 def check_gpu_decode(cfg: DataConfig, device: torch.device | str, *, own_dataset: bool,
                      custom_transforms: bool) -> None:
-    """``data.decode=gpu``'s preconditions, each a one-line :class:`ConfigError`."""
+    """``data.decode=gpu``'s preconditions, each a one-line :class:`ConfigError`; nvJPEG is
+    tried once here (:func:`probe_nvjpeg`) and its line logged."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ConfigError(f"data.decode=gpu needs a CUDA device (this run's is {device}, CUDA "
@@ -265,4 +361,5 @@ def check_gpu_decode(cfg: DataConfig, device: torch.device | str, *, own_dataset
         raise ConfigError("data.decode=gpu applies the default transforms on the GPU, not "
                           "data.train_transforms/eval_transforms: drop them or use "
                           "data.decode=cpu")
+    log.info(probe_nvjpeg(device))
 

@@ -169,3 +169,149 @@ def test_the_gpu_check_lists_the_decode_case_for_cuda_only() -> None:
     from benchmarks.gpu_check import ALONE, CASES
 
     assert CASES["gpu_decode"][1] is False and "gpu_decode" in ALONE  # a timing: run alone
+
+
+# -- what the per-image fallback must not hide (defect 5) and the stream order (defect 6) --------
+
+_ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", RuntimeError)  # torch 2.11 may lack it
+
+
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    _ACCELERATOR_ERROR("CUDA error: an illegal memory access was encountered"),
+    RuntimeError("decode_jpegs_cuda: torchvision not compiled with nvJPEG support"),
+    RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to allocate 8 MiB"),
+], ids=["oom", "accelerator", "no-nvjpeg", "oom-wrapped-by-torchvision"])
+def test_device_errors_are_raised_not_decoded_one_by_one_on_the_cpu(
+        jpegs: list[str], monkeypatch: pytest.MonkeyPatch, error: RuntimeError) -> None:
+    calls = []
+
+    def failing(*args: object, **kwargs: object) -> None:
+        calls.append(args)
+        raise error
+
+    monkeypatch.setattr("torchvision.io.decode_jpeg", failing)
+    with pytest.raises(type(error), match=str(error)[:20]):
+        _gpu_path(jpegs[:3], train_transform(24))
+    assert len(calls) == 1  # the batch call only: no image tried alone, none on the CPU
+
+
+def test_a_file_the_device_refuses_still_decodes_on_the_cpu(jpegs: list[str]) -> None:
+    """The seam: an injected decode function that refuses the batch as nvJPEG refuses a
+    variant it lacks; each image goes through it alone, then the CPU path's decoder."""
+    from torchvision.io import decode_jpeg
+
+    calls = []
+
+    def refusing(data: list[torch.Tensor], **kwargs: object) -> list[torch.Tensor]:
+        calls.append(len(data))
+        if len(data) > 1 or len(calls) == 2:  # the batch, and the first image alone
+            raise RuntimeError("Error while decoding JPEG images: Failed to decode batch: 6")
+        return decode_jpeg(data, **kwargs)
+
+    transform = eval_transform(28)
+    random.seed(5)
+    data = JpegFiles(jpegs[:3], [0, 1, 2], transform)
+    batch = collate_encoded([data[i] for i in range(3)])
+    decoder = JpegDecoder("cpu", channels=3, transform=transform, decode=refusing)
+    images, _ = decoder(batch.images, batch.labels)
+    assert calls == [3, 1, 1, 1] and torch.equal(images, _cpu_path(jpegs[:3], transform))
+
+
+def test_nvjpeg_is_probed_once_in_one_line() -> None:
+    from trainkit.core.errors import ConfigError
+    from trainkit.data.gpu_decode import probe_nvjpeg
+
+    assert probe_nvjpeg("cpu").startswith("data.decode=gpu: torchvision ")
+
+    def missing(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("decode_jpegs_cuda: torchvision not compiled with nvJPEG support\n"
+                           "Exception raised from decode_jpegs_cuda at decode_jpegs_cuda.cpp:12")
+
+    with pytest.raises(ConfigError) as caught:
+        probe_nvjpeg("cpu", decode=missing)
+    message = str(caught.value)
+    assert "not compiled with nvJPEG support" in message and "\n" not in message
+    assert message.endswith("use data.decode=cpu")
+
+
+class _Stream:
+    def __init__(self, name: str, events: list[str]) -> None:
+        self.name, self.events = name, events
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.events.append(f"{self.name} waits for {other.name}")
+
+
+class _Image:
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def record_stream(self, stream: _Stream) -> None:
+        self.events.append(f"image used on {stream.name}")
+
+
+def test_decoded_images_are_allocated_on_a_stream_of_their_own_and_ordered_before_use() -> None:
+    """torchvision allocates on the current stream and writes on its own without waiting for
+    it: the images must come from a stream that runs nothing else, the user's stream must wait
+    for it, and each image must record its use there (else a block freed by the last batch, its
+    resize still queued, is written over)."""
+    from trainkit.data.gpu_decode import StreamOrder
+
+    events: list[str] = []
+    ours, user = _Stream("ours", events), _Stream("user", events)
+    current = [user]
+
+    class Context:
+        def __init__(self, stream: _Stream) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            current.append(self.stream)
+
+        def __exit__(self, *exc: object) -> None:
+            current.pop()
+
+    def decode(data: list[int], **kwargs: object) -> list[_Image]:
+        events.append(f"decoded {len(data)} with {current[-1].name} current")
+        return [_Image(events) for _ in data]
+
+    order = StreamOrder(torch.device("cpu"), stream=ours, current=lambda: current[-1],
+                        context=Context)
+    order.decode(decode, [1, 2], mode=None)
+    assert events == ["decoded 2 with ours current", "user waits for ours",
+                      "image used on user", "image used on user"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_decoded_images_are_not_written_over_while_a_lagging_stream_reads_them(
+        jpegs: list[str]) -> None:
+    """On the prefetcher's side stream, slowed before each batch: two batches alternate, each
+    decoded while the last one's resize still waits; each must equal its own decode alone."""
+    transform = eval_transform(28)
+    random.seed(5)
+    data = JpegFiles(jpegs, list(range(len(jpegs))), transform)
+    halves = [collate_encoded([data[i] for i in part]).images for part in ((0, 1, 2, 3),
+                                                                            (4, 5, 6, 7))]
+    decoder = JpegDecoder("cuda", channels=3, transform=transform)
+    alone = [decoder(h, torch.zeros(4, dtype=torch.int64))[0].cpu() for h in halves]
+    side, got = torch.cuda.Stream(), []
+    with torch.cuda.stream(side):
+        for i in range(8):
+            torch.cuda._sleep(20_000_000)  # the side stream lags: the next decode runs meanwhile
+            got.append(decoder(halves[i % 2], torch.zeros(4, dtype=torch.int64))[0])
+    torch.cuda.synchronize()
+    for i, images in enumerate(got):
+        assert torch.equal(images.cpu(), alone[i % 2]), f"batch {i} was written over"
+
+
+def test_decode_gpu_pins_the_images_finished_in_the_worker(tmp_path: Path) -> None:
+    """Pinned, their copy to the device does not block the host (the DataLoader calls
+    pin_memory on a batch's objects that have it)."""
+    png = tmp_path / "a.png"
+    Image.fromarray(picture(np.random.default_rng(3), 1, 40, 50)).save(png)
+    batch = collate_encoded([JpegFiles([str(png)], [0], train_transform(24))[0]]).images
+    assert batch.items[0] is not None and hasattr(batch, "pin_memory")
+    if torch.cuda.is_available():
+        assert batch.pin_memory().items[0].is_pinned()
