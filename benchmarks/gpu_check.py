@@ -5,11 +5,15 @@
     python -m benchmarks.gpu_check <out_dir> --device cpu --only sigterm_resume   # (the tests)
 
 Writes ``<out_dir>/gpu_check.json`` (every case: ok, seconds, what it measured or why it failed;
-the sync counts; the throughput figures) and prints everything else, which ``gpu_check.sh`` keeps
-as ``<out_dir>/gpu_check.log``. Runs go to a temporary folder, deleted at the end. Independent
-cases run four at a time; the timing ones (``gpu_decode``, ``syncs``, ``throughput``) run
-alone at the end. Without CUDA (and no ``--device cpu``) it says so in one line and exits 0.
-Exit status 1 when a case failed.
+the sync counts; the throughput figures) and prints everything else, ending with every case and
+its PASS/FAIL and the torch/CUDA versions (``gpu_check.sh`` keeps it as
+``<out_dir>/gpu_check.log``). ``gpu_tests`` runs ``pytest -m gpu`` over tests/: every GPU-marked
+test, wherever it lives; one skipped fails the case. On CUDA a case that is not run fails (the
+``nccl`` case on one GPU where NCCL refuses two ranks on it, say). Runs go to a temporary
+folder, deleted at the end. Independent cases run four at a time; the timing ones
+(``gpu_decode``, ``syncs``, ``throughput``) run alone at the end. Without CUDA (and no
+``--device cpu``): one line, exit 0 on a machine without a GPU, exit 1 when ``nvidia-smi`` lists
+one that torch cannot use. Exit status 1 when a case failed.
 
 Comparisons between runs are bitwise: those runs go through
 :mod:`benchmarks.deterministic_train` (deterministic cuDNN/cuBLAS/torch kernels), so a
@@ -120,37 +124,39 @@ def compare(a: Path, b: Path) -> float:
 
 # -- the cases ------------------------------------------------------------------------------------
 
-UNIT_TESTS = ("device", "prefetch", "async_checkpoint", "loaders", "step", "data",
-              "cuda_settings", "activations", "augment", "checkpoint", "nonfinite_flag")
+GPU_TESTS_TIMEOUT_S = 480  # every GPU-marked test, slow ones (training subprocesses) included
 
 
-def unit_test_files(names: tuple[str, ...] = UNIT_TESTS) -> list[str]:
-    """``tests/unit/**/test_<name>.py`` for each name, wherever under tests/unit it lives.
-
-    Raises:
-        CaseFailed: a name has no file (moved or renamed): the check must not pass on fewer.
-    """
-    files, missing = [], []
-    for name in names:
-        found = sorted((REPO / "tests" / "unit").rglob(f"test_{name}.py"))
-        files += [str(p.relative_to(REPO)) for p in found]
-        if not found:
-            missing.append(f"test_{name}.py")
-    if missing:
-        raise CaseFailed(f"no {', '.join(missing)} under tests/unit: update UNIT_TESTS")
-    return files
-
-
-def unit_tests_on_cuda(ctx: Context) -> dict[str, Any]:
-    """The unit tests of the modules with CUDA paths, where they run on the GPU."""
-    files = unit_test_files()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-m", "not slow and not dist", *files], cwd=REPO, capture_output=True,
-                          text=True, timeout=CASE_TIMEOUT_S)
+def gpu_tests(ctx: Context, where: str | Path = "tests") -> dict[str, Any]:
+    """``pytest -m gpu`` over ``where`` (every GPU-marked test in tests/, found by its mark):
+    a failure, an error, a skip or no test at all fails the case."""
+    report = Path(tempfile.mkdtemp(dir=ctx.work)) / "pytest.xml"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs",
+                           "-p", "no:cacheprovider", f"--junitxml={report}", str(where)],
+                          cwd=REPO, capture_output=True, text=True, timeout=GPU_TESTS_TIMEOUT_S)
+    counts, skipped = _junit(report)
     last = (proc.stdout.strip().splitlines() or ["-"])[-1]
-    if proc.returncode != 0:
-        raise CaseFailed(f"pytest: {last}\n{proc.stdout[-3000:]}")
-    return {"files": files, "pytest": last}
+    if proc.returncode not in (0, 5) or counts["failures"] or counts["errors"]:
+        raise CaseFailed(f"pytest -m gpu: {last}\n{proc.stdout[-3000:]}{proc.stderr[-1000:]}")
+    if skipped:
+        raise CaseFailed(f"{len(skipped)} GPU-marked test(s) skipped, not run: "
+                         f"{'; '.join(skipped)[:1500]}")
+    if not counts["tests"]:
+        raise CaseFailed(f"pytest -m gpu ran no test under {where}: {last}")
+    return {"tests": counts["tests"], "pytest": last}
+
+
+def _junit(report: Path) -> tuple[dict[str, int], list[str]]:
+    """Test, failure, error counts of a pytest JUnit report, and each skipped test with why."""
+    import xml.etree.ElementTree as ET
+
+    if not report.is_file():
+        return {"tests": 0, "failures": 0, "errors": 1}, []
+    cases = list(ET.parse(report).getroot().iter("testcase"))
+    skipped = [f"{c.get('classname')}::{c.get('name')} ({s.get('message', '')[:120]})"
+               for c in cases for s in c.findall("skipped")]
+    return {"tests": len(cases), "failures": sum(bool(c.findall("failure")) for c in cases),
+            "errors": sum(bool(c.findall("error")) for c in cases)}, skipped
 
 
 def compile_(ctx: Context) -> dict[str, Any]:
@@ -274,22 +280,73 @@ def ddp_cpu_on_gpu_machine(ctx: Context) -> dict[str, Any]:
 
 
 def nccl(ctx: Context) -> dict[str, Any]:
-    """torchrun on min(2, GPUs) processes, then NCCL and gloo collectives in one process.
-
-    With one GPU, torchrun's single process has world size 1: trainkit joins no process group,
-    so its DDP path (the NCCL all-reduce of gradients, the step vote, the NaN flag's all-reduce)
-    does not run; the result says so rather than passing it as checked.
-    """
-    n = min(2, torch.cuda.device_count())
-    outcome = ctx.train("nccl", "trainer.max_steps=20", launcher=(
-        "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"))
+    """trainkit over NCCL with 2 processes: DDP's gradient all-reduce and the StepVote every
+    step, then ``micro_batch_size=auto``'s vote (a real OOM above 8 samples on every rank), and
+    NCCL with gloo in one group. On one GPU the two ranks share it where NCCL allows; where it
+    refuses, the case fails as not run, saying why (never a pass)."""
+    ddp = completed(_two_ranks(ctx, "nccl", "trainer.max_steps=20"))
+    auto = _two_ranks(ctx, "nccl_auto", "model._target_=tests.helpers.models.BatchHungryNet",
+                      "data.batch_size=32", "trainer.micro_batch_size=auto",
+                      "trainer.max_steps=6", exp=ctx.mnist)
+    if auto["summary"].get("micro_batch_size") != 8:
+        raise CaseFailed(f"micro_batch_size=auto over NCCL settled at "
+                         f"{auto['summary'].get('micro_batch_size')}, not 8")
     proc = subprocess.run([sys.executable, "-c", _COLLECTIVES], cwd=REPO, capture_output=True,
                           text=True, timeout=CASE_TIMEOUT_S)
     if proc.returncode != 0:
         raise CaseFailed(f"NCCL collectives: {(proc.stderr.strip().splitlines() or ['-'])[-1]}")
-    ddp = "ran on 2 GPUs" if n == 2 else "not run: needs 2 GPUs (NCCL refuses two ranks on one)"
-    return {"processes": n, "collectives": proc.stdout.strip(), "trainkit_ddp_over_nccl": ddp,
-            **completed(outcome)}
+    return {"gpus": torch.cuda.device_count(), "collectives": proc.stdout.strip(),
+            "micro_batch_size": 8, **ddp}
+
+
+def _two_ranks(ctx: Context, name: str, *overrides: str,
+               exp: list[str] | None = None) -> dict[str, Any]:
+    """A world of 2 over NCCL: torchrun on 2 GPUs; on one, two single-process "nodes" (each
+    LOCAL_RANK 0, so each takes cuda:0). CaseFailed "not run" where NCCL refuses that."""
+    if torch.cuda.device_count() >= 2:
+        outcome = ctx.train(name, *overrides, exp=exp, launcher=(
+            "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"))
+    else:
+        outcome = _two_nodes_one_gpu(ctx, name, overrides, exp)
+    if outcome["summary"].get("world_size") != 2:
+        raise CaseFailed(f"world size {outcome['summary'].get('world_size')}, not 2")
+    return outcome
+
+
+def _two_nodes_one_gpu(ctx: Context, name: str, overrides: tuple[str, ...],
+                       exp: list[str] | None) -> dict[str, Any]:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = ctx.run_dir(name)
+    cmd = [sys.executable, "-m", "trainkit.train", *(ctx.exp if exp is None else exp),
+           *overrides, f"hydra.run.dir={run}"]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2",
+                                              "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                                              "MASTER_ADDR": "127.0.0.1",
+                                              "MASTER_PORT": str(port)}) for r in (0, 1)]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=CASE_TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise
+    output = "\n".join(outputs)
+    if any(p.returncode for p in procs):
+        refused = next((line for line in output.splitlines()
+                        if "duplicate gpu" in line.lower() or "ncclInvalidUsage" in line), None)
+        if refused:
+            raise CaseFailed(f"not run: NCCL refuses two ranks on one GPU ({refused.strip()[:200]})"
+                             "; run it on a machine with 2 GPUs")
+        raise CaseFailed(f"exit statuses {[p.returncode for p in procs]}: "
+                         f"{(output.strip().splitlines() or ['-'])[-1][:300]}")
+    summary = json.loads((run / "summary.json").read_text())
+    return {"run": run, "summary": summary, "output": output, "stderr": output}
 
 
 _COLLECTIVES = """
@@ -431,7 +488,8 @@ def micro_batch_auto_and_profile(ctx: Context) -> dict[str, Any]:
 
 
 def syncs(ctx: Context) -> dict[str, Any]:
-    """``benchmarks.syncs``: host reads and sync_debug_mode syncs grow with logs, not steps."""
+    """``benchmarks.syncs``: host reads, host syncs and sync_debug_mode syncs grow with logs, not
+    steps, over pre-placed batches and through the real image loader (decode cpu and gpu)."""
     from benchmarks.syncs import measure
 
     result = measure(torch.device(ctx.device))
@@ -495,7 +553,7 @@ def _jpeg_folder(where: Path, count: int) -> tuple[Path, str]:
 
 # name -> (case, runs on the CPU too); in this order, the last three alone
 CASES: dict[str, tuple[Case, bool]] = {
-    "unit_tests_on_cuda": (unit_tests_on_cuda, False),
+    "gpu_tests": (gpu_tests, False),
     "compile": (compile_, False),
     "activation_checkpointing": (activation_checkpointing, True),
     "compile_and_activation_checkpointing": (compile_and_activation_checkpointing, False),
@@ -533,11 +591,35 @@ def run_case(name: str, ctx: Context) -> dict[str, Any]:
         result = {"ok": False, "error": one_line(err), "traceback": traceback.format_exc()}
     result["seconds"] = round(time.perf_counter() - start, 1)
     with _print_lock:
-        status = {True: "PASS", False: "FAIL", None: "skipped"}[result["ok"]]
-        print(f"== {name}: {status} in {result['seconds']} s", flush=True)
+        print(f"== {name}: {_status(result, ctx.cuda)} in {result['seconds']} s", flush=True)
         print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2,
                          default=str)[:6000], flush=True)
     return result
+
+
+def _status(result: dict[str, Any], cuda: bool) -> str:
+    """PASS, FAIL, or (``--device cpu`` only) skipped: on a GPU a case not run is a FAIL."""
+    if result["ok"] is None:
+        return "FAIL (not run)" if cuda else "skipped"
+    return "PASS" if result["ok"] else "FAIL"
+
+
+def cuda_missing() -> str | None:
+    """Why this check cannot run on CUDA: None when torch sees a GPU; else a line that starts
+    with FAIL when ``nvidia-smi`` lists a GPU torch cannot use (a broken torch or driver), or
+    with skipped when the machine has none."""
+    if torch.cuda.is_available():
+        return None
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        listed = ""
+    gpus = [line for line in listed.splitlines() if line.startswith("GPU ")]
+    if not gpus:
+        return "skipped: CUDA is not available on this machine"
+    return (f"FAIL: nvidia-smi sees {len(gpus)} GPU(s) ({gpus[0][:80]}) but torch "
+            f"{torch.__version__} (CUDA {torch.version.cuda}) cannot use CUDA")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -554,10 +636,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"unknown case(s) {', '.join(sorted(unknown))}; have {', '.join(CASES)}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / "gpu_check.json"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        result: dict[str, Any] = {"skipped": "CUDA is not available on this machine"}
+    missing = cuda_missing() if args.device == "cuda" else None
+    if missing is not None:
+        result: dict[str, Any] = {"skipped" if missing.startswith("skipped") else "failed":
+                                  missing}
         out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"gpu_check: skipped: {result['skipped']}")
+        print(f"gpu_check: {missing}")
+        if "failed" in result:
+            sys.exit(1)
         return result
     started = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="trainkit-gpu-check-"))
@@ -570,24 +656,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cases.update({n: run_case(n, ctx) for n in names if n in ALONE})
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result = {
-        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-        "gpus": torch.cuda.device_count() if args.device == "cuda" else 0,
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "seconds": round(time.perf_counter() - started, 1),
-        "passed": [n for n, r in cases.items() if r["ok"] is True],
-        "failed": [n for n, r in cases.items() if r["ok"] is False],
-        "skipped": [n for n, r in cases.items() if r["ok"] is None],
-        "cases": cases,
-    }
+    result = summarise(cases, args.device, time.perf_counter() - started)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"gpu_check: {len(result['passed'])} passed, {len(result['failed'])} failed "
-          f"({', '.join(result['failed']) or 'none'}), {len(result['skipped'])} skipped, in "
-          f"{result['seconds']} s, torch {torch.__version__}; results in {out}")
+    print_summary(result, out)
     if result["failed"]:
         sys.exit(1)
     return result
+
+
+def summarise(cases: dict[str, dict[str, Any]], device: str, seconds: float) -> dict[str, Any]:
+    """The JSON's head: versions, and each case's status (on CUDA a case not run failed)."""
+    cuda = device == "cuda"
+    status = {n: _status(r, cuda) for n, r in cases.items()}
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "gpus": torch.cuda.device_count() if cuda else 0,
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "seconds": round(seconds, 1),
+        "status": status,
+        "passed": [n for n, s in status.items() if s == "PASS"],
+        "failed": [n for n, s in status.items() if s.startswith("FAIL")],
+        "skipped": [n for n, s in status.items() if s == "skipped"],
+        "cases": cases,
+    }
+
+
+def print_summary(result: dict[str, Any], out: Path) -> None:
+    """Every case with PASS/FAIL, then one line with the counts and the versions."""
+    width = max(map(len, result["status"]), default=0)
+    for name, status in result["status"].items():
+        error = result["cases"][name].get("error", "")
+        print(f"{name:<{width}}  {status}" + (f"  {error.splitlines()[0][:150]}" if error
+                                              else ""))
+    print(f"gpu_check: {len(result['passed'])} passed, {len(result['failed'])} failed "
+          f"({', '.join(result['failed']) or 'none'}), {len(result['skipped'])} skipped, in "
+          f"{result['seconds']} s; torch {result['torch']}, CUDA {result['cuda']}, "
+          f"{result['device']} x{result['gpus']}; results in {out}")
 
 
 if __name__ == "__main__":

@@ -1,43 +1,62 @@
 #!/usr/bin/env bash
-# Every CUDA path of trainkit once, for a machine with a GPU (aims at <= 8 minutes on one H200).
+# Every CUDA path of trainkit once, for a machine with a GPU (aims at <= 10 minutes on one H200).
 #
-#   bash benchmarks/gpu_check.sh --fetch-wheels   # here, with package-registry access, once: puts
-#                                                 # hydra-core, omegaconf and antlr4 wheels in .whl/
-#   bash benchmarks/gpu_check.sh <out_dir>        # there: all cases; writes <out_dir>/gpu_check.json
-#                                                 # and <out_dir>/gpu_check.log
+#   PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --fetch-wheels
+#       here, with package-registry access, once: builds .whl/ (hydra-core, omegaconf and
+#       antlr4 wheels, pure Python; .whl is git-ignored: carry it to the GPU machine)
+#   bash benchmarks/gpu_check.sh <out_dir>
+#       there: every case (python -m benchmarks.gpu_check; its docstring lists them), then each
+#       case with PASS/FAIL and the torch/CUDA versions; <out_dir>/gpu_check.json and .log
 #
-# A GPU machine may have torch, torchvision, tensorboard, torchmetrics, tqdm, psutil and pytest but
-# no Hydra: then the wheels travel with the working tree (`.whl` is git-ignored; carry it). The
-# cases (python -m benchmarks.gpu_check; its docstring lists them) run in a temporary folder.
-# Without CUDA it says so in one line and exits 0. Exit status 1 when a case failed.
+# A GPU machine may have torch, torchvision, tensorboard, pytest, ... but no Hydra: then it is
+# installed from .whl/ into a temporary folder, and without .whl/ the check fails in one line.
+# Exit status 0 only when every case passed (a GPU-marked test skipped, or a case not run, is a
+# failure); 1 when one failed, or when nvidia-smi sees a GPU that torch cannot use; on a
+# machine without a GPU it says so in one line and exits 0. The cases run in a temporary folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+WHEELS=${WHEELS:-.whl}  # where --fetch-wheels puts the wheels and the check installs them from
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
-    mkdir -p .whl
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-    $PY -m pip download -q --no-deps --only-binary=:all: -d .whl \
-        hydra-core==1.3.2 omegaconf==2.3.0 || exit 1
-    $PY -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3 || exit 1  # sdist only
-    ls .whl
+    # the versions $PY has (the project's venv), one of each: two versions stop the install
+    read -r hydra omegaconf antlr < <($PY -c "from importlib.metadata import version as v
+print(*(f'{n}=={v(n)}' for n in ('hydra-core', 'omegaconf', 'antlr4-python3-runtime')))") \
+        || { echo "gpu_check: run --fetch-wheels with PYTHON= a Python that has Hydra" >&2; exit 1; }
+    rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+    $PY -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "$hydra" "$omegaconf" \
+        || exit 1
+    $PY -m pip wheel -q --no-deps -w "$WHEELS" "$antlr" || exit 1  # an sdist only: built here
+    ls "$WHEELS"
     exit 0
 fi
 if [[ $# -ne 1 || "$1" == -* ]]; then
     echo "usage: bash benchmarks/gpu_check.sh <out_dir>   (or --fetch-wheels)" >&2
     exit 2
 fi
-if ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+if ! why=$($PY -c "import torch; torch.cuda.init()" 2>&1); then
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+    if [[ ${gpus:-0} -gt 0 ]]; then
+        echo "gpu_check: FAIL: nvidia-smi sees $gpus GPU(s) but torch cannot use CUDA:" \
+             "$(tail -n 1 <<<"$why" | cut -c1-200)"
+        exit 1
+    fi
     echo "gpu_check: skipped: CUDA is not available on this machine"
     exit 0
+fi
+if ! $PY -c "import hydra, omegaconf" 2>/dev/null && ! compgen -G "$WHEELS/*.whl" >/dev/null; then
+    echo "gpu_check: FAIL: no Hydra here and no $WHEELS/ to install it from: run" \
+         "'bash benchmarks/gpu_check.sh --fetch-wheels' where pip reaches PyPI, and bring .whl/"
+    exit 1
 fi
 mkdir -p "$1" || exit 2
 out=$(cd "$1" && pwd)
 
 site=$(mktemp -d)
-if ! $PY -c "import hydra" 2>/dev/null; then
+if ! $PY -c "import hydra, omegaconf" 2>/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
-        .whl/*.whl || { echo "gpu_check: no Hydra and no .whl/ to install it from" >&2; exit 1; }
+        "$WHEELS"/*.whl || { echo "gpu_check: FAIL: the wheels in $WHEELS/ did not install"
+                             exit 1; }
 fi
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 {

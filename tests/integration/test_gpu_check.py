@@ -4,8 +4,10 @@ run on the CPU pass there, so the one run on a lent GPU does not fail on its own
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -92,13 +94,83 @@ def test_resume_cases_pass_on_the_cpu(tmp_path: Path) -> None:
     assert "gpu_check: 2 passed, 0 failed" in result.stdout
 
 
-def test_every_named_unit_test_file_is_found_and_a_missing_one_fails() -> None:
-    """The files live in subfolders by concern: a top-level glob found 1 of 8 and passed."""
-    from benchmarks.gpu_check import UNIT_TESTS, CaseFailed, unit_test_files
+def _fake_nvidia_smi(folder: Path) -> str:
+    """A PATH whose nvidia-smi lists one GPU (as on a machine whose torch or driver is broken)."""
+    folder.mkdir()
+    smi = folder / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-0000)'\n")
+    smi.chmod(0o755)
+    return f"{folder}:{os.environ['PATH']}"
 
-    files = unit_test_files()
-    assert len(files) >= len(UNIT_TESTS)
-    assert "tests/unit/data/test_prefetch.py" in files
-    with pytest.raises(CaseFailed, match=r"test_no_such_module\.py"):
-        unit_test_files(("step", "no_such_module"))
 
+def test_a_gpu_torch_cannot_use_fails_in_one_line(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvidia-smi sees a GPU, torch does not: exit 1 (was: 'skipped', exit 0)."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    path = _fake_nvidia_smi(tmp_path / "bin")
+    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], capture_output=True,
+                            text=True, env=offline_env(PYTHON=sys.executable, PATH=path),
+                            timeout=120)
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stdout + result.stderr
+    assert lines[0].startswith("gpu_check: FAIL: nvidia-smi sees 1 GPU(s) but torch cannot use")
+
+    from benchmarks import gpu_check
+
+    monkeypatch.setenv("PATH", path)
+    with pytest.raises(SystemExit) as caught:
+        gpu_check.main([str(tmp_path / "py")])
+    assert caught.value.code == 1
+    assert "FAIL: nvidia-smi sees 1 GPU(s)" in gpu_check.cuda_missing()
+
+
+_NO_HYDRA = """
+import sys
+class NoHydra:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("hydra", "omegaconf"):
+            raise ImportError(f"no module named {name!r} (a GPU image without Hydra)")
+sys.meta_path.insert(0, NoHydra())
+"""
+
+
+def test_no_hydra_and_no_wheels_fails_in_one_line(tmp_path: Path) -> None:
+    """A GPU machine's Python (here: one whose CUDA check passes) without Hydra, no wheels."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_NO_HYDRA)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\ncase "$*" in *torch.cuda.init*) exit 0;; esac\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    result = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")], capture_output=True, text=True,
+        env=offline_env(PYTHON=str(python), PYTHONPATH=str(site),
+                        WHEELS=str(tmp_path / "no_wheels")), timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.strip().splitlines() == [
+        f"gpu_check: FAIL: no Hydra here and no {tmp_path / 'no_wheels'}/ to install it from: "
+        "run 'bash benchmarks/gpu_check.sh --fetch-wheels' where pip reaches PyPI, and bring "
+        ".whl/"]
+
+
+def test_gpu_tests_fail_when_a_gpu_marked_test_is_skipped(tmp_path: Path) -> None:
+    """pytest exits 0 with skips: the case reads its report, not its exit status."""
+    from benchmarks.gpu_check import CaseFailed, gpu_tests
+
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text(
+        "import pytest\n\n@pytest.mark.gpu\ndef test_a():\n    pass\n\n"
+        "@pytest.mark.gpu\ndef test_b():\n    pytest.skip('needs 2 GPUs')\n\n"
+        "def test_not_gpu():\n    pytest.skip('not selected')\n")
+    with pytest.raises(CaseFailed, match=r"^1 GPU-marked test\(s\) skipped.*test_b.*2 GPUs"):
+        gpu_tests(types.SimpleNamespace(work=tmp_path), tmp_path / "tests")
+
+
+def test_on_a_gpu_a_case_not_run_is_a_failure() -> None:
+    from benchmarks.gpu_check import CASES, _status
+
+    assert _status({"ok": None}, cuda=True) == "FAIL (not run)"
+    assert _status({"ok": None}, cuda=False) == "skipped"  # --device cpu: CUDA-only cases
+    assert "gpu_tests" in CASES and "unit_tests_on_cuda" not in CASES

@@ -315,3 +315,23 @@ def test_decode_gpu_pins_the_images_finished_in_the_worker(tmp_path: Path) -> No
     assert batch.items[0] is not None and hasattr(batch, "pin_memory")
     if torch.cuda.is_available():
         assert batch.pin_memory().items[0].is_pinned()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("training", [True, False])
+def test_cuda_decodes_exif_oriented_jpegs_as_the_cpu_path(jpegs: list[str],
+                                                          training: bool) -> None:
+    """nvJPEG ignores EXIF: every orientation (1-8, one grayscale) turned on the device as the
+    CPU path turns it; nvJPEG's IDCT and the float resize differ by a few grey levels only,
+    a wrong turn by far more (the pictures are ramps)."""
+    transform = train_transform(24, scale=(0.5, 1.0)) if training else eval_transform(28)
+    random.seed(5)
+    data = JpegFiles(jpegs, list(range(len(jpegs))), transform)
+    batch = collate_encoded([data[i] for i in range(len(jpegs))])
+    decoder = JpegDecoder("cuda", channels=3, transform=transform)
+    images = decoder(batch.images, batch.labels)[0].cpu()
+    expected = _cpu_path(jpegs, transform)
+    assert images.shape == expected.shape
+    for i, (got, want) in enumerate(zip(images.float(), expected.float())):
+        assert (got - want).abs().mean() < 4, f"orientation {i + 1}"
