@@ -11,12 +11,13 @@ On the device (:class:`JpegDecoder`, which the :class:`~trainkit.data.image_load
 calls before normalising): one ``torchvision.io.decode_jpeg(list, device=...)`` call for the
 batch's JPEGs, then per image the EXIF orientation (nvJPEG ignores EXIF), the crop, the same
 :func:`~trainkit.data.transforms.resize` as the CPU path and the flip -- or, evaluating, the
-same :class:`~trainkit.data.transforms.ResizeCenterCrop`. A JPEG nvJPEG refuses is decoded on
-the CPU instead; an out-of-memory error, a device error or a torchvision without nvJPEG is
-raised, never hidden by that fallback (:func:`fatal`). :func:`probe_nvjpeg` tries nvJPEG once at
-the start. On the CPU these steps give exactly
-the CPU path's pixels; on CUDA, nvJPEG's IDCT and chroma upsampling and the resize computed in
-float differ from libjpeg-turbo and the uint8 CPU kernel by a grey level or two.
+same :class:`~trainkit.data.transforms.ResizeCenterCrop`; :class:`StreamOrder` orders nvJPEG's
+stream against the prefetcher's. A JPEG nvJPEG refuses is decoded on the CPU instead; an
+out-of-memory error, a device error or a torchvision without nvJPEG is raised, never hidden by
+that fallback (:func:`fatal`). :func:`probe_nvjpeg` tries nvJPEG once at the start. On the CPU
+these steps give exactly the CPU path's pixels; on CUDA, nvJPEG's IDCT and chroma upsampling
+and the resize computed in float differ from libjpeg-turbo and the uint8 CPU kernel by a grey
+level or two.
 """
 
 from __future__ import annotations
@@ -174,7 +175,8 @@ Decode = Callable[..., Any]  # torchvision.io.decode_jpeg's signature (the tests
 # images: <what>", hence the messages.
 _FATAL_TYPES = tuple(t for t in (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", None))
                      if t is not None)
-_FATAL_MESSAGES = ("out of memory", "not compiled with nvjpeg", "cuda error")
+_FATAL_MESSAGES = ("out of memory", "not compiled with nvjpeg", "cuda error",
+                   "failed to synchronize cuda stream")
 
 
 def fatal(err: BaseException) -> bool:
