@@ -97,6 +97,17 @@ class Precision:
             return False
         return ran[0] is None or not ran[0].item()  # fused: a sync on its flag
 
+    def reset(self) -> None:
+        """Forget a step cut short after :meth:`unscale_` (an out-of-memory error in clipping,
+        retried): no optimizer counts as unscaled, and the loss scaler keeps its scale but none
+        of the step's per-optimizer state (its stage, its ``found_inf``), as a fresh GradScaler
+        given the old one's ``state_dict`` (GradScaler's public API has no reset of its own)."""
+        self._unscaled.clear()
+        if self.scaler is not None:
+            fresh = torch.amp.GradScaler(self.device.type)
+            fresh.load_state_dict(self.scaler.state_dict())  # reads the scale: a host sync
+            self.scaler = fresh
+
     def state_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler else None}
 
