@@ -102,3 +102,27 @@ def test_fused_sgd_with_momentum_after_a_nan_first_step_trains_as_if_it_never_sa
     reference_sgd.step()
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b)
+
+
+def test_fused_sgd_with_momentum_after_an_fp16_overflow_first_step_under_the_scaler() -> None:
+    """The same under 16-mixed: GradScaler hands the fused kernel its found_inf, and a skipped
+    first step must leave no momentum buffers behind (the next step is a first step)."""
+    def run(poison_first: bool) -> nn.Module:
+        model = Poisoned()
+        precision = Precision("16-mixed", CPU)
+        precision.load_state_dict({"mode": "16-mixed", "scaler": torch.amp.GradScaler(
+            "cpu", init_scale=4.0).state_dict()})
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+        step = WindowStep(model, optimizer=optimizer, precision=precision,
+                          criterion=F.cross_entropy, forward=default_forward, device=CPU)
+        junk = [torch.full_like(p, 1e6) for p in model.parameters() for _ in range(4)]
+        del junk  # freed blocks holding large values, for empty_like to reuse
+        if poison_first:
+            model.poison = True
+            assert not step((_batch(),)).stepped
+            model.poison = False
+        assert step((_batch(),)).stepped
+        return model
+
+    for a, b in zip(run(poison_first=True).parameters(), run(poison_first=False).parameters()):
+        torch.testing.assert_close(a, b)
