@@ -16,9 +16,9 @@ import atexit
 import contextlib
 import datetime
 import itertools
-import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 TIMEOUT_ENV = "TRAINKIT_DIST_TIMEOUT_S"
 # Seconds a rank leaving the group at its exit waits for the others (see leave_at_exit)
 EXIT_WAIT_S = 5.0
-log = logging.getLogger("trainkit")
 _RUN_DIR_KEY = "trainkit/run_dir"
 _job_stores: list[Any] = []  # the store init_process_group joined (one at most)
 _cpu_group_cache: list[Any] = []  # [group] once made: a gloo group when the default has none
@@ -172,16 +171,15 @@ def leave_at_exit() -> None:
             dist.is_available() and dist.is_initialized()):
         return
     if _job_stores and is_distributed():
-        try:
-            _store_barrier(_job_stores[0], timeout=datetime.timedelta(seconds=EXIT_WAIT_S))
-        except Exception:  # the store says it timed out (or is gone): leave anyway
-            log.warning("rank %d leaves the process group at exit without the other ranks: "
-                        "not all of them ended within %.0f s", dist.get_rank(), EXIT_WAIT_S)
+        # Not all came (a rank stuck, or this one failed with a one-line error that must stay
+        # the last line: no store timeout's warnings), or the store is gone: leave anyway
+        with contextlib.suppress(Exception):
+            _store_barrier(_job_stores[0], wait_s=EXIT_WAIT_S)
     dist.destroy_process_group()
     _cpu_group_cache.clear()
 
 
-def _store_barrier(store: dist.Store, timeout: datetime.timedelta | None = None) -> None:
+def _store_barrier(store: dist.Store, wait_s: float | None = None) -> None:
     """Wait for every rank in the job's key-value store rather than with a gloo collective.
 
     A gloo barrier holds the collectives still in flight when it starts (the last all-gather of
@@ -194,10 +192,12 @@ def _store_barrier(store: dist.Store, timeout: datetime.timedelta | None = None)
     key = f"{_attempt_prefix()}/shutdown_{next(_shutdowns)}"
     if store.add(key, 1) == dist.get_world_size():
         store.set(f"{key}/all", "1")
-    if timeout is None:
+    if wait_s is None:
         store.wait([f"{key}/all"])
-    else:
-        store.wait([f"{key}/all"], timeout)
+        return
+    deadline = time.monotonic() + wait_s  # polled: a store's own timeout logs C++ warnings
+    while not store.check([f"{key}/all"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def sum_across_ranks(*values: torch.Tensor | float) -> list[float]:
