@@ -30,8 +30,8 @@ class ProfileConfig:
     """``trainer.profile``: torch.profiler on a schedule for chosen ranks (observe/profile.py).
 
     Each cycle skips ``wait`` steps, warms up ``warmup`` and records ``active``; ``repeat``
-    cycles (0: until the run ends). ``memory_snapshot``: CUDA allocations recorded from the
-    Trainer's construction, a snapshot at each window's end and at an out-of-memory error.
+    cycles (0: until the run ends). ``memory_snapshot``: CUDA allocations recorded (Python
+    stacks) in the active steps, a snapshot at each window's end and at an out-of-memory error.
     """
 
     enabled: bool = False

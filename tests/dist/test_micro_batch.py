@@ -45,3 +45,42 @@ def test_both_ranks_move_to_the_size_one_rank_needs(tmp_path: Path) -> None:
     for name, value in reference.net.state_dict().items():
         for rank in ranks:
             torch.testing.assert_close(rank["weights"][name], value)
+
+
+EXIT_RUNS = 3  # each ~15 CPU-seconds; every run must leave the group and exit 0
+
+
+def test_missing_gradients_an_oom_in_one_ranks_step_and_a_clean_exit(tmp_path: Path) -> None:
+    """tests/dist/auto_oom_fit.py, which never calls group.shutdown(), EXIT_RUNS times: each
+    run exits 0 with the group fit joined left before the interpreter's finalization. Its first
+    fit: a layer only rank 0 uses gets the average with rank 1's zeros (the same collectives on
+    both ranks); its second: rank 1's out-of-memory in the optimizer step ends both ranks' fit
+    with the report, after one step each (nothing retried)."""
+    from tests.dist.auto_oom_fit import Branches
+
+    for run in range(EXIT_RUNS):
+        out = tmp_path / str(run)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node=2", "--monitor-interval=0.1", "-m",
+                   "tests.dist.auto_oom_fit", str(out)]
+        proc = subprocess.run(command, cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"),
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert [(out / f"exit_rank{r}.txt").read_text() for r in (0, 1)] == ["False"] * 2
+    ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    for rank in ranks:
+        assert rank["error"].startswith("out of memory on cpu at step 0") and rank["steps"] == [1.0]
+    reference = Branches(use_extra=True)  # both ranks' mean loss: rank 1's has no extra layer
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(2):
+        losses = []
+        for r in (0, 1):
+            reference.use_extra = r == 0
+            x, y = batches(r)[step]
+            losses.append(F.cross_entropy(reference(x), y))
+        (sum(losses) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, value in reference.state_dict().items():
+        for rank in ranks:
+            torch.testing.assert_close(rank["weights"][name], value)

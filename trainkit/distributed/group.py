@@ -12,10 +12,13 @@ wait for the GPU.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import itertools
 import os
+import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
 # Seconds a collective may wait for a missing rank before failing (torch's defaults are 10-30
 # minutes); a dead peer is usually noticed at once anyway, as gloo and NCCL see its sockets close.
 TIMEOUT_ENV = "TRAINKIT_DIST_TIMEOUT_S"
+# Seconds a rank leaving the group at its exit waits for the others (see leave_at_exit)
+EXIT_WAIT_S = 5.0
 _RUN_DIR_KEY = "trainkit/run_dir"
 _job_stores: list[Any] = []  # the store init_process_group joined (one at most)
 _cpu_group_cache: list[Any] = []  # [group] once made: a gloo group when the default has none
@@ -61,7 +66,8 @@ def init_process_group(runtime: Runtime, *, timeout_s: float | None = None) -> b
     The backend follows ``runtime.device``: gloo on CPU (no CUDA context, no NCCL, even on a GPU
     machine), ``cpu:gloo,cuda:nccl`` on CUDA (each rank bound to its own GPU through
     ``device_id``). Returns True when this call created the group; pair it with
-    :func:`shutdown`.
+    :func:`shutdown`. A group it created and nobody shut down is left when the process ends
+    normally (:func:`leave_at_exit`), so ``Trainer.fit``'s own group is left too.
 
     Args:
         runtime: this process's ranks and device (:meth:`Runtime.from_env`).
@@ -92,6 +98,7 @@ def init_process_group(runtime: Runtime, *, timeout_s: float | None = None) -> b
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=runtime.device, **kwargs)
     else:
         dist.init_process_group("gloo", **kwargs)
+    atexit.register(leave_at_exit)
     return True
 
 
@@ -137,6 +144,7 @@ def _job_store(runtime: Runtime, timeout: datetime.timedelta) -> dist.Store:
 
 def shutdown() -> None:
     """Leave the process group (``destroy_process_group``); nothing to do when there is none."""
+    atexit.unregister(leave_at_exit)
     if dist.is_available() and dist.is_initialized():
         # No rank tears its connections down while another still reads from them (gloo aborts
         # the process when a peer vanishes mid-read): every rank first waits for all the others.
@@ -148,7 +156,30 @@ def shutdown() -> None:
     _cpu_group_cache.clear()
 
 
-def _store_barrier(store: dist.Store) -> None:
+def leave_at_exit() -> None:
+    """At the interpreter's exit (``atexit``, registered by :func:`init_process_group`): leave
+    a group still up, as :func:`shutdown` does, when the process ends normally.
+
+    Otherwise gloo's threads outlive the interpreter's finalization and a rank can abort
+    ("terminate called without an active exception", exit -6) after a run that finished, and
+    torchrun calls the job failed. Not after an unhandled exception (the interpreter set
+    ``sys.last_value``): that process exits at once, so torchrun tears the job down at once.
+    The ranks wait for each other ``EXIT_WAIT_S`` at most: a rank stuck in a collective (or
+    still busy) is not waited for, the group is left without it.
+    """
+    if getattr(sys, "last_value", None) is not None or not (
+            dist.is_available() and dist.is_initialized()):
+        return
+    if _job_stores and is_distributed():
+        # Not all came (a rank stuck, or this one failed with a one-line error that must stay
+        # the last line: no store timeout's warnings), or the store is gone: leave anyway
+        with contextlib.suppress(Exception):
+            _store_barrier(_job_stores[0], wait_s=EXIT_WAIT_S)
+    dist.destroy_process_group()
+    _cpu_group_cache.clear()
+
+
+def _store_barrier(store: dist.Store, wait_s: float | None = None) -> None:
     """Wait for every rank in the job's key-value store rather than with a gloo collective.
 
     A gloo barrier holds the collectives still in flight when it starts (the last all-gather of
@@ -161,7 +192,12 @@ def _store_barrier(store: dist.Store) -> None:
     key = f"{_attempt_prefix()}/shutdown_{next(_shutdowns)}"
     if store.add(key, 1) == dist.get_world_size():
         store.set(f"{key}/all", "1")
-    store.wait([f"{key}/all"])
+    if wait_s is None:
+        store.wait([f"{key}/all"])
+        return
+    deadline = time.monotonic() + wait_s  # polled: a store's own timeout logs C++ warnings
+    while not store.check([f"{key}/all"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def sum_across_ranks(*values: torch.Tensor | float) -> list[float]:

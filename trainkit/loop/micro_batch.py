@@ -13,8 +13,8 @@ any rank run out?) and all move to the same size. The size found is kept in the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,13 +63,21 @@ def micro_batched(step: WindowStep, config: Any, state: Any, model: Any,
 class MicroBatching:
     """A :class:`WindowStep` whose batches are split into micro-batches, retried on OOM in auto.
 
+    In auto, an out-of-memory error in a forward or backward retries the step with half the
+    micro-batch, as does one in clipping in a single process (the loss scaler's state of the
+    step is reset with the gradients). One inside ``optimizer.step`` is not retried: the
+    optimizer may have updated part of its state, and a smaller micro-batch does not shrink a
+    step's memory; nor, under DDP, one after the last backward (the other ranks may have
+    stepped): a vote at the step's end ends the run on every rank with the out-of-memory report.
+
     Args:
         step: the step to run on the split windows.
         setting: ``"auto"`` or a fixed number of samples per micro-batch.
         state: the run's :class:`~trainkit.loop.train_state.TrainState`: its
             ``micro_batch_size`` (0: the whole batch) is where auto starts and what it records.
         compiled: the model is compiled (a new micro-batch shape recompiles it: said once).
-        on_oom: called with each out-of-memory error auto recovers from (a memory snapshot).
+        on_oom: called with each out-of-memory error auto recovers from, before the memory is
+            released (a memory snapshot); the one it gives up on is left to the run's report.
     """
 
     def __init__(self, step: WindowStep, setting: int | str, state: Any, *,
@@ -81,8 +89,9 @@ class MicroBatching:
             state.micro_batch_size = int(setting)
         # auto under DDP: no rank's backward all-reduces until all said they did not run out
         self.vote = self.auto and group.is_distributed()
-        if self.vote:
-            step.after_backward = self._agree_and_reduce
+        self._phase = _BACKWARD  # how far the step being tried got
+        if self.auto:
+            step.after_backward = self._after_backward
         if state.micro_batch_size:
             log.info("micro-batches of %d samples%s", state.micro_batch_size,
                      " (found by auto before the resume)" if self.auto else "")
@@ -97,52 +106,157 @@ class MicroBatching:
         while True:
             size = self.state.micro_batch_size
             parts = [p for batch in window for p in split(batch, size)] if size else window
-            try:
-                if self.vote:
-                    with sync_gradients(self.step.model, sync=False):
-                        return self.step(parts, check_finite, guard_finite)
+            if not self.auto:
                 return self.step(parts, check_finite, guard_finite)
+            try:
+                result = self._attempt(parts, check_finite, guard_finite)
             except (torch.cuda.OutOfMemoryError, _PeerOutOfMemory) as err:
-                if not self.auto:
-                    raise
-                mine = isinstance(err, torch.cuda.OutOfMemoryError)
-                if mine and self.on_oom is not None:
-                    self.on_oom(err)
-                oom.release(err, self.step.optimizer)
-                if self.vote and mine:  # the others wait in the vote after their backward
-                    group.any_rank(True)
-                self._halve(window, size, err if mine else None)
+                self._recover(err, window, size)  # raises what is not retried
+                continue
+            if self.vote and group.any_rank(False)[0]:  # did a rank run out after its backward?
+                raise torch.cuda.OutOfMemoryError(
+                    "CUDA out of memory on another rank after its backward (clipping or the "
+                    "optimizer step, which are not retried)")
+            return result
 
-    def _halve(self, window: Sequence[Batch], size: int, error: BaseException | None) -> None:
-        """The next, smaller size, the same on every rank; at one sample: the OOM, raised."""
+    def _attempt(self, parts: Sequence[Batch], check_finite: bool,
+                 guard_finite: bool) -> StepResult:
+        """The step once, its progress followed (``_phase``): the optimizer's step pre-hook
+        says when ``optimizer.step`` began, whoever calls it (the step, the loss scaler)."""
+        self._phase = _BACKWARD
+        hook = self.step.optimizer.register_step_pre_hook(self._stepping)
+        try:
+            if self.vote:
+                with sync_gradients(self.step.model, sync=False):
+                    return self.step(parts, check_finite, guard_finite)
+            return self.step(parts, check_finite, guard_finite)
+        finally:
+            hook.remove()
+
+    def _stepping(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._phase = _STEP
+
+    def _recover(self, err: BaseException, window: Sequence[Batch], size: int) -> None:
+        """After an out-of-memory error: the same step again with a smaller micro-batch, the
+        same on every rank; else the error raised, its memory not yet released, so the run's
+        report reads (and snapshots) the memory as it ran out."""
+        mine = isinstance(err, torch.cuda.OutOfMemoryError)
+        if self._phase != _BACKWARD and (self.vote or self._phase == _STEP):
+            if self.vote:  # the others' vote at the step's end: they end too
+                group.any_rank(True)
+            log.warning("out of memory at step %d %s: not retried (a step cannot be repeated, "
+                        "and a smaller micro-batch does not shrink its memory)",
+                        self.state.global_step + 1, "in the optimizer step"
+                        if self._phase == _STEP else "after the last backward")
+            raise err
+        if self.vote and mine:  # the others wait in the vote after their backward
+            group.any_rank(True)
         current = size or max(batch_size(b) for b in window)
         smaller = min(group.all_gather(current // 2))  # every rank moves to the same size
         if smaller < 1:
-            if error is not None:
-                raise error
+            if mine:
+                raise err
             raise torch.cuda.OutOfMemoryError(
                 "CUDA out of memory on another rank at a micro-batch of 1 sample")
+        if mine and self.on_oom is not None:
+            self.on_oom(err)  # the memory as it ran out
+        oom.release(err, self.step.optimizer)
+        self.step.precision.reset()  # a clipping's unscale_ went with the gradients
         self.state.micro_batch_size = smaller
         log.warning("out of memory at step %d with micro-batches of %d: the same step again with "
                     "micro-batches of %d (the global batch is unchanged)%s",
                     self.state.global_step + 1, current, smaller,
                     "; the compiled model recompiles for the new shape" if self.compiled else "")
 
+    def _after_backward(self, last: bool) -> None:
+        """After each micro-batch's backward: the DDP vote; after the last, the step is past
+        what a retry can repeat on other ranks."""
+        if self.vote:
+            self._agree_and_reduce(last)
+        if last:
+            self._phase = _AFTER_BACKWARD
+
     def _agree_and_reduce(self, last: bool) -> None:
         """After each micro-batch's backward: did any rank run out? After the last, if none
         did, average the gradients over the ranks (DDP's own all-reduce was held back: a rank
         out of memory would never have joined it). A vote per micro-batch keeps the ranks'
         collectives in step: DDP broadcasts buffers (batch-norm statistics) at each forward,
-        which a rank that stopped at an earlier micro-batch would not join."""
+        which a rank that stopped at an earlier micro-batch would not join. The gradients are
+        put in buckets before the vote, so running out there is retried like a backward."""
+        buckets = bucket_gradients(self.step.model.parameters()) if last else []
         if group.any_rank(False)[0]:
             raise _PeerOutOfMemory
-        if not last:
-            return
-        grads = [p.grad for p in self.step.model.parameters() if p.grad is not None]
-        works = [dist.all_reduce(g, async_op=True) for g in grads]
-        for work in works:
-            work.wait()
-        torch._foreach_div_(grads, dist.get_world_size())
+        average_buckets(buckets)
+
+
+# How far an attempt of a step got: its micro-batches' backward, past the last, optimizer.step.
+_BACKWARD, _AFTER_BACKWARD, _STEP = "backward", "after backward", "step"
+# gradients per all-reduce (DDP's default bucket_cap_mb)
+BUCKET_BYTES = 25 * 2**20
+
+
+class _Bucket(NamedTuple):
+    flat: torch.Tensor  # the gradients, then one presence flag per parameter
+    params: list[nn.Parameter]
+
+
+def bucket_gradients(params: Iterable[nn.Parameter],
+                     cap: int = BUCKET_BYTES) -> list[_Bucket]:
+    """The gradients of ``params`` (those that require one) copied into flat buckets, by
+    device and dtype, of about ``cap`` bytes each; each gradient is then a view of its bucket
+    (its own memory freed at once: one bucket's worth of memory more at most). A parameter
+    without a gradient (unused by this rank's forward) has zeros there and a presence flag of
+    0, so every rank all-reduces the same buckets whichever parameters it used."""
+    groups: dict[tuple[torch.device, torch.dtype], list[list[nn.Parameter]]] = {}
+    filled: dict[tuple[torch.device, torch.dtype], int] = {}  # bytes in each kind's last
+    for param in params:
+        if not param.requires_grad:
+            continue
+        kind = (param.device, param.dtype)
+        parts = groups.setdefault(kind, [[]])
+        if filled.get(kind, 0) >= cap:
+            parts.append([])
+            filled[kind] = 0
+        parts[-1].append(param)
+        filled[kind] = filled.get(kind, 0) + param.numel() * param.element_size()
+    return [_flatten(bucket) for parts in groups.values() for bucket in parts]
+
+
+def _flatten(params: list[nn.Parameter]) -> _Bucket:
+    total = sum(p.numel() for p in params)
+    flat = torch.empty(total + len(params), dtype=params[0].dtype, device=params[0].device)
+    flat[total:].zero_()
+    offset = 0
+    for i, param in enumerate(params):
+        view = flat[offset:offset + param.numel()]
+        if param.grad is None:
+            view.zero_()
+        else:
+            view.copy_(param.grad.reshape(-1))
+            param.grad = view.view_as(param)
+            flat[total + i].fill_(1)
+        offset += param.numel()
+    return _Bucket(flat, params)
+
+
+def average_buckets(buckets: Sequence[_Bucket]) -> None:
+    """All-reduce the buckets (all in flight at once), divide by the world size, and give
+    each parameter without a gradient here the average where another rank had one (a host
+    read of the presence flags, only on a rank that lacks some gradient)."""
+    works = [dist.all_reduce(bucket.flat, async_op=True) for bucket in buckets]
+    world = dist.get_world_size()
+    for work, (flat, params) in zip(works, buckets):
+        work.wait()
+        flat.div_(world)
+        if all(p.grad is not None for p in params):
+            continue
+        total = flat.numel() - len(params)
+        present = flat[total:].tolist()  # host sync: which the other ranks had
+        offset = 0
+        for param, seen in zip(params, present):
+            if param.grad is None and seen > 0:
+                param.grad = flat[offset:offset + param.numel()].view_as(param)
+            offset += param.numel()
 
 
 def check_strategy(model: nn.Module, setting: int | str | None) -> None:

@@ -80,6 +80,7 @@ class Precision:
             optimizer.step()
             return True
         self.unscale_(optimizer)
+        unset = _unset_momentum(optimizer)
         # Whether the scaler let the optimizer step, through public APIs only: a step post-hook
         # runs exactly when optimizer.step() ran (the scaler skips it on overflow; the flag it
         # had read costs no second wait). A fused optimizer (Adam(fused=True)) always runs and
@@ -93,9 +94,22 @@ class Precision:
             handle.remove()
         self.scaler.update()
         self._unscaled.clear()
-        if not ran:
-            return False
-        return ran[0] is None or not ran[0].item()  # fused: a sync on its flag
+        stepped = bool(ran) and (ran[0] is None or not ran[0].item())  # fused: a sync on its flag
+        if unset and not stepped:  # what the skipped first step left: the next one is a first
+            for param in unset:
+                optimizer.state[param].pop("momentum_buffer", None)
+        return stepped
+
+    def reset(self) -> None:
+        """Forget a step cut short after :meth:`unscale_` (an out-of-memory error in clipping,
+        retried): no optimizer counts as unscaled, and the loss scaler keeps its scale but none
+        of the step's per-optimizer state (its stage, its ``found_inf``), as a fresh GradScaler
+        given the old one's ``state_dict`` (GradScaler's public API has no reset of its own)."""
+        self._unscaled.clear()
+        if self.scaler is not None:
+            fresh = torch.amp.GradScaler(self.device.type)
+            fresh.load_state_dict(self.scaler.state_dict())  # reads the scale: a host sync
+            self.scaler = fresh
 
     def state_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler else None}
@@ -108,6 +122,20 @@ class Precision:
             )
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _unset_momentum(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Fused SGD with momentum before its first step: its parameters (else none). Its kernel
+    creates the momentum buffers (``empty_like``) before it skips a step on GradScaler's
+    ``found_inf``: a skipped first step must not leave them uninitialised for the next."""
+    groups = optimizer.param_groups
+    if not (isinstance(optimizer, torch.optim.SGD) and groups and groups[0]["params"]
+            and any(g.get("fused") and g.get("momentum") for g in groups)):
+        return []
+    if optimizer.state.get(groups[0]["params"][0], {}).get("momentum_buffer") is not None:
+        return []  # made by a step taken (the common case, without a walk)
+    return [param for group in groups for param in group["params"]
+            if optimizer.state.get(param, {}).get("momentum_buffer") is None]
 
 
 # x86 CPU features that run bfloat16 matrix products natively (/proc/cpuinfo's names).

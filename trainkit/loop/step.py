@@ -153,8 +153,10 @@ class WindowStep:
         # called after each micro-batch's backward, with whether it was the window's last
         # (micro_batch's DDP vote on out-of-memory); None: nothing to call
         self.after_backward: Callable[[bool], None] | None = None
-        # fused kernels skip a NaN/inf step on a found_inf flag (not under GradScaler, whose own)
-        self._fused = precision.scaler is None and is_fused(optimizer)
+        # fused kernels skip a NaN/inf step on a found_inf flag (not under GradScaler, whose own);
+        # not SGD with momentum: a skipped first step leaves its buffers unset (_sgd_with_momentum)
+        self._fused = (precision.scaler is None and is_fused(optimizer)
+                       and not _sgd_with_momentum(optimizer))
 
     def __call__(self, window: Sequence[Batch], check_finite: bool = False,
                  guard_finite: bool = False) -> StepResult:
@@ -387,6 +389,14 @@ def is_fused(optimizer: torch.optim.Optimizer) -> bool:
     that takes a ``found_inf`` flag and skips its update on the device when it is set."""
     return bool(optimizer.param_groups) and all(
         group.get("fused") for group in optimizer.param_groups)
+
+
+def _sgd_with_momentum(optimizer: torch.optim.Optimizer) -> bool:
+    """SGD with momentum: torch's fused kernel creates its momentum buffers (``empty_like``)
+    before it skips a step on ``found_inf``, so a skipped first step would leave them
+    uninitialised. Zeroed gradients instead make them zeros: the next step is a first one's."""
+    return isinstance(optimizer, torch.optim.SGD) and any(
+        group.get("momentum") for group in optimizer.param_groups)
 
 
 def _found_inf_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:

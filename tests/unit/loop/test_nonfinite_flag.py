@@ -76,3 +76,53 @@ def test_plain_sgd_takes_no_step_on_a_nan_loss() -> None:
     model.poison = True
     assert not bool(step((_batch(),), guard_finite=True).finite_flag)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_fused_sgd_with_momentum_after_a_nan_first_step_trains_as_if_it_never_saw_it() -> None:
+    """torch's fused SGD creates its momentum buffers (``empty_like``) before its kernel skips
+    on ``found_inf``: a skipped first step would leave them uninitialised. The zero-gradient
+    path gives momentum buffers of zeros instead: the next step is a first step's."""
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)
+
+    model = Poisoned()
+    optimizer = sgd(model.parameters())
+    step = WindowStep(model, optimizer=optimizer, precision=Precision("32", CPU),
+                      criterion=F.cross_entropy, forward=default_forward, device=CPU)
+    # freed blocks of the parameters' sizes holding large values, for empty_like to reuse
+    junk = [torch.full_like(p, 1e6) for p in model.parameters() for _ in range(4)]
+    del junk
+    model.poison = True
+    assert not bool(step((_batch(),), guard_finite=True).finite_flag)
+    model.poison = False
+    step((_batch(),), guard_finite=True)
+    reference = Poisoned()  # the same initial weights; one good step only
+    reference_sgd = sgd(reference.parameters())
+    F.cross_entropy(reference(_batch()[0]), _batch()[1]).backward()
+    reference_sgd.step()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_fused_sgd_with_momentum_after_an_fp16_overflow_first_step_under_the_scaler() -> None:
+    """The same under 16-mixed: GradScaler hands the fused kernel its found_inf, and a skipped
+    first step must leave no momentum buffers behind (the next step is a first step)."""
+    def run(poison_first: bool) -> nn.Module:
+        model = Poisoned()
+        precision = Precision("16-mixed", CPU)
+        precision.load_state_dict({"mode": "16-mixed", "scaler": torch.amp.GradScaler(
+            "cpu", init_scale=4.0).state_dict()})
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+        step = WindowStep(model, optimizer=optimizer, precision=precision,
+                          criterion=F.cross_entropy, forward=default_forward, device=CPU)
+        junk = [torch.full_like(p, 1e6) for p in model.parameters() for _ in range(4)]
+        del junk  # freed blocks holding large values, for empty_like to reuse
+        if poison_first:
+            model.poison = True
+            assert not step((_batch(),)).stepped
+            model.poison = False
+        assert step((_batch(),)).stepped
+        return model
+
+    for a, b in zip(run(poison_first=True).parameters(), run(poison_first=False).parameters()):
+        torch.testing.assert_close(a, b)

@@ -13,6 +13,7 @@ from torch import nn
 from trainkit import Trainer, TrainerConfig
 from trainkit.config import ProfileConfig
 from trainkit.core.errors import ConfigError
+from trainkit.observe.profile import MemoryHistory, Profiler
 
 
 def _batches(n: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -50,3 +51,27 @@ def test_off_adds_no_callback(tmp_path: Path) -> None:
 def test_a_bad_schedule_is_one_line(key: str, value: object) -> None:
     with pytest.raises(ConfigError, match=f"trainer.profile.{key}"):
         ProfileConfig(**{key: value})
+
+
+def test_memory_history_is_recorded_with_python_stacks_in_the_active_steps_only(
+        tmp_path: Path) -> None:
+    """What the profiler asks torch.cuda.memory._record_memory_history and _dump_snapshot
+    for (their stand-ins here, through MemoryHistory's seam), step by step: Python stacks
+    during the window's two active steps, off before and after, and a snapshot at the window's
+    end and at an out-of-memory error after it."""
+    events: list[tuple] = []
+    memory = MemoryHistory(record=lambda **kwargs: events.append(("record", kwargs)),
+                           dump=lambda path: events.append(("dump", Path(path).name)))
+    config = ProfileConfig(enabled=True, wait=1, warmup=1, active=2, repeat=1, top_ops=0,
+                           memory_snapshot=True)
+    profiler = Profiler(config, tmp_path, 0, torch.device("cpu"), memory=memory)
+    profiler.on_fit_start(None)
+    for step in range(1, 7):
+        events.append(("step", step))
+        profiler.on_step_end(None, step)
+    profiler.out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    profiler.close()
+    on = {"enabled": "all", "context": "all", "stacks": "python", "max_entries": 100_000}
+    assert events == [("step", 1), ("step", 2), ("record", on), ("step", 3), ("step", 4),
+                      ("dump", "memory_step4.pickle"), ("record", {"enabled": None}),
+                      ("step", 5), ("step", 6), ("dump", "oom_rank0.pickle")]
