@@ -27,7 +27,7 @@ from trainkit.core.runtime import Runtime
 from trainkit.core.signals import EXIT_PREEMPTED, Preemption, stop_outside_training
 from trainkit.distributed import group, slurm
 from trainkit.distributed.slurm_requeue import requeue_after_stop
-from trainkit.entry.config_dir import config_dir
+from trainkit.entry.config_dir import config_dir, schema
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.own_data import build_data, save_classes
 from trainkit.entry.ranks import join_ranks
@@ -37,7 +37,7 @@ from trainkit.loop.trainer import Trainer
 from trainkit.observe.logging import setup_logging
 
 CONFIG_DIR = str(config_dir())
-ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+ConfigStore.instance().store(name="train_schema", node=schema())
 
 
 def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = None
