@@ -1,0 +1,58 @@
+"""trainkit.data.hf.load_split on real ``datasets`` imagefolder datasets built from files (no
+network; the cache in the test's folder)."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.image_files import make_folder
+from trainkit.core.errors import ConfigError
+from trainkit.data.hf import load_split
+
+pytest.importorskip("datasets")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """An image folder with val/, and the same without it."""
+    tmp = tmp_path_factory.mktemp("hf")
+    with_val = make_folder(tmp / "with_val", classes=3, per_class=10, val_per_class=2,
+                           sizes=(16, 24))
+    train_only = tmp / "train_only"
+    shutil.copytree(with_val / "train", train_only / "train")
+    return {"with_val": with_val, "train_only": train_only, "cache": tmp / "cache"}
+
+
+def test_evaluation_takes_the_split_there_is(folders: dict[str, Path]) -> None:
+    """imagefolder has no `test` split: evaluation reads `validation`, not a traceback."""
+    split = load_split(str(folders["with_val"]), False, path="imagefolder",
+                       cache_dir=str(folders["cache"]))
+    assert split.num_rows == 6  # val/: 3 classes x 2
+    assert load_split(str(folders["with_val"]), True, path="imagefolder",
+                      cache_dir=str(folders["cache"])).num_rows == 30
+
+
+def test_without_an_evaluation_split_a_seeded_fraction_of_each_class_is_held_out(
+        folders: dict[str, Path]) -> None:
+    kwargs = {"path": "imagefolder", "cache_dir": str(folders["cache"]), "val_fraction": 0.2}
+    train = load_split(str(folders["train_only"]), True, **kwargs)
+    val = load_split(str(folders["train_only"]), False, **kwargs)
+    assert (train.num_rows, val.num_rows) == (24, 6)
+    assert Counter(val["label"]) == {0: 2, 1: 2, 2: 2}  # each class its share
+    # held out means left out of training: no image is in both
+    seen = {row["image"].tobytes() for row in train}
+    assert not any(row["image"].tobytes() in seen for row in val)
+    again = load_split(str(folders["train_only"]), False, **kwargs)
+    assert [r["image"].tobytes() for r in again] == [r["image"].tobytes() for r in val]
+
+
+def test_a_split_named_that_is_not_there_is_one_line_naming_those_there_are(
+        folders: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match=r"^the dataset imagefolder has no split 'test' \(its "
+                       r"splits: train, validation\): set \+dataset.eval_split= to one of them$"):
+        load_split(str(folders["with_val"]), False, path="imagefolder", eval_split="test",
+                   cache_dir=str(folders["cache"]))
