@@ -94,7 +94,8 @@ def dataset_loaders(train: Any, val: Any, cfg: DataConfig, runtime: Runtime, *, 
         custom = train_transforms if training else eval_transforms
         samples = Samples(dataset, transform_for(cfg, training=training, custom=custom),
                           channels=cfg.channels, image_column=cfg.image_column,
-                          label_column=cfg.label_column, transform_all=bool(custom))
+                          label_column=cfg.label_column, transform_all=bool(custom),
+                          skip_corrupt=cfg.skip_corrupt)
         loaders.append(_loader(samples, cfg, runtime, seed, channels_last, classes,
                                training=training))
     return loaders[0], loaders[1], int(num_classes)
@@ -135,33 +136,46 @@ class Samples(Dataset):
     label_column: ...}`` (a Hugging Face ``datasets.Dataset``; its image column is read as
     bytes and decoded here, by the same decoder as image folders). Encoded bytes and PIL images
     become uint8 tensors and get ``transform``; tensors and arrays get it only when
-    ``transform_all`` (your own transform lists), else pass as they are.
+    ``transform_all`` (your own transform lists), else pass as they are. A sample that cannot be
+    decoded is a :class:`BadFile`, or with ``skip_corrupt`` the next readable sample, carrying
+    the skipped one's name, as :class:`~trainkit.data.image_folder.ImageFiles` does.
     """
 
     def __init__(self, dataset: Any, transform: Callable[[torch.Tensor], Any], *,
                  channels: int = 3, image_column: str = "image", label_column: str = "label",
-                 transform_all: bool = False) -> None:
+                 transform_all: bool = False, skip_corrupt: bool = False) -> None:
         self.hf = _is_hf(dataset)
         if self.hf:
             _check_columns(dataset, image_column, label_column)
             dataset = _undecoded(dataset, image_column)
         self.dataset, self.transform, self.channels = dataset, transform, channels
         self.image_column, self.label_column = image_column, label_column
-        self.transform_all = transform_all
+        self.transform_all, self.skip_corrupt = transform_all, skip_corrupt
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> tuple[Any, Any, list[str]]:
+    def __getitem__(self, index: int) -> tuple[Any, Any, list[str]] | BadFile:
+        skipped: list[str] = []
+        for step in range(len(self)):  # with skip_corrupt, a bad sample's place: the next one's
+            i = (index + step) % len(self)
+            try:
+                return (*self.sample(i), skipped)
+            except UnreadableImage as err:  # in a worker: the main process says it in one line
+                if not self.skip_corrupt:
+                    return BadFile(f"sample {i}", str(err))
+                skipped.append(f"sample {i}")
+        return BadFile(f"sample {index}", "no sample of this split can be decoded")
+
+    def sample(self, index: int) -> tuple[Any, Any]:
+        """Sample ``index``'s image (as :meth:`image` makes it) and label (raises
+        :class:`~trainkit.data.transforms.UnreadableImage`)."""
         sample = self.dataset[index]
         if self.hf:
             image, label = sample[self.image_column], sample[self.label_column]
         else:
             image, label = sample[0], sample[1]
-        try:
-            return self.image(image, f"sample {index}"), label, []
-        except UnreadableImage as err:  # in a worker: the main process says it in one line
-            return BadFile(f"sample {index}", str(err))  # type: ignore[return-value]
+        return self.image(image, f"sample {index}"), label
 
     def image(self, image: Any, name: str) -> Any:
         """One sample's image as the model gets it (before normalisation on the device)."""

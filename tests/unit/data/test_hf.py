@@ -3,17 +3,25 @@ network; the cache in the test's folder)."""
 
 from __future__ import annotations
 
+import io
+import logging
 import shutil
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from PIL import Image
 
-from tests.image_files import make_folder
-from trainkit.core.errors import ConfigError
+from tests.image_files import make_folder, picture
+from trainkit.config import DataConfig
+from trainkit.core.errors import ConfigError, TrainkitError
+from trainkit.core.runtime import Runtime
 from trainkit.data.hf import load_split
+from trainkit.data.own_data import dataset_loaders
 
-pytest.importorskip("datasets")
+datasets = pytest.importorskip("datasets")
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +64,36 @@ def test_a_split_named_that_is_not_there_is_one_line_naming_those_there_are(
                        r"splits: train, validation\): set \+dataset.eval_split= to one of them$"):
         load_split(str(folders["with_val"]), False, path="imagefolder", eval_split="test",
                    cache_dir=str(folders["cache"]))
+
+
+def test_skip_corrupt_skips_a_bad_sample_of_a_hugging_face_dataset_logs_and_counts_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """data.skip_corrupt=true means for a datasets.Dataset what it means for an image folder."""
+    rng = np.random.default_rng(0)
+    images = []
+    for i in range(6):
+        buffer = io.BytesIO()
+        Image.fromarray(picture(rng, i % 2, 20, 20)).save(buffer, format="PNG")
+        images.append(buffer.getvalue())
+    images[2] = images[2][: len(images[2]) // 2]  # a download that broke off
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=["a", "b"])})
+    split = datasets.Dataset.from_dict(
+        {"image": [{"bytes": b, "path": None} for b in images], "label": [i % 2 for i in range(6)]},
+        features=features)
+
+    def batches(skip: bool) -> tuple[list, object]:
+        cfg = DataConfig(name="image_folder", root="unused", batch_size=3, eval_batch_size=3,
+                         loader="dataloader", num_workers=0, image_size=16, skip_corrupt=skip)
+        train, _, _ = dataset_loaders(split, None, cfg, Runtime(torch.device("cpu")))
+        train.set_epoch(0)
+        return [labels for _, labels in train], train
+
+    with pytest.raises(TrainkitError, match=r"set data.skip_corrupt=true .*: sample 2$"):
+        batches(skip=False)
+    with caplog.at_level(logging.WARNING, logger="trainkit"):
+        got, loader = batches(skip=True)
+    assert sum(len(labels) for labels in got) == 6  # the epoch keeps its length
+    assert loader.report() == {"data/skipped_files": 1}
+    assert [r.getMessage() for r in caplog.records] == [
+        "skipped unreadable file sample 2 (data.skip_corrupt=true; 1 so far)"]
