@@ -17,7 +17,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainkit.config import TrainConfig
 from trainkit.core.cuda_settings import use_device
@@ -34,6 +34,7 @@ from trainkit.entry.ranks import join_ranks
 from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
 from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused
 from trainkit.loop.trainer import Trainer
+from trainkit.models.vision import for_channels
 from trainkit.observe.logging import setup_logging
 
 CONFIG_DIR = str(config_dir())
@@ -115,6 +116,8 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
     run would train. Seed first (``seed_everything``) for the run's own initial weights.
     """
     train_data, val_data, num_classes = build_data(cfg, settings, runtime)
+    with open_dict(cfg):  # a torchvision classifier's stem for grayscale data (recorded so)
+        cfg.model = for_channels(cfg.model, settings.data.channels)
     model = instantiate(cfg.model, _convert_="all")
     optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
     criterion = build_criterion(cfg)  # the config's (e.g. label smoothing), or cross-entropy
