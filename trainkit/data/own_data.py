@@ -43,11 +43,13 @@ Transforms = Sequence[Callable[..., Any]] | None
 
 def image_folder_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
                          channels_last: bool = False, train_transforms: Transforms = None,
-                         eval_transforms: Transforms = None) -> tuple[ImageLoader, Any, int]:
+                         eval_transforms: Transforms = None,
+                         eval_max_batches: int | None = None) -> tuple[ImageLoader, Any, int]:
     """Training and validation loaders of the image folder at ``cfg.root``, and its class count.
 
     The loaders' ``classes`` attribute names the classes by index. Validation is None when the
-    folder has no ``val/`` and ``cfg.val_fraction`` is 0.
+    folder has no ``val/`` and ``cfg.val_fraction`` is 0; ``eval_max_batches`` bounds it to
+    files spread evenly over it (every class, not the first ones).
     """
     folder = read_image_folder(cfg.root, val_fraction=cfg.val_fraction, seed=seed)
     gpu = cfg.decode == "gpu"  # JPEGs decoded on the device (trainkit.data.gpu_decode)
@@ -61,7 +63,8 @@ def image_folder_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
         decoder = JpegDecoder(runtime.device, channels=cfg.channels, transform=transform,
                               skip_corrupt=cfg.skip_corrupt) if gpu else None
         return _loader(files, cfg, runtime, seed, channels_last, folder.classes,
-                       training=training, decoder=decoder)
+                       training=training, decoder=decoder,
+                       max_batches=None if training else eval_max_batches)
 
     train = load(folder.train, True)
     val = load(folder.val, False) if folder.val is not None else None
@@ -70,9 +73,11 @@ def image_folder_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
 
 def dataset_loaders(train: Any, val: Any, cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
                     channels_last: bool = False, train_transforms: Transforms = None,
-                    eval_transforms: Transforms = None) -> tuple[ImageLoader, Any, int]:
+                    eval_transforms: Transforms = None,
+                    eval_max_batches: int | None = None) -> tuple[ImageLoader, Any, int]:
     """Loaders over your own map-style datasets (a torch ``Dataset`` or a Hugging Face
-    ``datasets.Dataset``); ``val`` may be None.
+    ``datasets.Dataset``); ``val`` may be None, ``eval_max_batches`` bounds it to samples
+    spread evenly over it.
 
     The class count is ``cfg.num_classes`` when set, else the dataset's: ``classes`` (torchvision's
     datasets), ``num_classes``, or the label column's ``ClassLabel`` names.
@@ -97,20 +102,22 @@ def dataset_loaders(train: Any, val: Any, cfg: DataConfig, runtime: Runtime, *, 
                           label_column=cfg.label_column, transform_all=bool(custom),
                           skip_corrupt=cfg.skip_corrupt)
         loaders.append(_loader(samples, cfg, runtime, seed, channels_last, classes,
-                               training=training))
+                               training=training,
+                               max_batches=None if training else eval_max_batches))
     return loaders[0], loaders[1], int(num_classes)
 
 
 def _loader(dataset: Dataset, cfg: DataConfig, runtime: Runtime, seed: int,
             channels_last: bool, classes: Sequence[str] | None, *,
-            training: bool, decoder: JpegDecoder | None = None) -> ImageLoader:
+            training: bool, decoder: JpegDecoder | None = None,
+            max_batches: int | None = None) -> ImageLoader:
     mean, std = stats_for(cfg)
     collate = collate_encoded if decoder is not None else collate_images
     loader = make_loader(
         dataset, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
         device=runtime.device, seed=seed, rank=runtime.rank, world_size=runtime.world_size,
         num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
-        drop_last=cfg.drop_last and training, collate_fn=collate)
+        drop_last=cfg.drop_last and training, collate_fn=collate, max_batches=max_batches)
     return ImageLoader(loader, runtime.device, mean=mean, std=std, classes=classes,
                        channels_last=channels_last, decoder=decoder)
 

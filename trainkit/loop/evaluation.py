@@ -21,8 +21,13 @@ from trainkit.loop.step import Criterion, Forward, batch_size
 def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
              device: torch.device, criterion: Criterion, metrics: Mapping[str, Any],
              forward: Forward, max_batches: int | None = None) -> dict[str, float]:
-    """Mean loss and each metric over ``data`` (its first ``max_batches`` batches, when given)
-    as ``{"val/loss": ..., "val/<name>": ...}``."""
+    """Mean loss and each metric over ``data`` (at most ``max_batches`` batches, when given) as
+    ``{"val/loss": ..., "val/<name>": ...}``.
+
+    The sample itself is the data layer's: trainkit's evaluation loaders built with the same
+    bound serve ``max_batches`` batches spread evenly over the split
+    (:func:`trainkit.data.order.evaluation_sample`); any other loader gives its first ones.
+    """
     # Not through DDP: it broadcasts buffers before every forward, a collective that ranks
     # with different numbers of val batches would not match. Rank 0's buffers (batch-norm
     # statistics drift per rank) make the result that of the checkpointed weights.
