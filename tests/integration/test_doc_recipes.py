@@ -194,9 +194,6 @@ README_RUN_BY = {
     "python -m trainkit.env --device cuda": (
         "tests/unit/observe/test_env.py::test_unavailable_device_is_one_line_and_nonzero",
         '"cuda"'),
-    "python -m trainkit.train data=image_folder data.root=/data/pets model=resnet18": (
-        "tests/integration/test_image_folder.py::test_folder_experiment_and_resnet18_train_with_"
-        "nothing_else_set", '"model=resnet18"'),
     "python -m trainkit.train +exp=folder data.root=/data/pets": (
         "tests/integration/test_image_folder.py::test_folder_experiment_and_resnet18_train_with_"
         "nothing_else_set", '"+exp=folder"'),
