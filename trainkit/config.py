@@ -87,7 +87,7 @@ class TrainerConfig:
     log_every_n_seconds: float = 60.0  # also log when this long passed (slow steps); 0: off
     eval_every_n_epochs: int = 1
     eval_every_n_steps: int | None = None  # also evaluate every n optimizer steps; null: off
-    eval_max_batches: int | None = None  # evaluate on the first n validation batches; null: all
+    eval_max_batches: int | None = None  # n batches spread evenly over the split; null: all
     ema_decay: float | None = None  # e.g. 0.999: evaluate (and checkpoint) an EMA of the weights
     nonfinite_patience: int = 5  # stop after this many NaN/inf losses in a row; 0: no check
     hang_timeout_s: float | None = None  # no step this long: dump stacks; null: auto; 0: off

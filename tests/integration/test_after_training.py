@@ -188,6 +188,30 @@ def test_predict_over_a_folder_of_50_images_writes_50_rows_in_order(
     assert saved["inputs"][:50] == list(range(50)) and torch.equal(saved["outputs"][:50], logits)
 
 
+def test_predict_skips_an_unreadable_input_with_skip_corrupt_as_training_does(
+        run: Path, images: torch.Tensor, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Without data.skip_corrupt one line names the file; with it the file gets no row and is
+    said and counted (the override used to change nothing)."""
+    folder = write_pngs(images[:4], tmp_path / "images")
+    bad = folder / "digit_01.png"
+    bad.write_bytes(bad.read_bytes()[:40])  # a copy that broke off
+    out = tmp_path / "rows.jsonl"
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["predict", str(run), f"inputs={folder}", f"out={out}"])
+    assert stop.value.code == 2 and not out.exists()
+    last = error_report(capsys.readouterr().err)[1]
+    assert last.endswith(f"_corrupt=true to skip such files: {bad}")  # long paths: shortened
+    assert cli.main(["predict", str(run), f"inputs={folder}", f"out={out}",
+                     "data.skip_corrupt=true"]) == 0
+    rows = [json.loads(line)["input"] for line in out.read_text().splitlines()]
+    assert rows == [str(folder / f"digit_{i:02d}.png") for i in (0, 2, 3)]
+    said = capsys.readouterr()
+    assert f"skipped unreadable input {bad} (data.skip_corrupt=true; 1 so far)" in said.err
+    assert said.out.strip() == (f"wrote 3 rows to {out} (1 unreadable inputs skipped: "
+                                "data.skip_corrupt=true)")
+
+
 def test_bad_input_is_one_line_exit_2_and_nothing_overwritten(
         run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     def fails(*args: str) -> str:

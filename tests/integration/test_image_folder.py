@@ -173,8 +173,8 @@ def test_own_dataset_trains_and_resumes_mid_epoch_exactly(tmp_path: Path, target
 
 
 def test_folder_experiment_and_resnet18_train_with_nothing_else_set(tmp_path: Path) -> None:
-    """The README's two commands, shrunk only in size: `data=image_folder model=resnet18` and
-    `+exp=folder` (AdamW, warmup-cosine, label smoothing, EMA, best.pt by val/acc)."""
+    """The README's command, shrunk only in size: `+exp=folder` (AdamW, warmup-cosine, label
+    smoothing, EMA, best.pt by val/acc); and `data=image_folder model=resnet18` alone."""
     root = make_folder(tmp_path / "images", classes=2, per_class=2, val_per_class=1)
     shrink = ("data.image_size=32", "data.batch_size=2", "data.num_workers=1",
               "trainer.max_epochs=1", "trainer.precision=32")

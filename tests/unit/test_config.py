@@ -9,6 +9,7 @@ from omegaconf.errors import ValidationError
 
 from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
 from trainkit.core.errors import LINE_LIMIT, ConfigError
+from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.train import CONFIG_DIR
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONFIG_DIR) / "exp").glob("*.yaml"))
@@ -22,6 +23,8 @@ def _compose(*overrides: str):
 @pytest.mark.parametrize("exp", EXPERIMENTS)
 def test_every_experiment_composes_into_typed_settings(exp: str) -> None:
     cfg = _compose(f"+exp={exp}")
+    if OmegaConf.is_missing(cfg.data, "root"):  # own data (+exp=folder): the user names it
+        cfg = _compose(f"+exp={exp}", "data.root=/data/pets")
     settings = OmegaConf.to_object(cfg)
     assert isinstance(settings, TrainConfig)
     assert isinstance(settings.trainer, TrainerConfig)
@@ -51,6 +54,22 @@ def test_data_root_defaults_to_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _compose("+exp=mnist").data.root == "/somewhere/data"
     monkeypatch.delenv("TRAINKIT_DATA_DIR")
     assert _compose("+exp=mnist").data.root == "./data"
+
+
+def test_own_images_need_data_root_whatever_the_env(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """data=image_folder's `root: ???` stays required: no fall-back to the built-in datasets'
+    $TRAINKIT_DATA_DIR (whose MNIST files it then complained about); one line says what to set."""
+    monkeypatch.setenv("TRAINKIT_DATA_DIR", "/somewhere/data")
+    cfg = _compose("data=image_folder")
+    assert OmegaConf.is_missing(cfg.data, "root")
+    assert _compose("data=image_folder", "data.root=/data/pets").data.root == "/data/pets"
+    with pytest.raises(SystemExit) as stop, errors_as_one_line():
+        OmegaConf.to_object(cfg)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "trainkit: data.root is not set and has no default here: add "
+        "data.root=/path/to/your/data to the command")
 
 
 def test_precision_given_as_number_becomes_text() -> None:

@@ -29,6 +29,7 @@ def build_loaders(
     cfg: DataConfig, runtime: Runtime, *, seed: int = 0, channels_last: bool = False,
     reader: Reader | None = None, train_transforms: Sequence[Callable[..., Any]] | None = None,
     eval_transforms: Sequence[Callable[..., Any]] | None = None,
+    eval_max_batches: int | None = None,
 ) -> tuple[Any, Any, int]:
     """Training and evaluation loaders for the dataset ``cfg.name``, and its number of classes.
 
@@ -49,6 +50,11 @@ def build_loaders(
     the device. Only the training loader shuffles and augments (``data.random_crop_padding``,
     ``data.random_flip``); both resume mid-epoch exactly.
 
+    ``eval_max_batches`` (``trainer.eval_max_batches``) bounds the evaluation loader to that
+    many batches per rank, of samples (or a corpus's windows) spread evenly over the split: a
+    fixed, representative sample, the same at every evaluation (image shards: their first
+    batches, as they stream).
+
     Raises:
         ConfigError: an unknown dataset name, or a batch size the data cannot fill.
         TrainkitError: the files are missing (offline), corrupt or malformed.
@@ -57,17 +63,19 @@ def build_loaders(
         check_gpu_decode(cfg, runtime.device, own_dataset=reader is not None,
                          custom_transforms=bool(train_transforms or eval_transforms))
     if cfg.name == "tokens":  # a token corpus: windows from memory-mapped files
-        return token_loaders(cfg, runtime, seed=seed)  # type: ignore[return-value]
+        return token_loaders(cfg, runtime, seed=seed,  # type: ignore[return-value]
+                             eval_max_batches=eval_max_batches)
     own = {"seed": seed, "channels_last": channels_last, "train_transforms": train_transforms,
            "eval_transforms": eval_transforms}
     if cfg.name == "webdataset":  # image shards streamed by every rank and worker
         return shard_loaders(cfg, runtime, **own)
     if reader is None and cfg.name == "image_folder":
-        return image_folder_loaders(cfg, runtime, **own)
+        return image_folder_loaders(cfg, runtime, eval_max_batches=eval_max_batches, **own)
     if reader is not None:
         train, test = reader(root=cfg.root, train=True), reader(root=cfg.root, train=False)
         if not isinstance(train, TensorData):
-            return dataset_loaders(train, test, cfg, runtime, **own)
+            return dataset_loaders(train, test, cfg, runtime, eval_max_batches=eval_max_batches,
+                                   **own)
     elif cfg.name not in READERS:
         raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(READERS)}, "
                           "image_folder, tokens, webdataset; "
@@ -78,7 +86,8 @@ def build_loaders(
         test = read(cfg.root, train=False, verify=cfg.verify, download=cfg.download)
     if cfg.loader == "dataloader":
         return (_dataloader(train, cfg, runtime, seed, channels_last, training=True),
-                _dataloader(test, cfg, runtime, seed, channels_last, training=False),
+                _dataloader(test, cfg, runtime, seed, channels_last, training=False,
+                            max_batches=eval_max_batches),
                 train.num_classes)
     common = {"device": runtime.device, "rank": runtime.rank, "world_size": runtime.world_size,
               "channels_last": channels_last}
@@ -86,7 +95,8 @@ def build_loaders(
         InMemoryLoader(train, cfg.batch_size, shuffle=True, seed=seed, drop_last=cfg.drop_last,
                        padding=cfg.random_crop_padding, flip=cfg.random_flip,
                        pad_mode=cfg.pad_mode, **common),
-        InMemoryLoader(test, cfg.eval_batch_size, shuffle=False, **common),
+        InMemoryLoader(test, cfg.eval_batch_size, shuffle=False, max_batches=eval_max_batches,
+                       **common),
         train.num_classes,
     )
 
@@ -117,13 +127,14 @@ class ImageSamples(Dataset):
 
 
 def _dataloader(data: TensorData, cfg: DataConfig, runtime: Runtime, seed: int,
-                channels_last: bool, *, training: bool) -> DevicePrefetcher:
+                channels_last: bool, *, training: bool,
+                max_batches: int | None = None) -> DevicePrefetcher:
     samples = ImageSamples(data, padding=cfg.random_crop_padding, flip=cfg.random_flip,
                            pad_mode=cfg.pad_mode) if training else ImageSamples(data)
     loader = make_loader(
         samples, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
         device=runtime.device, seed=seed, rank=runtime.rank, world_size=runtime.world_size,
         num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
-        drop_last=cfg.drop_last and training)
+        drop_last=cfg.drop_last and training, max_batches=max_batches)
     return DevicePrefetcher(loader, runtime.device, mean=data.mean, std=data.std,
                             channels_last=channels_last)

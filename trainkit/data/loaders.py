@@ -54,12 +54,15 @@ class ResumableBatchSampler(Sampler[SeededBatch]):
     makes the next pass start at batch ``start`` of the shard, without touching the batches
     before it. ``len()`` is the batches left in that pass. Batch ``b`` carries the seed
     ``mix_seed(seed, epoch, rank, b)``, a function of its place alone (see :class:`SeededSamples`).
+    Without shuffling, ``sample`` bounds an epoch to that many samples spread evenly over the
+    dataset (:func:`~trainkit.data.order.evaluation_sample`).
     """
 
     def __init__(self, n: int, batch_size: int, *, shuffle: bool, drop_last: bool = False,
-                 seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+                 seed: int = 0, rank: int = 0, world_size: int = 1,
+                 sample: int | None = None) -> None:
         self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
-        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.seed, self.rank, self.world_size, self.sample = seed, rank, world_size, sample
         self.epoch = 0
         self.start = 0
 
@@ -67,7 +70,7 @@ class ResumableBatchSampler(Sampler[SeededBatch]):
     def num_samples(self) -> int:
         """Samples of this rank's whole shard per epoch."""
         return shard_size(self.n, shuffle=self.shuffle, rank=self.rank,
-                          world_size=self.world_size)
+                          world_size=self.world_size, sample=self.sample)
 
     @property
     def num_batches(self) -> int:
@@ -84,7 +87,8 @@ class ResumableBatchSampler(Sampler[SeededBatch]):
 
     def __iter__(self) -> Iterator[SeededBatch]:
         order = epoch_order(self.n, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
-                            rank=self.rank, world_size=self.world_size).tolist()
+                            rank=self.rank, world_size=self.world_size,
+                            sample=self.sample).tolist()
         start, self.start = self.start, 0
         size = self.batch_size
         for b in range(start, self.num_batches):
@@ -180,6 +184,7 @@ def make_loader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     worker_init_fn: Callable[[int], None] | None = None,
     procs_per_node: int | None = None,
+    max_batches: int | None = None,
 ) -> ResumableLoader:
     """A DataLoader over a map-style ``dataset`` with the settings a careful user would pick.
 
@@ -200,6 +205,9 @@ def make_loader(
             trainkit's, which makes the worker survive preemption signals sent to the whole
             process group (the main process stops the run and then the workers).
         procs_per_node: processes sharing this node's CPUs (default: ``LOCAL_WORLD_SIZE``).
+        max_batches: evaluation (``shuffle=False``) only: at most this many batches per rank,
+            of samples spread evenly over the dataset, the same every pass
+            (``trainer.eval_max_batches``); None: the whole dataset.
 
     Raises:
         ConfigError: settings no loader can honour (negative workers, a prefetch factor or
@@ -216,8 +224,9 @@ def make_loader(
     if not isinstance(dataset, Sized):
         raise ConfigError(f"{type(dataset).__name__} has no len(): make_loader needs a "
                           "map-style dataset")
+    sample = max_batches * batch_size * world_size if max_batches else None
     check_shard(len(dataset), batch_size, shuffle=shuffle, drop_last=drop_last, rank=rank,
-                world_size=world_size)
+                world_size=world_size, sample=sample)
     if num_workers is None:
         num_workers = default_num_workers(procs_per_node)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -241,7 +250,7 @@ def make_loader(
                           "leave it unset (null) to pin exactly when training on CUDA")
     sampler = ResumableBatchSampler(len(dataset), batch_size, shuffle=shuffle,
                                     drop_last=drop_last, seed=seed, rank=rank,
-                                    world_size=world_size)
+                                    world_size=world_size, sample=sample)
     generator = torch.Generator()
     loader = DataLoader(
         SeededSamples(dataset), batch_sampler=sampler, num_workers=num_workers,

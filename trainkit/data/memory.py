@@ -42,6 +42,8 @@ class InMemoryLoader(PositionedLoader):
         flip: random horizontal flips.
         pad_mode: what translation uncovers: ``constant`` (zeros, like torchvision's RandomCrop)
             or ``reflect``.
+        max_batches: evaluation (``shuffle=False``) only: at most this many batches per rank, of
+            samples spread evenly over the split, the same every pass; None: the whole split.
 
     Example:
         >>> loader = InMemoryLoader(data, 128, shuffle=True, padding=4, flip=True)  # doctest: +SKIP
@@ -64,9 +66,11 @@ class InMemoryLoader(PositionedLoader):
         padding: int = 0,
         flip: bool = False,
         pad_mode: str = "constant",
+        max_batches: int | None = None,
     ) -> None:
+        self.sample = max_batches * batch_size * world_size if max_batches else None
         check_shard(len(data), batch_size, shuffle=shuffle, drop_last=drop_last, rank=rank,
-                    world_size=world_size)
+                    world_size=world_size, sample=self.sample)
         if padding < 0:
             raise ConfigError(f"padding must be >= 0, got {padding}")
         if pad_mode not in PAD_MODES:
@@ -93,7 +97,7 @@ class InMemoryLoader(PositionedLoader):
     def num_samples(self) -> int:
         """Samples this rank sees per epoch."""
         return shard_size(len(self.labels), shuffle=self.shuffle, rank=self.rank,
-                          world_size=self.world_size)
+                          world_size=self.world_size, sample=self.sample)
 
     @property
     def augments(self) -> bool:
@@ -117,7 +121,7 @@ class InMemoryLoader(PositionedLoader):
     def order(self, epoch: int) -> torch.Tensor:
         """The sample indices this rank visits in ``epoch``, in order."""
         return epoch_order(len(self.labels), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                           rank=self.rank, world_size=self.world_size)
+                           rank=self.rank, world_size=self.world_size, sample=self.sample)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = self.order(self.position.epoch).to(self.device)

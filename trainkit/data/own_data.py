@@ -43,11 +43,13 @@ Transforms = Sequence[Callable[..., Any]] | None
 
 def image_folder_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
                          channels_last: bool = False, train_transforms: Transforms = None,
-                         eval_transforms: Transforms = None) -> tuple[ImageLoader, Any, int]:
+                         eval_transforms: Transforms = None,
+                         eval_max_batches: int | None = None) -> tuple[ImageLoader, Any, int]:
     """Training and validation loaders of the image folder at ``cfg.root``, and its class count.
 
     The loaders' ``classes`` attribute names the classes by index. Validation is None when the
-    folder has no ``val/`` and ``cfg.val_fraction`` is 0.
+    folder has no ``val/`` and ``cfg.val_fraction`` is 0; ``eval_max_batches`` bounds it to
+    files spread evenly over it (every class, not the first ones).
     """
     folder = read_image_folder(cfg.root, val_fraction=cfg.val_fraction, seed=seed)
     gpu = cfg.decode == "gpu"  # JPEGs decoded on the device (trainkit.data.gpu_decode)
@@ -61,7 +63,8 @@ def image_folder_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
         decoder = JpegDecoder(runtime.device, channels=cfg.channels, transform=transform,
                               skip_corrupt=cfg.skip_corrupt) if gpu else None
         return _loader(files, cfg, runtime, seed, channels_last, folder.classes,
-                       training=training, decoder=decoder)
+                       training=training, decoder=decoder,
+                       max_batches=None if training else eval_max_batches)
 
     train = load(folder.train, True)
     val = load(folder.val, False) if folder.val is not None else None
@@ -70,9 +73,11 @@ def image_folder_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
 
 def dataset_loaders(train: Any, val: Any, cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
                     channels_last: bool = False, train_transforms: Transforms = None,
-                    eval_transforms: Transforms = None) -> tuple[ImageLoader, Any, int]:
+                    eval_transforms: Transforms = None,
+                    eval_max_batches: int | None = None) -> tuple[ImageLoader, Any, int]:
     """Loaders over your own map-style datasets (a torch ``Dataset`` or a Hugging Face
-    ``datasets.Dataset``); ``val`` may be None.
+    ``datasets.Dataset``); ``val`` may be None, ``eval_max_batches`` bounds it to samples
+    spread evenly over it.
 
     The class count is ``cfg.num_classes`` when set, else the dataset's: ``classes`` (torchvision's
     datasets), ``num_classes``, or the label column's ``ClassLabel`` names.
@@ -94,22 +99,25 @@ def dataset_loaders(train: Any, val: Any, cfg: DataConfig, runtime: Runtime, *, 
         custom = train_transforms if training else eval_transforms
         samples = Samples(dataset, transform_for(cfg, training=training, custom=custom),
                           channels=cfg.channels, image_column=cfg.image_column,
-                          label_column=cfg.label_column, transform_all=bool(custom))
+                          label_column=cfg.label_column, transform_all=bool(custom),
+                          skip_corrupt=cfg.skip_corrupt)
         loaders.append(_loader(samples, cfg, runtime, seed, channels_last, classes,
-                               training=training))
+                               training=training,
+                               max_batches=None if training else eval_max_batches))
     return loaders[0], loaders[1], int(num_classes)
 
 
 def _loader(dataset: Dataset, cfg: DataConfig, runtime: Runtime, seed: int,
             channels_last: bool, classes: Sequence[str] | None, *,
-            training: bool, decoder: JpegDecoder | None = None) -> ImageLoader:
+            training: bool, decoder: JpegDecoder | None = None,
+            max_batches: int | None = None) -> ImageLoader:
     mean, std = stats_for(cfg)
     collate = collate_encoded if decoder is not None else collate_images
     loader = make_loader(
         dataset, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
         device=runtime.device, seed=seed, rank=runtime.rank, world_size=runtime.world_size,
         num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
-        drop_last=cfg.drop_last and training, collate_fn=collate)
+        drop_last=cfg.drop_last and training, collate_fn=collate, max_batches=max_batches)
     return ImageLoader(loader, runtime.device, mean=mean, std=std, classes=classes,
                        channels_last=channels_last, decoder=decoder)
 
@@ -135,33 +143,46 @@ class Samples(Dataset):
     label_column: ...}`` (a Hugging Face ``datasets.Dataset``; its image column is read as
     bytes and decoded here, by the same decoder as image folders). Encoded bytes and PIL images
     become uint8 tensors and get ``transform``; tensors and arrays get it only when
-    ``transform_all`` (your own transform lists), else pass as they are.
+    ``transform_all`` (your own transform lists), else pass as they are. A sample that cannot be
+    decoded is a :class:`BadFile`, or with ``skip_corrupt`` the next readable sample, carrying
+    the skipped one's name, as :class:`~trainkit.data.image_folder.ImageFiles` does.
     """
 
     def __init__(self, dataset: Any, transform: Callable[[torch.Tensor], Any], *,
                  channels: int = 3, image_column: str = "image", label_column: str = "label",
-                 transform_all: bool = False) -> None:
+                 transform_all: bool = False, skip_corrupt: bool = False) -> None:
         self.hf = _is_hf(dataset)
         if self.hf:
             _check_columns(dataset, image_column, label_column)
             dataset = _undecoded(dataset, image_column)
         self.dataset, self.transform, self.channels = dataset, transform, channels
         self.image_column, self.label_column = image_column, label_column
-        self.transform_all = transform_all
+        self.transform_all, self.skip_corrupt = transform_all, skip_corrupt
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> tuple[Any, Any, list[str]]:
+    def __getitem__(self, index: int) -> tuple[Any, Any, list[str]] | BadFile:
+        skipped: list[str] = []
+        for step in range(len(self)):  # with skip_corrupt, a bad sample's place: the next one's
+            i = (index + step) % len(self)
+            try:
+                return (*self.sample(i), skipped)
+            except UnreadableImage as err:  # in a worker: the main process says it in one line
+                if not self.skip_corrupt:
+                    return BadFile(f"sample {i}", str(err))
+                skipped.append(f"sample {i}")
+        return BadFile(f"sample {index}", "no sample of this split can be decoded")
+
+    def sample(self, index: int) -> tuple[Any, Any]:
+        """Sample ``index``'s image (as :meth:`image` makes it) and label (raises
+        :class:`~trainkit.data.transforms.UnreadableImage`)."""
         sample = self.dataset[index]
         if self.hf:
             image, label = sample[self.image_column], sample[self.label_column]
         else:
             image, label = sample[0], sample[1]
-        try:
-            return self.image(image, f"sample {index}"), label, []
-        except UnreadableImage as err:  # in a worker: the main process says it in one line
-            return BadFile(f"sample {index}", str(err))  # type: ignore[return-value]
+        return self.image(image, f"sample {index}"), label
 
     def image(self, image: Any, name: str) -> Any:
         """One sample's image as the model gets it (before normalisation on the device)."""

@@ -14,6 +14,8 @@ What a run sees, exactly:
   run reads the very windows an uninterrupted one would, without touching the batches before.
 * evaluation: the windows end to end from the file's start (window ``i`` at ``i * seq_len``),
   rank ``r`` taking windows ``r, r + world_size, ...`` in order; the last batch may be short.
+  With ``max_batches`` (``trainer.eval_max_batches``): ``max_batches * batch_size * world_size``
+  of those windows spread evenly over the whole file, the same at every evaluation.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from trainkit.config import DataConfig
 from trainkit.core.errors import ConfigError
 from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
+from trainkit.data.order import epoch_order
 from trainkit.data.resumable import DataPosition, PositionedLoader
 
 DTYPES = ("uint16", "uint32")
@@ -50,11 +53,13 @@ class TokenLoader(PositionedLoader):
         dtype: ``uint16`` or ``uint32``, as the file was written.
         device: where batches go (pinned and copied asynchronously when it is CUDA).
         seed, rank, world_size: the run's seed and this process's place among the ranks.
+        max_batches: evaluation (``shuffle=False``) only: at most this many batches per rank,
+            of windows spread evenly over the file; None: every window.
     """
 
     def __init__(self, path: str | Path, seq_len: int, batch_size: int, *, shuffle: bool,
                  dtype: str = "uint16", device: torch.device | str = "cpu", seed: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, max_batches: int | None = None) -> None:
         path = Path(path)
         if dtype not in DTYPES:
             raise ConfigError(f"token dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -71,7 +76,12 @@ class TokenLoader(PositionedLoader):
         self.rank, self.world_size = rank, world_size
         self.tokens_per_sample = seq_len  # the tokens a window trains on: tokens/s in the log
         windows = max(0, (len(self.tokens) - 1) // seq_len)
-        self._order = None if shuffle else np.arange(rank, windows, world_size)
+        if shuffle and max_batches:
+            raise ConfigError("max_batches bounds an evaluation loader (shuffle=False) only")
+        sample = max_batches * batch_size * world_size if max_batches else None
+        self._order = None if shuffle else epoch_order(
+            windows, seed=seed, epoch=0, shuffle=False, rank=rank, world_size=world_size,
+            sample=sample).numpy()
         self._batches = (windows // (world_size * batch_size) if shuffle
                          else -(-len(self._order) // batch_size))
         if self._batches == 0:
@@ -111,13 +121,14 @@ def corpus_meta(root: Path) -> dict[str, Any]:
     return json.loads(meta.read_text()) if meta.is_file() else {}
 
 
-def token_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0
-                  ) -> tuple[TokenLoader, TokenLoader, int]:
+def token_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
+                  eval_max_batches: int | None = None) -> tuple[TokenLoader, TokenLoader, int]:
     """Training and evaluation loaders over ``<data.root>/train.bin`` and ``val.bin``, and the
     vocabulary's size: ``data.num_classes`` when set (at least meta.json's: a model may have
     unused tokens), else ``meta.json``'s (one of the two is needed).
 
     The dtype is ``data.token_dtype``, else meta.json's, else uint16 (nanoGPT's default).
+    ``eval_max_batches`` bounds the evaluation to windows spread evenly over ``val.bin``.
     """
     root = Path(cfg.root)
     if not root.is_dir():
@@ -139,5 +150,5 @@ def token_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0
               "rank": runtime.rank, "world_size": runtime.world_size}
     return (TokenLoader(root / "train.bin", batch_size=cfg.batch_size, shuffle=True, **common),
             TokenLoader(root / "val.bin", batch_size=cfg.eval_batch_size, shuffle=False,
-                        **common),
+                        max_batches=eval_max_batches, **common),
             cfg.num_classes or vocab)

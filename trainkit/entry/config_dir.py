@@ -1,4 +1,5 @@
-"""Where the entry point's YAML configs are, in a checkout and in an installed package.
+"""Where the entry point's YAML configs are (in a checkout and in an installed package), and
+the schema they fill in.
 
 One copy lives at the top of the repository (``configs/``); building a wheel or an sdist ships it
 inside the package as ``trainkit/configs`` (pyproject.toml maps it there). An editable install or
@@ -8,6 +9,7 @@ a plain checkout runs the package from the repository, so the top-level folder i
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # trainkit/, above entry/
 
@@ -23,3 +25,17 @@ def config_dir() -> Path:
             return candidate
     # Neither: a broken install. Hydra's own error then names the folder it looked in.
     return _PACKAGE / "configs"
+
+
+def schema() -> Any:
+    """``TrainConfig`` as ``train.yaml``'s ``train_schema``, with ``data.root`` required: each
+    data config gives its own (the built-in datasets' ``$TRAINKIT_DATA_DIR``), so own data
+    (``data=image_folder``'s ``root: ???``) cannot fall back to the built-in datasets' folder.
+    """
+    from omegaconf import MISSING, OmegaConf
+
+    from trainkit.config import TrainConfig
+
+    node = OmegaConf.structured(TrainConfig)
+    node.data.root = MISSING
+    return node

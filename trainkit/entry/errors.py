@@ -18,7 +18,7 @@ from typing import NoReturn
 import torch
 import torch.distributed
 from hydra.errors import HydraException, InstantiationException
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from trainkit.core.errors import TrainkitError, chain_lines, one_line, print_error
 from trainkit.core.signals import EXIT_PREEMPTED, StoppedOutsideTraining
@@ -47,6 +47,8 @@ def errors_as_one_line() -> Iterator[None]:
             _fail(hydra_words(str(err.__cause__)), details=err.__cause__.details)
         if isinstance(err, InstantiationException):  # a `_target_` that fails to import or build
             _fail(_instantiate_message(err), details=chain_lines(err.__cause__ or err))
+        if isinstance(err, MissingMandatoryValue) and getattr(err, "full_key", None):
+            _fail(_missing_message(str(err.full_key)))
         _fail(f"config error: {_fold_hydra_message(err)}")
     except torch.cuda.OutOfMemoryError as err:  # before fit, which reports its own (status oom)
         if _SHOW_TRACEBACK:
@@ -113,6 +115,12 @@ def _instantiate_message(err: InstantiationException) -> str:
         return (f"{target} takes no argument '{unexpected[0]}' ({key}.{unexpected[0]}): drop it "
                 f"with ~{key}.{unexpected[0]}, or give {key} a config group of its own")
     return f"config error: cannot build {key} ({target}); the error is above"
+
+
+def _missing_message(key: str) -> str:
+    """A required key (``???`` in its config) left unset: which, and how to set it."""
+    value = "/path/to/your/data" if key == "data.root" else "..."
+    return f"{key} is not set and has no default here: add {key}={value} to the command"
 
 
 def _fold_hydra_message(err: BaseException) -> str:

@@ -36,7 +36,8 @@ def build_data(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> tupl
         settings.data, runtime, seed=settings.trainer.seed,
         channels_last=settings.trainer.channels_last, reader=reader,
         train_transforms=build_transforms(data.get("train_transforms"), "data.train_transforms"),
-        eval_transforms=build_transforms(data.get("eval_transforms"), "data.eval_transforms"))
+        eval_transforms=build_transforms(data.get("eval_transforms"), "data.eval_transforms"),
+        eval_max_batches=settings.trainer.eval_max_batches)  # a fixed, spread sample
     asked = settings.data.num_classes
     if asked is not None and asked != num_classes:
         raise ConfigError(f"data.num_classes={asked} but the data has {num_classes} classes: "

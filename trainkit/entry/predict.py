@@ -9,7 +9,9 @@ dataset's or your own ``Dataset``'s samples by index. It writes one row per inpu
 ``out.jsonl`` rows ``{"input": path or index, "classes": top-k names, "probs": their
 probabilities}``, or ``out.pt`` with the raw outputs (``{"inputs": [...], "outputs": tensor}``).
 A model that is not a classifier names a function of its own, ``predict=pkg.module.function``,
-called as ``function(outputs, inputs)`` for each batch and returning a list of JSON rows. Under
+called as ``function(outputs, inputs)`` for each batch and returning a list of JSON rows. An
+input that cannot be decoded stops it with one line naming it; with ``data.skip_corrupt=true``,
+as in training, it gets no row and is said and counted instead. Under
 torchrun each rank predicts its share and rank 0 writes the rows in order. Exit status: 0 when
 written, 2 on bad input (an existing ``out`` is left as it is). Without ckpt=: ``best`` where the
 run kept one, else ``last``.
@@ -31,9 +33,9 @@ from trainkit.core.cuda_settings import use_device
 from trainkit.core.errors import TrainkitError
 from trainkit.core.runtime import Runtime
 from trainkit.data.datasets import TensorData
-from trainkit.data.image_folder import BadFile, read_image_folder
+from trainkit.data.image_folder import read_image_folder
 from trainkit.data.own_data import Samples
-from trainkit.data.transforms import IMAGE_SUFFIXES
+from trainkit.data.transforms import IMAGE_SUFFIXES, UnreadableImage
 from trainkit.distributed import group
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.rebuild import (
@@ -52,9 +54,9 @@ USAGE = ("RUN_DIR inputs=FOLDER|test|train out=FILE.jsonl|FILE.pt [ckpt=best] [t
 OPTIONS = {"ckpt": "", "weights": "auto", "inputs": "", "out": "", "topk": "5",
            "predict": ""}
 
-# What predict runs over: its inputs' names (paths or indices), a reader of uint8 images by
-# index, and what the model takes (mean/std, size, classes)
-Source = tuple[list[Any], Callable[[list[int]], torch.Tensor], Inputs]
+# What predict runs over: its inputs' names (paths or indices), a reader of one uint8 image by
+# index (raises UnreadableImage), and what the model takes (mean/std, size, classes)
+Source = tuple[list[Any], Callable[[int], torch.Tensor], Inputs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = predict_run(run_dir, options, overrides)
         if rows is not None:  # rank 0
             _write(out, rows)
-            print(f"wrote {len(rows['inputs'])} rows to {out}")
+            skipped = (f" ({len(rows['skipped'])} unreadable inputs skipped: "
+                       "data.skip_corrupt=true)" if rows["skipped"] else "")
+            print(f"wrote {len(rows['inputs'])} rows to {out}{skipped}")
     group.shutdown()
     return 0
 
@@ -86,19 +90,44 @@ def predict_run(run_dir: Path, options: dict[str, str], overrides: Sequence[str]
     rows = _rows_of(options, inputs)
     mine = list(range(runtime.rank, len(names), runtime.world_size))  # this rank's share
     done: list[tuple[int, Any]] = []
+    skipped: list[Any] = []
     batch = run.settings.data.eval_batch_size
     with torch.no_grad():
         for start in range(0, len(mine), batch):
-            index = mine[start:start + batch]
+            index, images = _readable(read, mine[start:start + batch], names, skipped,
+                                      skip=run.settings.data.skip_corrupt)
+            if not index:
+                continue
             with precision.autocast():
-                outputs = model(read(index).to(runtime.device)).float().cpu()
+                outputs = model(torch.stack(images).to(runtime.device)).float().cpu()
             done += zip(index, rows(outputs, [names[i] for i in index]))
-    gathered = group.gather_to_main(done)
+    gathered = group.gather_to_main((done, skipped))
     if gathered is None:
         return None
-    ordered = sorted((pair for part in gathered for pair in part), key=lambda pair: pair[0])
+    ordered = sorted((pair for part, _ in gathered for pair in part), key=lambda pair: pair[0])
     return {"inputs": [names[i] for i, _ in ordered], "rows": [row for _, row in ordered],
-            "raw": options["out"].endswith(".pt")}
+            "raw": options["out"].endswith(".pt"),
+            "skipped": [name for _, part in gathered for name in part]}
+
+
+def _readable(read: Callable[[int], torch.Tensor], index: list[int], names: list[Any],
+              skipped: list[Any], *, skip: bool) -> tuple[list[int], list[torch.Tensor]]:
+    """The inputs of ``index`` that decode, and their images. An unreadable one stops predict
+    with one line, or with ``data.skip_corrupt=true`` gets no row: it is said and counted in
+    ``skipped``, as training skips it."""
+    kept, images = [], []
+    for i in index:
+        try:
+            images.append(read(i))
+        except UnreadableImage:
+            if not skip:
+                raise
+            skipped.append(names[i])
+            print(f"trainkit: skipped unreadable input {names[i]} (data.skip_corrupt=true; "
+                  f"{len(skipped)} so far)", file=sys.stderr)
+            continue
+        kept.append(i)
+    return kept, images
 
 
 def _source(spec: str, run: Any) -> Source:
@@ -119,8 +148,7 @@ def _source(spec: str, run: Any) -> Source:
 
 def _files(run: Any, files: Sequence[Path]) -> Source:
     inputs, read = image_source(run)
-    return ([str(f) for f in files], lambda index: torch.stack([read(files[i]) for i in index]),
-            inputs)
+    return [str(f) for f in files], lambda i: read(files[i]), inputs
 
 
 def _split(run: Any, *, train: bool) -> Source:
@@ -137,19 +165,12 @@ def _split(run: Any, *, train: bool) -> Source:
         return _files(run, [Path(f) for f in split.files])
     split = read_split(run.cfg, run.settings, train=train)
     if isinstance(split, TensorData):
-        return list(range(len(split))), lambda index: split.images[index], inputs_of(split)
+        return list(range(len(split))), lambda i: split.images[i], inputs_of(split)
     inputs, transform, custom = eval_transform(run)
     samples = Samples(split, transform, channels=data.channels, image_column=data.image_column,
                       label_column=data.label_column, transform_all=custom)
 
-    def read(index: list[int]) -> torch.Tensor:
-        images = [samples[i] for i in index]
-        bad = next((s for s in images if isinstance(s, BadFile)), None)
-        if bad is not None:
-            raise TrainkitError(f"cannot read {bad.path} of the run's dataset: {bad.message}")
-        return torch.stack([image for image, *_ in images])
-
-    return list(range(len(split))), read, inputs
+    return list(range(len(split))), lambda i: samples.sample(i)[0], inputs
 
 
 def _rows_of(options: dict[str, str], inputs: Inputs) -> Callable[[torch.Tensor, list], list]:
@@ -189,7 +210,8 @@ def _write(out: Path, rows: dict[str, Any]) -> None:
     """``out`` whole or not at all (written beside it, then renamed)."""
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     if rows["raw"]:
-        torch.save({"inputs": rows["inputs"], "outputs": torch.stack(rows["rows"])}, tmp)
+        outputs = torch.stack(rows["rows"]) if rows["rows"] else torch.empty(0)
+        torch.save({"inputs": rows["inputs"], "outputs": outputs}, tmp)
     else:
         tmp.write_text("".join(json.dumps(row) + "\n" for row in rows["rows"]))
     tmp.replace(out)

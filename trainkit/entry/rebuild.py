@@ -204,11 +204,16 @@ def read_image(path: Path, size: Sequence[int]) -> torch.Tensor:
     from PIL import Image, UnidentifiedImageError
     from torchvision.transforms.v2 import functional
 
+    from trainkit.data.transforms import UnreadableImage
+
     try:
         with Image.open(path) as file:
             image = functional.pil_to_tensor(file.convert("L" if size[0] == 1 else "RGB"))
     except (UnidentifiedImageError, OSError) as err:
-        raise TrainkitError(f"cannot read image {path} ({one_line(err, 80)})") from None
+        why = ("not an image format Pillow reads" if isinstance(err, UnidentifiedImageError)
+               else one_line(err, 60))  # the path last: a shortened line keeps its end
+        raise UnreadableImage(f"cannot read an image file ({why}); replace or delete it, or "
+                              f"set data.skip_corrupt=true to skip such files: {path}") from None
     if tuple(image.shape[-2:]) != tuple(size[-2:]):
         image = functional.resize(image, list(size[-2:]), antialias=True)
     return image

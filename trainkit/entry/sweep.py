@@ -56,11 +56,10 @@ def read_plan(overrides: Sequence[str]) -> Plan:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from trainkit.config import TrainConfig
-    from trainkit.entry.config_dir import config_dir
+    from trainkit.entry.config_dir import config_dir, schema
 
     # the schema configs/train.yaml names, stored as trainkit.train stores it
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    ConfigStore.instance().store(name="train_schema", node=schema())
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose("train", overrides=list(overrides))
     params = OmegaConf.to_container(cfg.sweep, resolve=True).get("params") if cfg.sweep else None

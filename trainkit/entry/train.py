@@ -17,7 +17,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainkit.config import TrainConfig
 from trainkit.core.cuda_settings import use_device
@@ -27,17 +27,18 @@ from trainkit.core.runtime import Runtime
 from trainkit.core.signals import EXIT_PREEMPTED, Preemption, stop_outside_training
 from trainkit.distributed import group, slurm
 from trainkit.distributed.slurm_requeue import requeue_after_stop
-from trainkit.entry.config_dir import config_dir
+from trainkit.entry.config_dir import config_dir, schema
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.own_data import build_data, save_classes
 from trainkit.entry.ranks import join_ranks
 from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
 from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused
 from trainkit.loop.trainer import Trainer
+from trainkit.models.vision import for_channels
 from trainkit.observe.logging import setup_logging
 
 CONFIG_DIR = str(config_dir())
-ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+ConfigStore.instance().store(name="train_schema", node=schema())
 
 
 def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = None
@@ -115,6 +116,8 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
     run would train. Seed first (``seed_everything``) for the run's own initial weights.
     """
     train_data, val_data, num_classes = build_data(cfg, settings, runtime)
+    with open_dict(cfg):  # a torchvision classifier's stem for grayscale data (recorded so)
+        cfg.model = for_channels(cfg.model, settings.data.channels)
     model = instantiate(cfg.model, _convert_="all")
     optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
     criterion = build_criterion(cfg)  # the config's (e.g. label smoothing), or cross-entropy

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -16,13 +18,20 @@ from trainkit.distributed import ddp, fsdp, group
 from trainkit.loop.precision import Precision
 from trainkit.loop.step import Criterion, Forward, batch_size
 
+log = logging.getLogger("trainkit")
+
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
              device: torch.device, criterion: Criterion, metrics: Mapping[str, Any],
              forward: Forward, max_batches: int | None = None) -> dict[str, float]:
-    """Mean loss and each metric over ``data`` (its first ``max_batches`` batches, when given)
-    as ``{"val/loss": ..., "val/<name>": ...}``."""
+    """Mean loss and each metric over ``data`` (at most ``max_batches`` batches, when given) as
+    ``{"val/loss": ..., "val/<name>": ...}``.
+
+    The sample itself is the data layer's: trainkit's evaluation loaders built with the same
+    bound serve ``max_batches`` batches spread evenly over the split
+    (:func:`trainkit.data.order.evaluation_sample`); any other loader gives its first ones.
+    """
     # Not through DDP: it broadcasts buffers before every forward, a collective that ranks
     # with different numbers of val batches would not match. Rank 0's buffers (batch-norm
     # statistics drift per rank) make the result that of the checkpointed weights.
@@ -80,6 +89,36 @@ def _match_forwards(model: nn.Module, extra: int, batch: Any, precision: Precisi
         with precision.autocast():
             forward(model, batch)
     fsdp.reshard(model)
+
+
+class LossWatch:
+    """Says in one line, once per run, that validation loss shows the run diverging: not
+    finite, or over ``factor`` times its first value (in this process). The usual cause is a
+    learning rate too high for the model and data -- often another dataset's recipe, such as
+    MNIST's one-cycle lr 0.01 on photos -- so the line names those, not a bug to hunt."""
+
+    def __init__(self, factor: float = 1e3) -> None:
+        self.factor = factor
+        self.first: float | None = None
+        self.said = False
+
+    def check(self, results: Mapping[str, float], step: int, main: bool = True) -> str | None:
+        """The line for an evaluation's ``results`` (logged: a warning on rank 0), or None."""
+        loss = results.get("val/loss")
+        if loss is None or self.said:
+            return None
+        if self.first is None and math.isfinite(loss):
+            self.first = loss
+        if math.isfinite(loss) and not loss > self.factor * abs(self.first or loss):
+            return None
+        self.said = True
+        what = (f"val/loss is {loss}" if not math.isfinite(loss) else
+                f"val/loss {loss:.4g} is over {self.factor:g}x its first value ({self.first:.4g})")
+        line = (f"{what} at step {step}: the run is diverging, most likely a learning rate too "
+                "high for this model and data (lower optim.lr) or another dataset's recipe "
+                "(own images: start from +exp=folder)")
+        (log.warning if main else log.info)(line)
+        return line
 
 
 class EvalSchedule:

@@ -12,7 +12,7 @@ from torch import nn
 from trainkit.core.signals import Preemption
 from trainkit.distributed import group
 from trainkit.loop.ema import EMA
-from trainkit.loop.evaluation import EvalSchedule
+from trainkit.loop.evaluation import EvalSchedule, LossWatch
 from trainkit.loop.micro_batch import MicroBatching
 from trainkit.loop.nonfinite import NonFiniteGuard
 from trainkit.loop.run_report import RunReport
@@ -46,6 +46,7 @@ class Run:
     val_data: Iterable[Any] | None = None  # evaluated with metrics, when given
     metrics: Mapping[str, Any] = field(default_factory=dict)
     results: dict[str, float] | None = None  # of the last evaluation
+    loss_watch: LossWatch = field(default_factory=LossWatch)  # a diverging val/loss said once
     step: WindowStep | MicroBatching | None = None  # set as training starts
     vote: group.StepVote | None = None  # the same
     guard: NonFiniteGuard | None = None  # the same

@@ -394,6 +394,7 @@ class Trainer:
         log.info("epoch %d step %d %s", self.state.epoch_number, step,
                  " ".join(f"{k} {v:.4f}" for k, v in results.items()))
         run.results = results
+        run.loss_watch.check(results, step, self.runtime.is_main)
         self.callbacks.fire("on_evaluation_end", self, results, step)
         self.checkpointer.evaluated(results, step)
         return results

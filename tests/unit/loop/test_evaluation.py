@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainkit.loop.evaluation import EvalSchedule, evaluate
+from trainkit import Trainer, TrainerConfig
+from trainkit.loop.evaluation import EvalSchedule, LossWatch, evaluate
 from trainkit.loop.precision import Precision
 from trainkit.loop.step import default_forward
 
@@ -63,3 +65,30 @@ def test_a_resumed_schedule_evaluates_where_the_first_run_would() -> None:
 
 def test_no_validation_data_evaluates_never() -> None:
     assert _due(EvalSchedule(2, 1, 10, enabled=False), 0, 0, 10) == []
+
+
+def test_a_diverging_validation_loss_is_said_once_with_its_likely_cause(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Too high a learning rate (another data's recipe): val/loss a thousand times its first
+    value is one line naming the learning rate and the recipe, said once; so is NaN."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(4)]
+    trainer = Trainer(TrainerConfig(device="cpu", max_steps=5, eval_every_n_steps=1,
+                                    log_every_n_steps=5), run_dir=None)
+    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=1.0), data, val_data=data,
+                criterion=F.mse_loss)
+    printed = capsys.readouterr()
+    said = [line.split(" ", 1)[1] for line in (printed.out + printed.err).splitlines()
+            if "diverging" in line]  # after the time
+    assert len(said) == 1, said
+    assert re.fullmatch(r"val/loss \S+ is over 1000x its first value \(\S+\) at step \d: the run "
+                        r"is diverging, most likely a learning rate too high for this model and "
+                        r"data \(lower optim.lr\) or another dataset's recipe \(own images: start "
+                        r"from \+exp=folder\)", said[0]), said[0]
+    watch = LossWatch()
+    assert watch.check({"val/loss": 2.3}, 10) is None
+    assert watch.check({"val/loss": 2000.0}, 20) is None  # under 1000x: said nothing
+    assert watch.check({"val/loss": float("nan")}, 30).startswith("val/loss is nan at step 30:")
+    assert watch.check({"val/loss": float("nan")}, 40) is None  # once

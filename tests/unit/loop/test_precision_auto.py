@@ -85,7 +85,8 @@ def test_this_machine_gets_what_its_facts_say() -> None:
 
 @pytest.mark.parametrize("exp", EXPERIMENTS)
 def test_the_experiments_default_to_auto(exp: str) -> None:
-    assert OmegaConf.to_object(_compose(f"+exp={exp}")).trainer.precision == "auto"
+    cfg = _compose(f"+exp={exp}", "data.root=/data/own")  # +exp=folder names no folder
+    assert OmegaConf.to_object(cfg).trainer.precision == "auto"
 
 
 RUNS = textwrap.dedent("""
