@@ -282,6 +282,9 @@ class CheckpointConfig:
     monitor: str | None = None  # e.g. "val/acc": keep checkpoints/best.pt by this metric
     mode: str = "max"  # whether a larger or smaller `monitor` is better
     async_save: bool = False  # write on a background thread; the loop waits only for a copy
+    # where checkpoints go: null = <run dir>/checkpoints; or a path, or any fsspec URL
+    # (s3://bucket/run, gs://..., az://...; docs/storage.md): credentials from the environment
+    dir: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("checkpoint.every_n_steps", self.every_n_steps, minimum=0)
