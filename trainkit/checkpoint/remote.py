@@ -90,7 +90,8 @@ class RemoteCheckpoints:
         return self._url(self.layout.step_path(step))
 
     def _url(self, path: Path) -> str:
-        return self.fs.unstrip_protocol(str(path))
+        """A record's URL, spelled as ``checkpoint.dir`` is (records lie at its top)."""
+        return join(self.url, path.name)
 
     def check_writable(self) -> None:
         """Fail now, not hours into a run, when the store cannot be reached or written."""
