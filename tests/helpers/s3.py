@@ -50,8 +50,9 @@ def s3_server() -> Iterator[S3]:
     endpoint = f"http://127.0.0.1:{port}"
     env = {"AWS_ACCESS_KEY_ID": "trainkit-test-key", "AWS_SECRET_ACCESS_KEY": SECRET,
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
-           # no profile of this machine's user is read
+           # no profile of this machine's user is read, nor an EC2 instance's credentials
            "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull,
+           "AWS_EC2_METADATA_DISABLED": "true",
            "no_proxy": "127.0.0.1", "NO_PROXY": "127.0.0.1"}
     before = {key: os.environ.get(key) for key in env}
     os.environ.update(env)

@@ -265,6 +265,25 @@ def test_shards_from_the_bucket_stream_the_local_batches_and_resume_mid_epoch(
         p.stat().st_size for p in copies)
 
 
+def test_an_image_folder_from_the_bucket_lists_the_local_files_from_its_copy(
+        tmp_path: Path, s3: S3) -> None:
+    from tests.image_files import make_folder
+    from trainkit.data.image_folder import read_image_folder
+
+    make_folder(tmp_path / "images", classes=2, per_class=3, val_per_class=1, sizes=(10, 14))
+    _bucket(s3).put(str(tmp_path / "images"), "runs/images", recursive=True)
+    local = read_image_folder(tmp_path / "images")
+    remote = read_image_folder("s3://runs/images")
+    assert remote.classes == local.classes
+    for ours, theirs in ((local.train, remote.train), (local.val, remote.val)):
+        copy = Path(theirs.files[0]).parents[2]
+        assert [Path(f).relative_to(copy) for f in theirs.files] == [
+            Path(f).relative_to(tmp_path / "images") for f in ours.files]
+        assert theirs.labels == ours.labels
+        assert all(Path(f).read_bytes() == (tmp_path / "images" / Path(g).relative_to(
+            tmp_path / "images")).read_bytes() for f, g in zip(theirs.files, ours.files))
+
+
 def _pass(loader: object, epoch: int, start: int = 0) -> list:
     inner = loader.loader.loader
     inner.set_epoch(epoch, start)

@@ -86,8 +86,8 @@ def store_error(err: BaseException, url: str, key: str) -> TrainkitError | None:
         where = _CREDENTIALS.get(family, f"the credentials your {family}:// package reads")
         return TrainkitError(f"{key}={url}: no credentials for {family}:// were found: set "
                              f"{where}")
-    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
-                "ServiceRequestError"} or isinstance(err, (ConnectionError, TimeoutError)):
+    if names & {"ConnectionError", "ProxyConnectionError", "ConnectTimeoutError",
+                "ClientConnectorError", "ServiceRequestError", "TimeoutError"}:
         endpoint = _ENDPOINTS.get(family)
         fix = f", or set {endpoint} to its endpoint" if endpoint else ""
         return TrainkitError(f"{key}={url}: the storage cannot be reached ({one_line(err, 90)})"

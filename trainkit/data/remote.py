@@ -6,6 +6,8 @@
   that ``meta.json`` records, else the MD5 an S3 ETag is for a single-part upload -- and
   renames it into place; a later run reuses it while the store reports the same size and tag.
   The caller memory-maps the local copy.
+* Folders (an image folder): :func:`fetch_tree` keeps a copy of the folder in
+  ``<cache>/remote/folders/``, fetching the files missing there or changed in size.
 * Shards: :func:`open_shard` streams a shard from the store, keeping a copy in
   ``<cache>/remote/shards/`` as it is read; a later epoch reads the copy. The copies are kept
   within ``data.cache_gb``, the least recently used removed first.
@@ -132,6 +134,48 @@ def _verify(url: str, got_size: int, size: int, got: dict[str, str], sha256: str
         return
     raise ConfigError(f"the download of {url} is corrupt ({problem}): run again; if it "
                       "persists, check the file in the store")
+
+
+def fetch_tree(root: str, *, key: str = "data.root") -> Path:
+    """A local copy of the folder at the URL ``root`` (an image folder), in the cache: files
+    missing there or of another size than the store's are fetched (concurrently), files no
+    longer in the store removed. Returns the copy's folder.
+
+    Raises:
+        ConfigError: the store cannot be reached, or ``root`` holds no files.
+    """
+    fs, base = filesystem(root, key)
+    folder = _cache("folders") / hashlib.sha1(root.rstrip("/").encode()).hexdigest()[:16]
+    try:
+        found = {path[len(base):].lstrip("/"): info
+                 for path, info in fs.find(base, detail=True).items()}
+    except Exception as err:
+        raise (store_error(err, root, key)
+               or ConfigError(f"cannot list {root} ({one_line(err, 80)})")) from None
+    if not found:
+        raise ConfigError(f"{key}={root} holds no files: point it at a folder of train/<class>/ "
+                          "(and val/<class>/) image folders")
+    for path in folder.rglob("*") if folder.is_dir() else ():
+        if path.is_file() and path.relative_to(folder).as_posix() not in found:
+            path.unlink()
+    wanted = [name for name, info in found.items()
+              if not ((folder / name).is_file()
+                      and (folder / name).stat().st_size == int(info.get("size") or 0))]
+    tmps = [folder / f"{name}.{uuid.uuid4().hex[:8]}.tmp" for name in wanted]
+    for tmp in tmps:
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if wanted:
+            fs.get([join(base, name) for name in wanted], [str(tmp) for tmp in tmps])
+        for name, tmp in zip(wanted, tmps):
+            if tmp.stat().st_size != int(found[name].get("size") or 0):
+                raise ConfigError(f"the download of {join(root, name)} is corrupt (of another "
+                                  "size than the store's): run again")
+            os.replace(tmp, folder / name)
+    finally:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+    return folder
 
 
 def is_store_url(location: str) -> bool:
