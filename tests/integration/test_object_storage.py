@@ -52,7 +52,8 @@ def _command(run_dir: Path, mnist_root: Path, url: str, *extra: str) -> list[str
     return tiny_run(run_dir, mnist_root, *COMMON, f"checkpoint.dir={url}", *extra)
 
 
-def _bucket(s3: S3) -> object:
+def _bucket(s3: S3 | None) -> object:
+    """The bucket's filesystem, with no listing cached (``s3``: the server must be running)."""
     import fsspec
 
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
@@ -96,6 +97,8 @@ def test_keep_last_best_and_no_secret_in_the_bucket_run(straight: Path, s3: S3) 
     for path in straight.rglob("*"):  # config, train.log, console, summary, tb
         if path.is_file():
             assert SECRET.encode() not in path.read_bytes(), path
+    for path in fs.find("runs/straight"):  # the checkpoints: config, manifest
+        assert SECRET.encode() not in fs.cat(path), path
 
 
 def _start(run_dir: Path, command: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -144,7 +147,7 @@ def test_sigkills_during_async_uploads_leave_a_loadable_last_and_resume_bitwise(
                        "checkpoint.every_n_steps=1")
     # each upload waits 0.2 s before its commit record: the writer is nearly always mid-upload
     slow = offline_env(**s3.env, **{UPLOAD_DELAY_ENV: "0.2"})
-    chance, step, committed = random.Random(0), 0, []
+    chance, step, committed, mid_upload = random.Random(0), 0, [], 0
     for _ in range(8):
         proc = _start(run_dir, command, slow)
         step = _wait_for_step(proc, run_dir, step)
@@ -154,11 +157,22 @@ def test_sigkills_during_async_uploads_leave_a_loadable_last_and_resume_bitwise(
         state = read_checkpoint(f"{url}/last.json")  # loadable, checked against its record
         assert {"model", "optimizer", "global_step"} <= state.keys()
         committed.append(state["global_step"])
+        mid_upload += bool(_uncommitted(url))
     assert committed == sorted(committed) and committed[-1] < 48, committed
+    assert mid_upload  # some kills left an upload without its commit record (never resumed)
     finished = run_train(*command, env=offline_env(**s3.env))
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert f"resumed from {url}" in finished.stdout
     assert_same_weights(_weights(f"{url}/last.json"), _weights("s3://runs/straight/last.json"))
+
+
+def _uncommitted(url: str) -> list[str]:
+    """The objects in the bucket of steps after ``last.json``'s: uploads a kill left without
+    their commit record."""
+    fs, root = _bucket(None), url.removeprefix("s3://")
+    last = json.loads(fs.cat(f"{root}/last.json"))["global_step"]
+    return [path for path in fs.ls(f"{root}/objects")
+            if int(path.rsplit("/", 1)[-1].split("-")[0]) > last]
 
 
 @pytest.mark.parametrize(("url", "env", "says"), [

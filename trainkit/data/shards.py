@@ -49,8 +49,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainkit.config import DataConfig
-from trainkit.core.errors import ConfigError, TrainkitError
-from trainkit.core.objectstore import filesystem, is_url, join
+from trainkit.core.errors import ConfigError, TrainkitError, one_line
+from trainkit.core.objectstore import filesystem, is_url, join, store_error
 from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
 from trainkit.core.signals import shielded_worker_init
@@ -232,8 +232,13 @@ def read_index(root: Path | str) -> dict[str, Any]:
     """``shards.json`` of ``root`` (``{}`` when there is none), a folder or a URL."""
     if is_url(root):
         fs, path = filesystem(str(root), "data.root")
-        found = fs.exists(join(path, INDEX))
-        return json.loads(fs.cat(join(path, INDEX))) if found else {}
+        try:
+            return json.loads(fs.cat(join(path, INDEX)))
+        except FileNotFoundError:
+            return {}
+        except Exception as err:  # no credentials, no answer: one line that says what to set
+            raise (store_error(err, str(root), "data.root") or ConfigError(
+                f"cannot read {join(str(root), INDEX)} ({one_line(err, 80)})")) from None
     path = Path(root) / INDEX
     return json.loads(path.read_text()) if path.is_file() else {}
 
