@@ -215,6 +215,9 @@ class DataConfig:
     val_shards: Any = None
     epoch_samples: int | None = None
     shuffle_buffer: int = 1000
+    # data.root (or shards) an fsspec URL (s3://...; trainkit.data.remote): the local copies of
+    # shards are kept within this many GiB, least recently used removed first; 0: no copies
+    cache_gb: float = 10.0
 
     def __post_init__(self) -> None:
         _check_int("data.batch_size", self.batch_size, minimum=1)
@@ -231,6 +234,8 @@ class DataConfig:
         if self.epoch_samples is not None:
             _check_int("data.epoch_samples", self.epoch_samples, minimum=1)
         _check_int("data.shuffle_buffer", self.shuffle_buffer, minimum=1)
+        if isinstance(self.cache_gb, bool) or not self.cache_gb >= 0:
+            raise ConfigError(f"data.cache_gb must be >= 0, got {self.cache_gb!r}")
         if self.token_dtype not in (None, "uint16", "uint32"):
             raise ConfigError(f"data.token_dtype={self.token_dtype!r}: use uint16, uint32 or "
                               "null (from meta.json)")
@@ -282,6 +287,9 @@ class CheckpointConfig:
     monitor: str | None = None  # e.g. "val/acc": keep checkpoints/best.pt by this metric
     mode: str = "max"  # whether a larger or smaller `monitor` is better
     async_save: bool = False  # write on a background thread; the loop waits only for a copy
+    # where checkpoints go: null = <run dir>/checkpoints; or a path, or any fsspec URL
+    # (s3://bucket/run, gs://..., az://...; docs/storage.md): credentials from the environment
+    dir: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("checkpoint.every_n_steps", self.every_n_steps, minimum=0)

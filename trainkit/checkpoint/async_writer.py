@@ -3,7 +3,8 @@
 A save first copies every tensor of the state to CPU memory of its own (the snapshot: the loop
 may change the weights the moment it goes on), then a thread writes the copy through
 :class:`~trainkit.checkpoint.files.CheckpointManager`, with the same atomic, fsynced steps as a
-synchronous save. One write is in flight at a time: the next save waits for the previous one.
+synchronous save (or :class:`~trainkit.checkpoint.remote.RemoteCheckpoints`: the same upload
+and commit record). One write is in flight at a time: the next save waits for the previous one.
 A failed write is reported by the next :meth:`AsyncCheckpointWriter.save` or
 :meth:`~AsyncCheckpointWriter.wait`, and, like a failed synchronous save, leaves every earlier
 checkpoint as it was.
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from trainkit.checkpoint.files import CheckpointManager
+from trainkit.checkpoint.remote import RemoteCheckpoints
 from trainkit.core.errors import one_line
 from trainkit.core.tree import tree_leaves, tree_map
 
@@ -78,7 +80,7 @@ class AsyncCheckpointWriter:
         >>> writer.wait()                  # the file is on disk (or the write's error is raised)
     """
 
-    def __init__(self, manager: CheckpointManager) -> None:
+    def __init__(self, manager: CheckpointManager | RemoteCheckpoints) -> None:
         self.manager = manager
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

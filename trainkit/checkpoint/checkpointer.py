@@ -33,10 +33,12 @@ from torch import nn
 from trainkit.checkpoint.contents import check_config, manifest
 from trainkit.checkpoint.files import CheckpointManager
 from trainkit.checkpoint.layout import newest_readable
+from trainkit.checkpoint.remote import RemoteCheckpoints
 from trainkit.checkpoint.storages import Content, Storage, storages_for
 from trainkit.config import CheckpointConfig
 from trainkit.core import rng, schedules
 from trainkit.core.errors import TrainkitError
+from trainkit.core.objectstore import is_url
 from trainkit.core.runtime import Runtime
 from trainkit.data.resumable import ResumableData
 from trainkit.distributed import ddp, group
@@ -71,7 +73,8 @@ class Checkpointer:
 
     Args:
         config: when to save, what to keep, what to start from.
-        run_dir: checkpoints go to ``<run_dir>/checkpoints``; None writes none.
+        run_dir: checkpoints go to ``<run_dir>/checkpoints``, or to ``checkpoint.dir`` (a path or
+            any fsspec URL) where it is set; None (and no ``checkpoint.dir``) writes none.
         runtime: ranks (rank 0 writes; every rank takes part in a save).
         run_config: the run's resolved config, stored in checkpoints and compared on resume.
         watchdog: the hang watchdog, told when a save is in progress.
@@ -92,9 +95,10 @@ class Checkpointer:
         self.runtime = runtime
         self.run_config = dict(run_config or {})
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.directory = self.run_dir / "checkpoints" if self.run_dir is not None else None
-        if self.directory is not None and runtime.is_main:
-            CheckpointManager(self.directory).check_writable()  # now, not hours into a run
+        self.directory = _directory(config.dir, self.run_dir)
+        if self.directory is not None and runtime.is_main:  # now, not hours into a run
+            (RemoteCheckpoints(self.directory) if isinstance(self.directory, str)
+             else CheckpointManager(self.directory)).check_writable()
         self._watchdog = watchdog or Watchdog(0)
         self.saved_step, self._saved_time = -1, time.monotonic()
         self._next_due = 0  # the next step step_done() looks at (set by start() and each save)
@@ -186,7 +190,7 @@ class Checkpointer:
             return None
         if str(resume) == "auto":
             return self._latest()
-        return self._read(Path(resume), "checkpoint.resume")
+        return self._read(_location(resume), "checkpoint.resume")
 
     def _latest(self) -> dict[str, Any] | None:
         """The newest checkpoint of this run dir, from the storages this run can resume from
@@ -197,7 +201,7 @@ class Checkpointer:
                 return state
         return None
 
-    def _read(self, path: Path, key: str) -> dict[str, Any]:
+    def _read(self, path: Path | str, key: str) -> dict[str, Any]:
         """The checkpoint at ``path``, read by the storage of its format."""
         return next(s for s in self.storages if s.holds(path)).read(path, key)
 
@@ -245,7 +249,7 @@ class Checkpointer:
                                 "the same settings (trainer.seed)")
 
     def _init_from(self, path: str) -> None:
-        state = self._read(Path(path), "checkpoint.init_from")
+        state = self._read(_location(path), "checkpoint.init_from")
         storage = next(s for s in self.storages if s.holds(state))
         has_ema = storage.load(state, self.parts, key="checkpoint.init_from", optimizer=False)
         if not has_ema:
@@ -368,3 +372,16 @@ class Checkpointer:
     def _manifest(self) -> dict[str, Any]:
         """What produced this run, for its checkpoints: made at the first save (it runs git)."""
         return manifest(self.run_config)
+
+
+def _directory(configured: str | None, run_dir: Path | None) -> Path | str | None:
+    """Where the checkpoints go: ``checkpoint.dir`` (a URL stays a string), else
+    ``<run_dir>/checkpoints``; None: nowhere."""
+    if configured:
+        return _location(str(configured))
+    return run_dir / "checkpoints" if run_dir is not None else None
+
+
+def _location(name: str) -> Path | str:
+    """A checkpoint location as the storages take it: a URL as a string, a path as a Path."""
+    return name.rstrip("/") if is_url(name) else Path(name)

@@ -40,7 +40,7 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path(path)
-    state = _on_cpu(state)
+    state = on_cpu(state)
     try:
         with open(tmp, "wb") as f:
             try:
@@ -61,7 +61,7 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-def _on_cpu(state: dict[str, Any]) -> dict[str, Any]:
+def on_cpu(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with its device tensors copied to the CPU, as the async path's snapshot has them.
 
     ``torch.save`` keeps each tensor's device in the file: a file saved from ``cuda:1`` then needs
@@ -91,8 +91,14 @@ def load_checkpoint(path: str | Path, *, key: str = "checkpoint.resume") -> dict
     path = Path(path)
     if not path.is_file():
         raise missing(path, key)
+    return load_state(path, path)
+
+
+def load_state(source: Any, path: str | Path) -> dict[str, Any]:
+    """``torch.load`` of ``source`` (a file name or a stream) with ``weights_only=True``, checked
+    to be a trainkit checkpoint; ``path`` names it in the messages."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:
         raise unreadable(path, err) from None
     if not isinstance(state, dict) or "model" not in state or "global_step" not in state:
@@ -124,6 +130,9 @@ class CheckpointManager:
     @property
     def best(self) -> Path:
         return self.layout.best
+
+    def step_path(self, step: int) -> Path:
+        return self.layout.step_path(step)
 
     def check_writable(self) -> None:
         """Fail now, not hours into a run, when checkpoints could not be written here."""

@@ -66,12 +66,22 @@ class Layout:
 
     def steps(self) -> list[Path]:
         """The periodic checkpoints present, oldest first (files or directories, by suffix)."""
+        found = [(step, self.directory / name) for name, is_dir in self._entries()
+                 if (step := self.step_of(name)) is not None and is_dir == (not self.suffix)]
+        return [path for _, path in sorted(found)]
+
+    def _entries(self) -> list[tuple[str, bool]]:
+        """The names in the directory, each with whether it is a directory."""
         if not self.directory.is_dir():
             return []
-        found = [(step, path) for path in self.directory.iterdir()
-                 if (step := self.step_of(path.name)) is not None
-                 and path.is_dir() == (not self.suffix)]
-        return [path for _, path in sorted(found)]
+        return [(path.name, path.is_dir()) for path in self.directory.iterdir()]
+
+    def _exists(self, path: Path) -> bool:
+        return path.exists()
+
+    def _target(self, link: Path) -> str | None:
+        """The name the link ``link`` points at; None for a missing one or a plain file."""
+        return _link_target(link)
 
     def leftovers(self) -> list[Path]:
         """Periodic checkpoints that were being written when their save died."""
@@ -85,9 +95,9 @@ class Layout:
         """What to resume from, newest first: ``last`` (the step it links to, where it is a
         link), then the periodic ones. Each name once."""
         found = list(reversed(self.steps()))
-        target = _link_target(self.last)
+        target = self._target(self.last)
         last = self.directory / target if target is not None else self.last
-        if last.exists():
+        if self._exists(last):
             found = [last, *(path for path in found if path.name != last.name)]
         return found
 
@@ -95,7 +105,7 @@ class Layout:
         """Periodic checkpoints beyond the newest ``keep_last`` that no link names (a hard
         link's name holds its own bytes; a symlink needs its target): the rotation removes
         them, after the newest one is durable."""
-        linked = {_link_target(self.last), _link_target(self.best)}
+        linked = {self._target(self.last), self._target(self.best)}
         return [path for path in self.steps()[: -self.keep_last] if path.name not in linked]
 
 
@@ -111,17 +121,17 @@ def newest_readable(candidates: Iterable[Path],
     return None
 
 
-def missing(path: Path, key: str) -> TrainkitError:
+def missing(path: str | Path, key: str) -> TrainkitError:
     """The error for a checkpoint ``path`` named by the setting ``key`` that does not exist."""
     return TrainkitError(f"checkpoint {path} does not exist: check {key}")
 
 
-def unreadable(path: Path, err: BaseException) -> TrainkitError:
+def unreadable(path: str | Path, err: BaseException) -> TrainkitError:
     """The error for a checkpoint whose bytes do not load (truncated, corrupt)."""
     return TrainkitError(f"checkpoint {path} cannot be read ({one_line(err, 80)})")
 
 
-def write_failed(err: BaseException, directory: Path) -> TrainkitError:
+def write_failed(err: BaseException, directory: str | Path) -> TrainkitError:
     """The error for a save that failed; the storages leave every earlier checkpoint intact."""
     cause = err.strerror if isinstance(err, OSError) and err.strerror else one_line(err, 80)
     return TrainkitError(

@@ -7,15 +7,16 @@ Two implement it:
 
 * :class:`FileStorage` -- one ``.pt`` file per checkpoint, written by rank 0, on a background
   thread with ``checkpoint.async_save`` (:mod:`~trainkit.checkpoint.files`,
-  :mod:`~trainkit.checkpoint.async_writer`);
+  :mod:`~trainkit.checkpoint.async_writer`); where ``checkpoint.dir`` is a URL, one object and
+  its commit record per checkpoint (:mod:`~trainkit.checkpoint.remote`);
 * :class:`ShardedStorage` -- one directory per checkpoint, every rank writing its part through
   DCP, read onto any number of ranks (:mod:`~trainkit.checkpoint.sharded`,
   :mod:`~trainkit.checkpoint.reshard`).
 
 :func:`storages_for` chooses, once, when the parts are registered: the storage this run writes
 with comes first, then the others, which only read (``checkpoint.init_from`` of a file into a
-sharded run, a run saved sharded going on in one process). Another storage (an object store,
-say) is one more class with these methods, added there.
+sharded run, a run saved sharded going on in one process). Another storage is one more class
+with these methods, added there.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from trainkit.checkpoint import reshard, sharded
+from trainkit.checkpoint import remote, reshard, sharded
 from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
 from trainkit.checkpoint.contents import check_weights_fit
 from trainkit.checkpoint.files import CheckpointManager, read_checkpoint
@@ -36,6 +37,7 @@ from trainkit.checkpoint.layout import Layout
 from trainkit.config import CheckpointConfig
 from trainkit.core import rng
 from trainkit.core.errors import TrainkitError
+from trainkit.core.objectstore import is_url
 from trainkit.core.runtime import Runtime
 from trainkit.distributed import fsdp
 
@@ -60,27 +62,28 @@ class Storage(Protocol):
     Layout`'s. Every rank makes one at the same point and calls :meth:`save` together."""
 
     @property
-    def last(self) -> Path:
-        """The name of the newest complete checkpoint (for messages)."""
+    def last(self) -> Path | str:
+        """The name of the newest complete checkpoint (for messages; a URL's is a string)."""
 
     @property
     def in_flight(self) -> bool:
         """Whether a save is still being written and waits for :meth:`poll` to publish it."""
 
-    def save(self, step: int, content: Content, *, periodic: bool, best: bool) -> Path | None:
+    def save(self, step: int, content: Content, *, periodic: bool,
+             best: bool) -> Path | str | None:
         """Write step ``step`` (also as the numbered one when ``periodic``, and as the best when
         ``best``), then rotate; earlier checkpoints are intact when it fails. Returns where it
         is (or is being written, when async) on every rank; None when this run writes none."""
 
-    def list(self) -> list[Path]:
+    def list(self) -> list[Path | str]:
         """This run's checkpoints that ``checkpoint.resume=auto`` may continue from, newest
         first (none where this run's model cannot take their optimizer state)."""
 
-    def holds(self, checkpoint: Path | Mapping[str, Any]) -> bool:
-        """Whether ``checkpoint`` is of this format: a path (``checkpoint.resume``,
+    def holds(self, checkpoint: Path | str | Mapping[str, Any]) -> bool:
+        """Whether ``checkpoint`` is of this format: a path or URL (``checkpoint.resume``,
         ``checkpoint.init_from``) or a state that :meth:`read` returned."""
 
-    def read(self, path: Path, key: str) -> dict[str, Any]:
+    def read(self, path: Path | str, key: str) -> dict[str, Any]:
         """The checkpoint at ``path``, its ``_path`` set (``key`` names the setting, for the
         messages)."""
 
@@ -103,10 +106,17 @@ class Storage(Protocol):
         """Let a write still in flight end whole; its error is logged, not raised."""
 
 
-def storages_for(model: nn.Module, directory: Path | None, config: CheckpointConfig,
+def storages_for(model: nn.Module, directory: Path | str | None, config: CheckpointConfig,
                  runtime: Runtime) -> tuple[Storage, ...]:
     """This run's storages, the one it writes with first: directories for a model sharded by
-    ``fully_shard`` (FSDP2), else files. A collective: every rank calls it at the same point."""
+    ``fully_shard`` (FSDP2), else files (``directory`` a URL: objects and commit records). A
+    collective: every rank calls it at the same point."""
+    if is_url(directory):
+        if fsdp.is_sharded(model):
+            raise TrainkitError(f"checkpoint.dir={directory}: a sharded (fsdp) run keeps its "
+                                "checkpoints on a local or shared disk only; give a path")
+        return (FileStorage(directory, config, runtime, writes=True),
+                ShardedStorage(None, config, runtime, writes=False))
     if fsdp.is_sharded(model):  # a sharded optimizer takes its state from directories only
         return (ShardedStorage(directory, config, runtime, writes=True),
                 FileStorage(directory, config, runtime, writes=False, listed=False))
@@ -116,28 +126,32 @@ def storages_for(model: nn.Module, directory: Path | None, config: CheckpointCon
 
 class FileStorage:
     """``step_<N>.pt``, ``last.pt`` and ``best.pt`` in ``directory``: rank 0 writes whole files
-    atomically (on a thread of their own with ``checkpoint.async_save``), every rank reads.
+    atomically (on a thread of their own with ``checkpoint.async_save``), every rank reads. A URL
+    ``directory`` holds objects and commit records instead (:mod:`~trainkit.checkpoint.remote`).
 
     ``directory`` None: the run writes no checkpoints (it can still start from a named one).
     ``listed`` False: :meth:`list` finds none (a sharded run resumes from directories only).
     """
 
-    def __init__(self, directory: Path | None, config: CheckpointConfig, runtime: Runtime, *,
-                 writes: bool = True, listed: bool = True) -> None:
+    def __init__(self, directory: Path | str | None, config: CheckpointConfig,
+                 runtime: Runtime, *, writes: bool = True, listed: bool = True) -> None:
         self.runtime, self.listed = runtime, listed
-        self.manager = (CheckpointManager(directory, config.keep_last)
-                        if directory is not None else None)
+        self.manager: CheckpointManager | remote.RemoteCheckpoints | None = (
+            None if directory is None
+            else remote.RemoteCheckpoints(directory, config.keep_last) if is_url(directory)
+            else CheckpointManager(directory, config.keep_last))
         self.writes = writes and self.manager is not None and runtime.is_main  # rank 0 writes
         self._writer = (AsyncCheckpointWriter(self.manager)
                         if self.writes and config.async_save else None)
 
     @property
-    def last(self) -> Path:
+    def last(self) -> Path | str:
         return self.manager.last if self.manager is not None else Path("last.pt")
 
     in_flight = False  # a background write blocks only the next save: nothing to publish
 
-    def save(self, step: int, content: Content, *, periodic: bool, best: bool) -> Path | None:
+    def save(self, step: int, content: Content, *, periodic: bool,
+             best: bool) -> Path | str | None:
         if self.manager is None:
             return None
         if self.writes:
@@ -146,17 +160,21 @@ class FileStorage:
                 state["rng_per_rank"] = content.rng_per_rank
             # async: returns once the state is copied
             (self._writer or self.manager).save(state, step, periodic=periodic, best=best)
-        return self.manager.layout.step_path(step) if periodic else self.manager.last
+        return self.manager.step_path(step) if periodic else self.manager.last
 
-    def list(self) -> list[Path]:
+    def list(self) -> list[Path | str]:
         return self.manager.candidates() if self.manager is not None and self.listed else []
 
-    def holds(self, checkpoint: Path | Mapping[str, Any]) -> bool:
+    def holds(self, checkpoint: Path | str | Mapping[str, Any]) -> bool:
+        if isinstance(checkpoint, str):
+            return is_url(checkpoint)  # a commit record
         if isinstance(checkpoint, Path):
             return not checkpoint.is_dir()  # a missing path too: its message says so
         return "format" not in checkpoint
 
-    def read(self, path: Path, key: str) -> dict[str, Any]:
+    def read(self, path: Path | str, key: str) -> dict[str, Any]:
+        if isinstance(path, str):
+            return remote.read_checkpoint(path, key)
         return read_checkpoint(path, key)
 
     def load(self, state: Mapping[str, Any], parts: Mapping[str, Any], *, key: str,
@@ -246,7 +264,9 @@ class ShardedStorage:
         # DCP reshards onto any model, sharded or not: a plain run lists them too
         return self.layout.candidates() if self.layout is not None else []
 
-    def holds(self, checkpoint: Path | Mapping[str, Any]) -> bool:
+    def holds(self, checkpoint: Path | str | Mapping[str, Any]) -> bool:
+        if isinstance(checkpoint, str):
+            return False  # a URL: FileStorage's
         if isinstance(checkpoint, Path):
             return checkpoint.is_dir()
         return checkpoint.get("format") == sharded.FORMAT

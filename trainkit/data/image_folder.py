@@ -22,6 +22,8 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from trainkit.core.errors import TrainkitError
+from trainkit.core.objectstore import is_url
+from trainkit.data.remote import fetch_tree
 from trainkit.data.transforms import IMAGE_SUFFIXES, UnreadableImage, load_image
 
 Transform = Callable[[torch.Tensor], Any]
@@ -54,7 +56,8 @@ def read_image_folder(root: str | Path, *, val_fraction: float = 0.1,
         TrainkitError: the root is missing, has no class folders, a class folder is empty or
             holds a non-image file, or ``val/``'s classes differ from ``train/``'s.
     """
-    root = Path(root).expanduser()
+    # a URL: the folder's files copied once into the local cache, read from there
+    root = fetch_tree(root) if is_url(root) else Path(root).expanduser()
     if not root.is_dir():
         raise TrainkitError(f"data.root={root} is not a folder: point it at a folder holding "
                             "train/<class>/ (and val/<class>/) image folders")

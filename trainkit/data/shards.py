@@ -1,7 +1,9 @@
 """``data=webdataset``: image shards (webdataset tars) streamed by every rank and worker.
 
 Shards are tar files of samples (``<key>.jpg`` or another image, ``<key>.cls``: the class
-index), local paths or any URL webdataset opens (``https://``, ``pipe:aws s3 cp ... -``), given
+index), local paths, any URL webdataset opens (``https://``, ``pipe:aws s3 cp ... -``) or any
+fsspec URL (``s3://``, ``gs://``: streamed through a bounded local cache,
+:mod:`trainkit.data.remote`; ``data.root`` may be such a URL too), given
 as a brace pattern (``train-{000000..000127}.tar``) or a list. ``python -m trainkit.data shards``
 writes them from an image folder, with ``shards.json`` beside them (each shard's sample count,
 the class names), which ``data.root`` points at. Images are decoded and augmented by
@@ -34,6 +36,7 @@ Evaluation reads the validation shards once each, in order, rank ``r`` taking ev
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
@@ -46,11 +49,13 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainkit.config import DataConfig
-from trainkit.core.errors import ConfigError, TrainkitError
+from trainkit.core.errors import ConfigError, TrainkitError, one_line
+from trainkit.core.objectstore import filesystem, is_url, join, store_error
 from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
 from trainkit.core.signals import shielded_worker_init
 from trainkit.data.image_loader import ImageLoader
+from trainkit.data.remote import is_store_url, open_shard
 from trainkit.data.resumable import DataPosition, MappedBatches, PositionedLoader
 from trainkit.data.transforms import IMAGE_SUFFIXES, decode_image, stats_for, transform_for
 
@@ -86,11 +91,11 @@ class ShardStream(IterableDataset):
     def __init__(self, shards: Sequence[str], *, batch_size: int, batches: int | None,
                  training: bool, transform: Callable[[torch.Tensor], torch.Tensor],
                  channels: int, seed: int, rank: int, world_size: int,
-                 shuffle_buffer: int) -> None:
+                 shuffle_buffer: int, cache_bytes: int = 0) -> None:
         self.shards, self.batch_size, self.batches = list(shards), batch_size, batches
         self.training, self.transform, self.channels = training, transform, channels
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.shuffle_buffer = shuffle_buffer
+        self.shuffle_buffer, self.cache_bytes = shuffle_buffer, cache_bytes
         self._pass = torch.zeros(2, dtype=torch.int64).share_memory_()  # epoch, start batch
 
     @property
@@ -125,13 +130,23 @@ class ShardStream(IterableDataset):
         again through a seeded shuffle buffer (training)."""
         wds = _webdataset()
         if not self.training:
-            shards = self.worker_shards(epoch, role, workers)
-            return iter(wds.DataPipeline(wds.SimpleShardList(shards), wds.tarfile_to_samples()))
-        rounds = (wds.DataPipeline(wds.SimpleShardList(self.worker_shards(epoch, role, workers, r)),
-                                   wds.tarfile_to_samples()) for r in itertools.count())
+            return iter(self._samples(self.worker_shards(epoch, role, workers)))
+        rounds = (self._samples(self.worker_shards(epoch, role, workers, r))
+                  for r in itertools.count())
         rng = random.Random(mix_seed(self.seed, epoch, self.rank, role))
         return wds.shuffle(self.shuffle_buffer, self.shuffle_buffer, rng=rng)(
             itertools.chain.from_iterable(rounds))
+
+    def _samples(self, shards: list[str]) -> Any:
+        """The samples of ``shards`` in order: opened by webdataset, or for fsspec URLs
+        through the local cache."""
+        wds = _webdataset()
+        if not any(is_store_url(shard) for shard in shards):
+            return wds.DataPipeline(wds.SimpleShardList(shards), wds.tarfile_to_samples())
+        tars = wds.tariterators
+        return wds.DataPipeline(wds.SimpleShardList(shards),
+                                functools.partial(_opened, cache_bytes=self.cache_bytes),
+                                tars.tar_file_expander, tars.group_by_keys)
 
     def __iter__(self) -> Iterator[ShardBatch]:
         info = get_worker_info()
@@ -204,14 +219,32 @@ class ShardLoader(PositionedLoader):
             yield batch
 
 
-def read_index(root: Path) -> dict[str, Any]:
-    """``shards.json`` of ``root`` (``{}`` when there is none)."""
-    path = root / INDEX
+def _opened(shards: Iterator[dict[str, Any]], cache_bytes: int) -> Iterator[dict[str, Any]]:
+    """webdataset's ``url_opener`` for fsspec URLs: each shard as a stream, through the cache."""
+    wds = _webdataset()
+    for shard in shards:
+        url = shard["url"]
+        stream = open_shard(url, cache_bytes) if is_store_url(url) else wds.gopen(url)
+        yield {**shard, "stream": stream}
+
+
+def read_index(root: Path | str) -> dict[str, Any]:
+    """``shards.json`` of ``root`` (``{}`` when there is none), a folder or a URL."""
+    if is_url(root):
+        fs, path = filesystem(str(root), "data.root")
+        try:
+            return json.loads(fs.cat(join(path, INDEX)))
+        except FileNotFoundError:
+            return {}
+        except Exception as err:  # no credentials, no answer: one line that says what to set
+            raise (store_error(err, str(root), "data.root") or ConfigError(
+                f"cannot read {join(str(root), INDEX)} ({one_line(err, 80)})")) from None
+    path = Path(root) / INDEX
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def shard_list(spec: str | Sequence[str] | None, index: Mapping[str, Any], split: str,
-               root: Path) -> tuple[list[str], int | None]:
+               root: Path | str) -> tuple[list[str], int | None]:
     """The shards of ``split`` (a brace pattern, a list, or shards.json's) and, when known from
     shards.json, their samples."""
     if spec is None:
@@ -220,7 +253,9 @@ def shard_list(spec: str | Sequence[str] | None, index: Mapping[str, Any], split
             key = "shards" if split == "train" else "val_shards"
             raise ConfigError(f"no {split} shards: set data.{key} or point data.root at a "
                               f"folder with {INDEX} (python -m trainkit.data shards writes one)")
-        return [str(root / e["shard"]) for e in entries], sum(e["samples"] for e in entries)
+        names = [join(str(root), e["shard"]) if is_url(root) else str(Path(root) / e["shard"])
+                 for e in entries]
+        return names, sum(e["samples"] for e in entries)
     wds = _webdataset()
     specs = [spec] if isinstance(spec, str) else list(spec)
     return [url for s in specs for url in wds.shardlists.expand_urls(s)], None
@@ -236,7 +271,7 @@ def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
     _webdataset()
     import torchvision.io  # decode_image's JPEG path
     import torchvision.transforms.v2.functional  # noqa: F401  (the crops and resizes)
-    root = Path(cfg.root)
+    root = cfg.root if is_url(cfg.root) else Path(cfg.root)
     index = read_index(root)
     classes = index.get("classes")
     num_classes = cfg.num_classes or (len(classes) if classes else None)
@@ -262,7 +297,8 @@ def _pair(batch: ShardBatch) -> tuple[torch.Tensor, torch.Tensor]:
 def _loader(cfg: DataConfig, runtime: Runtime, seed: int, index: Mapping[str, Any],
             custom: Transforms, *, training: bool) -> ShardLoader:
     shards, samples = shard_list(cfg.shards if training else cfg.val_shards, index,
-                                 "train" if training else "val", Path(cfg.root))
+                                 "train" if training else "val",
+                                 cfg.root if is_url(cfg.root) else Path(cfg.root))
     workers = cfg.num_workers if cfg.num_workers is not None else 2
     world = runtime.world_size
     if not training:  # each rank reads its shards once, a worker each at most (none: nothing)
@@ -287,7 +323,8 @@ def _loader(cfg: DataConfig, runtime: Runtime, seed: int, index: Mapping[str, An
     stream = ShardStream(shards, batch_size=batch_size, batches=batches, training=training,
                          transform=transform_for(cfg, training=training, custom=custom),
                          channels=cfg.channels, seed=seed, rank=runtime.rank,
-                         world_size=world, shuffle_buffer=cfg.shuffle_buffer)
+                         world_size=world, shuffle_buffer=cfg.shuffle_buffer,
+                         cache_bytes=int(cfg.cache_gb * 2**30))
     return ShardLoader(stream, num_workers=workers, batches=batches)
 
 

@@ -13,6 +13,7 @@ into tiktoken's cache), with GPT-2's end-of-text token after each file, as nanoG
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -165,7 +166,10 @@ def tokenize(inputs: list[Path], out_dir: Path, tokenizer: str = "bytes",
     _split(whole, out_dir, dtype, total - n_val)
     meta: dict[str, Any] = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "dtype": dtype,
                             "train_tokens": total - n_val, "val_tokens": n_val,
-                            "files": len(files)}
+                            "files": len(files),
+                            # what a copy fetched from object storage is checked against
+                            "sha256": {name: _sha256(out_dir / name)
+                                       for name in ("train.bin", "val.bin")}}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return Corpus(total - n_val, n_val, len(files))
 
@@ -179,3 +183,11 @@ def _split(whole: Path, out_dir: Path, dtype: str, n_train: int) -> None:
                 part[start:start + CHUNK].tofile(out)
     del tokens
     os.unlink(whole)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()

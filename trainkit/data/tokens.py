@@ -2,7 +2,9 @@
 
 A corpus is a folder with ``train.bin`` and ``val.bin``, flat arrays of token ids (uint16, or
 uint32), as ``python -m trainkit.data tokenize`` (or nanoGPT's ``prepare.py``) writes them, and
-optionally the ``meta.json`` the former writes (dtype, vocabulary size). Nothing is read whole:
+optionally the ``meta.json`` the former writes (dtype, vocabulary size, checksums); on object
+storage (``data.root`` a URL) they are fetched once into a local cache (:mod:`trainkit.data.
+remote`) and mapped from there. Nothing is read whole:
 each batch gathers its windows from the page cache, so a corpus may be far larger than memory.
 
 What a run sees, exactly:
@@ -30,9 +32,11 @@ import torch
 
 from trainkit.config import DataConfig
 from trainkit.core.errors import ConfigError
+from trainkit.core.objectstore import is_url
 from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
 from trainkit.data.order import epoch_order
+from trainkit.data.remote import fetch_files
 from trainkit.data.resumable import DataPosition, PositionedLoader
 
 DTYPES = ("uint16", "uint32")
@@ -130,7 +134,9 @@ def token_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
     The dtype is ``data.token_dtype``, else meta.json's, else uint16 (nanoGPT's default).
     ``eval_max_batches`` bounds the evaluation to windows spread evenly over ``val.bin``.
     """
-    root = Path(cfg.root)
+    # a URL: the files fetched once into the local cache, checked, and mapped from there
+    root = (fetch_files(cfg.root, ("train.bin", "val.bin"), optional=("meta.json",))
+            if is_url(cfg.root) else Path(cfg.root))
     if not root.is_dir():
         raise ConfigError(f"data.root={cfg.root} is not a folder: point it at the folder of "
                           "train.bin and val.bin (python -m trainkit.data tokenize writes them)")

@@ -3,6 +3,7 @@ that writes such files (python -m trainkit.data tokenize)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -109,8 +110,10 @@ def test_tokenize_bytes_writes_the_files_bytes_split_at_the_val_fraction(tmp_pat
     assert bytes(np.concatenate([train, val]).astype(np.uint8)) == expected
     assert len(val) == int(len(expected) * 0.25) == corpus.val_tokens
     meta = json.loads((out / "meta.json").read_text())
+    sums = {name: hashlib.sha256((out / name).read_bytes()).hexdigest()
+            for name in ("train.bin", "val.bin")}  # what a copy from a bucket is checked by
     assert meta == {"tokenizer": "bytes", "vocab_size": 256, "dtype": "uint16", "files": 3,
-                    "train_tokens": len(train), "val_tokens": len(val)}
+                    "train_tokens": len(train), "val_tokens": len(val), "sha256": sums}
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
 
 

@@ -1,0 +1,67 @@
+"""A real S3 API over HTTP on this machine: moto's server, as s3fs tests itself.
+
+:func:`s3_server` starts ``ThreadedMotoServer`` on a free port and yields the environment that
+points boto (and so s3fs, here and in the runs the tests start) at it, with fake credentials.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+SECRET = "trainkit-test-secret-key-0123456789"  # must appear in no run file nor log
+
+
+@dataclass(frozen=True)
+class S3:
+    """A running server: ``env`` for a subprocess (and set in this process while it runs)."""
+
+    endpoint: str
+    env: dict[str, str]
+
+    def bucket(self, name: str) -> str:
+        """Make the bucket ``name`` (empty); returns ``s3://name``."""
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
+        client.create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[S3]:
+    """moto's S3 server on a free port, with its environment set in this process meanwhile."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ACCESS_KEY_ID": "trainkit-test-key", "AWS_SECRET_ACCESS_KEY": SECRET,
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
+           # no profile of this machine's user is read, nor an EC2 instance's credentials
+           "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull,
+           "AWS_EC2_METADATA_DISABLED": "true",
+           "no_proxy": "127.0.0.1", "NO_PROXY": "127.0.0.1"}
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield S3(endpoint, env)
+    finally:
+        server.stop()
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

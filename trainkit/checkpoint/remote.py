@@ -1,0 +1,202 @@
+"""Single-file checkpoints on object storage (any fsspec URL), where there is no rename.
+
+Inside ``checkpoint.dir`` (``s3://bucket/run``, ``gs://...``, ``memory://...``):
+
+* ``objects/<N>-<id>.pt`` -- a checkpoint's bytes (a ``torch.save`` file, as ``step_<N>.pt``
+  locally), uploaded whole under a name of its own that no reader takes for a checkpoint;
+* ``last.json``, ``best.json``, ``step_<N>.json`` -- commit records: a few lines of JSON naming
+  an object with its size and SHA-256. The names and the rotation are
+  :mod:`~trainkit.checkpoint.layout`'s with the suffix ``.json``.
+
+A save uploads the object, then writes ``last.json`` -- the commit -- then ``best.json`` and
+``step_<N>.json`` as asked, then removes the step records beyond ``keep_last`` and every object
+no record names (an old one, or one a save that died left uncommitted). A record is written
+with one PUT, which an object store makes visible whole or not at all; an object is read only
+through a record written after it was whole, and checked against the size and hash recorded.
+A kill at any moment therefore leaves ``last.json`` naming a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainkit.checkpoint.files import load_state, on_cpu
+from trainkit.checkpoint.layout import Layout, missing, newest_readable, unreadable, write_failed
+from trainkit.core.errors import TrainkitError
+from trainkit.core.objectstore import filesystem, join, store_error
+
+FORMAT = "trainkit-object-1"
+OBJECTS = "objects"
+# Test-only: seconds to wait after a checkpoint's bytes are uploaded, before its commit record
+# (tests/integration/test_object_storage kills runs inside that window).
+UPLOAD_DELAY_ENV = "TRAINKIT_TEST_UPLOAD_DELAY_S"
+
+
+class RemoteLayout(Layout):
+    """:class:`~trainkit.checkpoint.layout.Layout` over an fsspec filesystem: the records are
+    the names, and none is a link (``last.json`` and ``best.json`` are records of their own)."""
+
+    def __init__(self, fs: Any, root: str, keep_last: int) -> None:
+        super().__init__(root, keep_last, suffix=".json")
+        self.fs = fs
+
+    def _entries(self) -> list[tuple[str, bool]]:
+        root = str(self.directory)
+        self.fs.invalidate_cache(root)  # listings are cached; another process may have written
+        try:
+            found = self.fs.ls(root, detail=True)
+        except FileNotFoundError:
+            return []
+        return [(entry["name"].rstrip("/").rsplit("/", 1)[-1], entry["type"] == "directory")
+                for entry in found]
+
+    def _exists(self, path: Path) -> bool:
+        return self.fs.exists(str(path))
+
+    def _target(self, link: Path) -> str | None:
+        return None
+
+
+class RemoteCheckpoints:
+    """Saves checkpoints to ``url`` as objects and commit records, keeps the newest
+    ``keep_last`` and finds one to resume from; the interface of
+    :class:`~trainkit.checkpoint.files.CheckpointManager` (the async writer drives either).
+
+    Example:
+        >>> ckpts = RemoteCheckpoints("s3://bucket/run", keep_last=3)  # doctest: +SKIP
+        >>> ckpts.save(state, step=100)
+        >>> state = ckpts.load_latest()
+    """
+
+    def __init__(self, url: str, keep_last: int = 3) -> None:
+        self.url = url.rstrip("/")
+        self.fs, root = filesystem(self.url, "checkpoint.dir")
+        self.layout = RemoteLayout(self.fs, root, keep_last)
+
+    @property
+    def last(self) -> str:
+        return self._url(self.layout.last)
+
+    def step_path(self, step: int) -> str:
+        return self._url(self.layout.step_path(step))
+
+    def _url(self, path: Path) -> str:
+        """A record's URL, spelled as ``checkpoint.dir`` is (records lie at its top)."""
+        return join(self.url, path.name)
+
+    def check_writable(self) -> None:
+        """Fail now, not hours into a run, when the store cannot be reached or written."""
+        probe = join(str(self.layout.directory), f"{OBJECTS}/.probe-{uuid.uuid4().hex[:8]}")
+        try:
+            self.fs.pipe(probe, b"")
+            self.fs.rm(probe)
+        except Exception as err:
+            raise (store_error(err, self.url, "checkpoint.dir")
+                   or write_failed(err, self.url)) from None
+
+    def save(self, state: dict[str, Any], step: int, *, periodic: bool = True,
+             best: bool = False) -> str:
+        """Upload ``state``, commit it as ``last`` (and ``step_<step>`` when ``periodic``,
+        ``best`` when ``best``), then rotate. Returns the record's URL.
+
+        Raises:
+            TrainkitError: the upload failed; every committed checkpoint is as it was.
+        """
+        try:
+            return self._save(state, step, periodic=periodic, best=best)
+        except Exception as err:
+            raise (store_error(err, self.url, "checkpoint.dir")
+                   or write_failed(err, self.url)) from None
+
+    def _save(self, state: dict[str, Any], step: int, *, periodic: bool, best: bool) -> str:
+        buffer = io.BytesIO()
+        torch.save(on_cpu(state), buffer)
+        data = buffer.getvalue()
+        name = f"{OBJECTS}/{step:09d}-{uuid.uuid4().hex[:12]}.pt"
+        self.fs.pipe(join(str(self.layout.directory), name), data)
+        if delay := float(os.environ.get(UPLOAD_DELAY_ENV, 0) or 0):
+            time.sleep(delay)
+        record = json.dumps({"format": FORMAT, "global_step": step, "object": name,
+                             "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        self.fs.pipe(str(self.layout.last), record.encode())  # the commit
+        if best:
+            self.fs.pipe(str(self.layout.best), record.encode())
+        target = self.last
+        if periodic:
+            self.fs.pipe(str(self.layout.step_path(step)), record.encode())
+            target = self.step_path(step)
+            for old in self.layout.stale():
+                self.fs.rm(str(old))
+        self._remove_unnamed()
+        return target
+
+    def _remove_unnamed(self) -> None:
+        """Remove the objects no record names: rotated ones, and uploads a kill left
+        uncommitted (one save is in flight at a time: none is being written now)."""
+        root = str(self.layout.directory)
+        records = [self.layout.last, self.layout.best, *self.layout.steps()]
+        named = {_record(self.fs, str(path)).get("object") for path in records}
+        objects = join(root, OBJECTS)
+        self.fs.invalidate_cache(objects)
+        try:
+            present = self.fs.ls(objects, detail=False)
+        except FileNotFoundError:
+            return
+        for path in present:
+            if f"{OBJECTS}/{path.rsplit('/', 1)[-1]}" not in named:
+                self.fs.rm(path)
+
+    def candidates(self) -> list[str]:
+        """Records to try when resuming, newest first: ``last.json``, then the periodic ones."""
+        return [self._url(path) for path in self.layout.candidates()]
+
+    def load_latest(self) -> dict[str, Any] | None:
+        """The newest checkpoint that loads; an unreadable one is skipped with a warning."""
+        return newest_readable(self.candidates(), read_checkpoint)
+
+
+def _record(fs: Any, path: str) -> dict[str, Any]:
+    """The commit record at ``path``; {} where there is none or it is not one."""
+    try:
+        record = json.loads(fs.cat(path))
+    except (FileNotFoundError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def read_checkpoint(url: str, key: str = "checkpoint.resume") -> dict[str, Any]:
+    """The checkpoint a commit record at ``url`` names, checked against its size and hash, with
+    ``_path`` set to ``url``.
+
+    Raises:
+        TrainkitError: no such record, the store cannot be reached, or the object is missing,
+            incomplete or not a checkpoint.
+    """
+    fs, path = filesystem(url, key)
+    try:
+        record = json.loads(fs.cat(path))
+        data = fs.cat(join(path.rsplit("/", 1)[0], record["object"]))
+    except FileNotFoundError as err:
+        if not fs.exists(path):
+            raise (store_error(err, url, key) or missing(url, key)) from None
+        raise unreadable(url, err) from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise TrainkitError(f"{url} is not a trainkit commit record ({err})") from None
+    except Exception as err:
+        raise (store_error(err, url, key) or unreadable(url, err)) from None
+    if len(data) != record.get("bytes") or hashlib.sha256(data).hexdigest() != record.get(
+            "sha256"):
+        raise TrainkitError(f"checkpoint {url} is incomplete (its object's size or SHA-256 "
+                            "differs from its record)")
+    state = load_state(io.BytesIO(data), url)
+    state["_path"] = url
+    return state

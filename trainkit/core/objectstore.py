@@ -1,0 +1,102 @@
+"""Locations given as fsspec URLs (``s3://``, ``gs://``, ``az://``, ``memory://``, ...).
+
+Checkpoints (:mod:`~trainkit.checkpoint.remote`) and data (:mod:`~trainkit.data.remote`) reach
+object storage through fsspec and its protocol packages (s3fs, gcsfs, adlfs), which take their
+credentials and endpoints where their SDKs do: the environment (``AWS_ACCESS_KEY_ID``,
+``AWS_PROFILE``, ``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``, ...), profiles, and
+fsspec's own configuration (``FSSPEC_S3_ENDPOINT_URL``, ...). trainkit takes no credentials of
+its own, so none can end up in a run's config, checkpoints or logs.
+
+What goes wrong on first contact -- a protocol whose package is missing, no credentials, an
+endpoint that does not answer, a bucket that does not exist -- is said as one line that names
+what to install or set (:func:`store_error`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from trainkit.core.errors import ConfigError, TrainkitError, one_line
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# the package that serves each protocol, and the trainkit extra that installs it
+_PACKAGES = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"),
+             "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"), "abfs": ("adlfs", "azure"),
+             "abfss": ("adlfs", "azure")}
+_CREDENTIALS = {"s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)",
+                "gs": "GOOGLE_APPLICATION_CREDENTIALS (or run gcloud auth application-default "
+                      "login)",
+                "az": "AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME and "
+                      "AZURE_STORAGE_ACCOUNT_KEY)"}
+_ENDPOINTS = {"s3": "AWS_ENDPOINT_URL"}
+
+
+def is_url(location: object) -> bool:
+    """Whether ``location`` is a URL with a protocol (a string; a Path never is)."""
+    return isinstance(location, str) and bool(_URL.match(location))
+
+
+def protocol(url: str) -> str:
+    """The URL's protocol, as its family is known (``s3a`` -> ``s3``, ``abfs`` -> ``az``)."""
+    name = url.split("://", 1)[0].lower()
+    return {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az"}.get(name, name)
+
+
+def filesystem(url: str, key: str) -> tuple[Any, str]:
+    """The fsspec filesystem that serves ``url`` and the path in it (no slash at its end).
+
+    Raises:
+        ConfigError: an unknown protocol, or one whose package is not installed (``key``
+            names the setting that gave the URL).
+    """
+    import fsspec
+
+    # boto's INFO lines ("Found credentials in environment variables") would reach train.log
+    for noisy in ("botocore", "aiobotocore", "s3fs"):
+        if logging.getLogger(noisy).level == logging.NOTSET:
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+    name = url.split("://", 1)[0].lower()
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except ImportError:
+        package, extra = _PACKAGES.get(name, (f"the fsspec package for {name}://", None))
+        how = f"pip install 'trainkit[{extra}]' (or {package})" if extra else "install it"
+        raise ConfigError(f"{key}={url}: the {name}:// protocol needs {package}, which is not "
+                          f"installed: {how}") from None
+    except ValueError as err:
+        raise ConfigError(f"{key}={url}: {one_line(err, 60)}; use a protocol fsspec knows "
+                          "(s3://, gs://, az://, ...) or a local path") from None
+    return fs, path.rstrip("/")
+
+
+def join(root: str, name: str) -> str:
+    """``root/name`` for fsspec paths and URLs."""
+    return f"{root.rstrip('/')}/{name}"
+
+
+def store_error(err: BaseException, url: str, key: str) -> TrainkitError | None:
+    """One line for a failure to reach ``url`` that the user fixes by setting something; None
+    for any other error (the caller's own message says it)."""
+    names = {cls.__name__ for cls in type(err).__mro__}
+    family = protocol(url)
+    if names & {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError",
+                "ClientAuthenticationError"} or "credential" in str(err).lower():
+        where = _CREDENTIALS.get(family, f"the credentials your {family}:// package reads")
+        return TrainkitError(f"{key}={url}: no credentials for {family}:// were found: set "
+                             f"{where}")
+    if names & {"ConnectionError", "ProxyConnectionError", "ConnectTimeoutError",
+                "ClientConnectorError", "ServiceRequestError", "TimeoutError"}:
+        endpoint = _ENDPOINTS.get(family)
+        fix = f", or set {endpoint} to its endpoint" if endpoint else ""
+        return TrainkitError(f"{key}={url}: the storage cannot be reached ({one_line(err, 90)})"
+                             f": check the network{fix}")
+    if isinstance(err, PermissionError):
+        return TrainkitError(f"{key}={url}: access denied ({one_line(err, 60)}): use "
+                             "credentials allowed to read and write it")
+    if isinstance(err, FileNotFoundError) and "bucket" in str(err).lower():
+        bucket = url.split("://", 1)[1].split("/", 1)[0]
+        return TrainkitError(f"{key}={url}: the bucket {bucket} does not exist: create it or "
+                             f"fix {key}")
+    return None
