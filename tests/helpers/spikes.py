@@ -8,7 +8,7 @@ batch's loss is hundreds of times the others' and one SGD step on it wrecks the 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -58,3 +58,27 @@ def net() -> nn.Module:
     """The same small MLP every call (no batch-norm: a scaled input reaches the loss)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+class PoisonedImages(torch.utils.data.Dataset):
+    """A torch Dataset for the entry point (``dataset._target_``): 3x8x8 float images of a
+    linear teacher's classes; with ``poison``, those training samples scaled by 1000 and
+    mislabelled (the batch holding one has a loss hundreds of times the others')."""
+
+    classes: ClassVar[list[str]] = ["a", "b", "c"]
+
+    def __init__(self, root: str = "", train: bool = True, n: int = 640,
+                 poison: tuple[int, ...] = ()) -> None:
+        teacher = torch.randn(3 * 8 * 8, 3, generator=torch.Generator().manual_seed(0))
+        g = torch.Generator().manual_seed(1 if train else 2)
+        self.images = torch.randn(n if train else 128, 3, 8, 8, generator=g)
+        self.labels = (self.images.flatten(1) @ teacher).argmax(1)
+        for i in poison if train else ():
+            self.images[i] *= 1000
+            self.labels[i] = (self.labels[i] + 1) % 3
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index], int(self.labels[index])
