@@ -14,9 +14,9 @@ names a position in the data, and the LR schedule goes on from the snapshot's st
 The host reads each step's loss: on the CPU it costs nothing; on a GPU the loss is copied to
 pinned memory without blocking and read one step later, when that copy is long done, so the
 host never waits for the step it just queued (a spike is then acted on a step later: that
-step's batches are skipped too). At snapshot steps the host reads the step's own loss (the
-snapshot's copy waits for the device anyway) and the ranks agree on it in one small all-reduce,
-so a snapshot never holds a spike.
+step's batches are skipped too). At snapshot steps and before a checkpoint the host reads the
+step's own loss (the copy waits for the device anyway) and the ranks agree on it in one small
+all-reduce, so that a snapshot never holds a spike and a checkpoint holds every loss seen.
 
 The detector's window, the rollbacks and the LR-lowered steps are in the loop's state, so a
 checkpoint holds them and a resume goes on exactly; the snapshot itself is not: a run resumed
@@ -38,10 +38,11 @@ from trainkit.core.errors import TrainkitError
 from trainkit.core.tree import tree_map
 from trainkit.data.resumable import ResumableData
 from trainkit.distributed import group
-from trainkit.loop.nonfinite import HOST_READS_FREE
 
 log = logging.getLogger("trainkit")
 _RESTORED = ("model", "optimizer", "scheduler", "precision", "ema")  # the Checkpointer's parts
+# Device types whose losses are read a step late (the tests add "cpu" to run that path there)
+LATE_READS = frozenset({"cuda"})
 
 
 class LossSpikeError(TrainkitError):
@@ -96,14 +97,17 @@ class _LateLoss:
     """A GPU's losses to the host one step late: each copied to pinned memory without blocking
     (its event recorded), the previous one read -- done by then, so the host waits for nothing."""
 
-    def __init__(self) -> None:
-        self._slots = [(torch.empty((), pin_memory=True), torch.cuda.Event()) for _ in range(2)]
+    def __init__(self, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self._slots = [(torch.empty((), pin_memory=cuda), torch.cuda.Event() if cuda else None)
+                       for _ in range(2)]
         self._queued: list[int] = []  # slots copied to, not yet read, oldest first
 
     def put(self, step: int, loss: torch.Tensor) -> None:
         buffer, event = self._slots[step % 2]
         buffer.copy_(loss.detach().float(), non_blocking=True)
-        event.record()
+        if event is not None:
+            event.record()
         self._queued.append(step % 2)
 
     def take(self, keep: int = 0) -> list[float]:
@@ -113,7 +117,8 @@ class _LateLoss:
         values = []
         for slot in ready:
             buffer, event = self._slots[slot]
-            event.synchronize()  # done long ago unless it is the step just queued
+            if event is not None:
+                event.synchronize()  # done long ago unless it is the step just queued
             values.append(buffer.item())
         return values
 
@@ -133,18 +138,20 @@ class SpikeGuard:
         batches_per_epoch: the loader's length, to count the batches a rollback skips.
         sinks: metrics.jsonl and TensorBoard (each rollback's figures); ``log(metrics, step)``.
         is_main: rank 0 says each rollback as a warning (the others in their logs only).
+        saves: whether a step gets a periodic checkpoint (the Checkpointer's ``due``).
     """
 
     def __init__(self, config: SpikeConfig, state: Any, parts: Mapping[str, Any],
                  device: torch.device, batches_per_epoch: int, sinks: Any,
-                 is_main: bool = True) -> None:
-        self.config, self.state, self.parts = config, state, parts
+                 is_main: bool = True, saves: Callable[[int], bool] = lambda step: False
+                 ) -> None:
+        self.config, self.state, self.parts, self._saves = config, state, parts, saves
         if state.spike is None:  # a new run, or one resumed from a checkpoint made without
             state.spike = new_state()
         self.detector = SpikeDetector(config, state.spike)
         self.batches_per_epoch, self.sinks, self.is_main = batches_per_epoch, sinks, is_main
-        self._late = _LateLoss() if torch.device(device).type == "cuda" else None
-        self._free = torch.device(device).type in HOST_READS_FREE
+        device = torch.device(device)
+        self._late = _LateLoss(device) if device.type in LATE_READS else None
         self._why: str | None = None  # the spike seen and not yet acted on
         self._loss = float("nan")
         self._snapshot: dict[str, Any] = {}
@@ -175,23 +182,26 @@ class SpikeGuard:
         if self._why is None:  # after a spike, the losses until the rollback are not counted
             self._why, self._loss = self.detector.observe(value), value
 
-    def after_step(self, step: int, agreed: bool, nonfinite: Any) -> bool:
+    def after_step(self, step: int, agreed: bool, nonfinite: Any, saving: bool = False) -> bool:
         """Roll back when the ranks agreed on a spike (``agreed``); else snapshot when due.
         True when the run rolled back: the data goes on from the state's position.
 
         ``nonfinite``: the loop's :class:`~trainkit.loop.nonfinite.NonFiniteGuard`, whose
-        streak a rollback ends.
+        streak a rollback ends. ``saving``: the run stops or ends after this step (with a
+        checkpoint); every rank must pass the same.
         """
-        if not agreed and step % self.config.snapshot_every:
+        snapshot = not step % self.config.snapshot_every
+        if not (agreed or snapshot or saving or self._saves(step)):
             return False
-        if not agreed:  # a snapshot step: this step's own loss read, and agreed on first
+        if not agreed:  # a snapshot or a checkpoint: this step's own loss read and agreed on
             for value in self._late.take() if self._late is not None else ():
                 self._see(value)
-            agreed = group.any_rank(self.pending())[0]  # a collective, at snapshot steps only
+            agreed = group.any_rank(self.pending())[0]  # a collective at these steps only
         if agreed:
             self._roll_back(step, nonfinite)
             return True
-        self.take_snapshot()
+        if snapshot:
+            self.take_snapshot()
         return False
 
     # -- snapshot and rollback ----------------------------------------------------------------
@@ -300,10 +310,11 @@ def _copy(tree: Any) -> Any:
     return tree_map(copy, tree, share=False)
 
 
-def spike_guard(config: SpikeConfig, state: Any, parts: Mapping[str, Any], run: Any,
+def spike_guard(config: SpikeConfig, state: Any, checkpointer: Any, run: Any,
                 runtime: Any) -> SpikeGuard | None:
     """The fit's guard when ``trainer.spike.enabled`` (None when off: nothing per step), for
-    ``run``'s loader (which must resume mid-epoch), sinks and device.
+    ``checkpointer``'s parts and periodic saves, ``run``'s loader (which must resume
+    mid-epoch) and sinks, and ``runtime``'s device.
 
     Raises:
         TrainkitError: the loader cannot start inside an epoch.
@@ -314,5 +325,5 @@ def spike_guard(config: SpikeConfig, state: Any, parts: Mapping[str, Any], run: 
         raise TrainkitError(f"trainer.spike needs a loader that resumes mid-epoch; a "
                             f"{type(run.data).__name__} cannot: use trainkit's loaders "
                             "(trainkit.data) or set trainer.spike.enabled=false")
-    return SpikeGuard(config, state, parts, runtime.device, len(run.data), run.report.sinks,
-                      runtime.is_main)
+    return SpikeGuard(config, state, checkpointer.parts, runtime.device, len(run.data),
+                      run.report.sinks, runtime.is_main, saves=checkpointer.due)

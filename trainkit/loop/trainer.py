@@ -279,7 +279,7 @@ class Trainer:
         run.meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
         preemption = run.preemption  # not the run: the run holds the vote (no reference cycle)
-        run.spike = spike_guard(cfg.spike, state, self.checkpointer.parts, run, self.runtime)
+        run.spike = spike_guard(cfg.spike, state, self.checkpointer, run, self.runtime)
         run.vote = group.StepVote(lambda: preemption.requested or self._stop_reason is not None,
                                   save_due=self.checkpointer.time_due,
                                   spike=run.spike.pending if run.spike else None)
@@ -339,9 +339,11 @@ class Trainer:
             if run.evals.due(step):
                 self._validate(run)
             stop, save = vote.stop_and_save(vote_again)
+            stop = stop or step == run.stop_at_step
             # a spike all ranks agreed on: back to the last good state, past these batches
-            rolled = run.spike is not None and run.spike.after_step(step, vote.spiked, guard)
-            if stop or step == run.stop_at_step:
+            rolled = run.spike is not None and run.spike.after_step(
+                step, vote.spiked, guard, stop or save or step >= run.total_steps)
+            if stop:
                 self._save_and_stop(run, step)
                 return True
             if rolled:  # the data goes on after the skipped batches: a new pass from there

@@ -18,6 +18,7 @@ from tests.helpers.spikes import ListLoader, batches, net
 from trainkit import CheckpointConfig, Trainer, TrainerConfig
 from trainkit.config import SpikeConfig
 from trainkit.core.errors import ConfigError
+from trainkit.loop import spike
 from trainkit.loop.spike import LossSpikeError, SpikeDetector
 
 POISON = 35  # the batch (0-based) whose inputs are scaled by 1000: step 36
@@ -197,3 +198,36 @@ def test_non_finite_losses_in_a_row_roll_back_and_the_lr_is_lowered_after(
         schedule.step()
     assert [lrs[i] for i in (42, 43, 44)] == pytest.approx([p / 2 for p in planned[40:43]])
     assert lrs[45] == pytest.approx(planned[43])  # back to the plan (undone steps: 2 behind)
+
+
+# -- a GPU's way on the CPU: each loss read a step late ---------------------------------------
+
+@pytest.fixture
+def late_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step's loss copied without blocking and read a step later, as on CUDA."""
+    monkeypatch.setattr(spike, "LATE_READS", frozenset({"cuda", "cpu"}))
+
+
+@pytest.mark.usefixtures("late_reads")
+def test_read_a_step_late_a_spike_is_rolled_back_a_step_later_the_same_every_time(
+        tmp_path: Path) -> None:
+    _, model = fit(tmp_path / "a", every_n_steps=10)
+    record = summary_rollbacks(tmp_path / "a")
+    assert [(r["step"], r["to_step"], r["batches"]) for r in record] == [(37, 30, 7)]
+    with preemption_signals_heard():  # stopped after the rollback, then resumed
+        assert fit(tmp_path / "b", callbacks=(_SigtermAt(45),), every_n_steps=10)[0][
+            "status"] == "preempted"
+    _, resumed = fit(tmp_path / "b", every_n_steps=10)
+    assert_same_weights(resumed.state_dict(), model.state_dict())
+    assert summary_rollbacks(tmp_path / "b") == record
+
+
+@pytest.mark.usefixtures("late_reads")
+def test_read_a_step_late_a_spike_at_a_snapshot_step_is_read_there_not_kept(
+        tmp_path: Path) -> None:
+    fit(tmp_path, poison=(39,))  # step 40, a snapshot step: read there, before the snapshot
+    assert [(r["step"], r["to_step"]) for r in summary_rollbacks(tmp_path)] == [(40, 30)]
+
+
+def summary_rollbacks(run_dir: Path) -> list[dict[str, Any]]:
+    return last_checkpoint(run_dir)["trainer"]["spike"]["rollbacks"]
