@@ -76,19 +76,21 @@ def test_a_non_finite_streak_that_patience_would_stop_first_is_refused() -> None
 
 def fit(run_dir: Path | None = None, *, poison: tuple[int, ...] = (POISON,), spike: Any = True,
         callbacks: tuple[Any, ...] = (), forward: Any = None, nan: tuple[int, ...] = (),
-        **checkpoint: Any) -> tuple[dict[str, Any], torch.nn.Module]:
-    """60 steps of SGD with momentum and a one-cycle schedule over the poisoned stream."""
+        trainer: dict[str, Any] | None = None, **checkpoint: Any
+        ) -> tuple[dict[str, Any], torch.nn.Module]:
+    """60 batches of SGD with momentum and a one-cycle schedule over the poisoned stream, an
+    EMA; ``trainer``: more TrainerConfig settings."""
     model = net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.05, total_steps=60)
     settings = {**SPIKE, **spike} if isinstance(spike, dict) else {**SPIKE, "enabled": spike}
     config = TrainerConfig(device="cpu", log_every_n_steps=10, log_every_n_seconds=0,
-                           ema_decay=0.9, spike=settings)
-    trainer = Trainer(config, run_dir=run_dir, checkpoint=CheckpointConfig(**checkpoint),
-                      callbacks=callbacks)
+                           ema_decay=0.9, spike=settings, **(trainer or {}))
     extra = {"forward": forward} if forward is not None else {}
-    summary = trainer.fit(model, optimizer, ListLoader(batches(60, poison, nan=nan)),
-                          scheduler=scheduler, val_data=batches(8, split=1), **extra)
+    summary = Trainer(config, run_dir=run_dir, checkpoint=CheckpointConfig(**checkpoint),
+                      callbacks=callbacks).fit(
+        model, optimizer, ListLoader(batches(60, poison, nan=nan)), scheduler=scheduler,
+        val_data=batches(8, split=1), **extra)
     return summary, model
 
 
@@ -231,3 +233,20 @@ def test_read_a_step_late_a_spike_at_a_snapshot_step_is_read_there_not_kept(
 
 def summary_rollbacks(run_dir: Path) -> list[dict[str, Any]]:
     return last_checkpoint(run_dir)["trainer"]["spike"]["rollbacks"]
+
+
+def test_with_accumulation_and_a_loss_scaler_the_rollback_restores_the_scaler_and_resumes(
+        tmp_path: Path) -> None:
+    """Windows of 2 batches in 16-mixed (a GradScaler whose scale the snapshot holds): the
+    spike in batch 35 is step 18's; back to step 10, batches 20-35 skipped."""
+    options = {"accumulate_grad_batches": 2, "precision": "16-mixed"}
+    summary, model = fit(tmp_path / "a", trainer=options, every_n_steps=10)
+    assert [(r["step"], r["to_step"], r["batches"]) for r in summary_rollbacks(tmp_path / "a")] \
+        == [(18, 10, 16)]
+    assert summary["status"] == "completed" and summary["metrics"]["val/loss"] < 1
+    with preemption_signals_heard():
+        fit(tmp_path / "b", trainer=options, callbacks=(_SigtermAt(24),), every_n_steps=10)
+    _, resumed = fit(tmp_path / "b", trainer=options, every_n_steps=10)
+    assert_same_weights(resumed.state_dict(), model.state_dict())
+    scaler = last_checkpoint(tmp_path / "b")["precision"]["scaler"]
+    assert scaler == last_checkpoint(tmp_path / "a")["precision"]["scaler"]
