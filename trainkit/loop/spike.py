@@ -74,23 +74,39 @@ class SpikeDetector:
         state["streak"] = 0
         losses = state["losses"]
         if state["seen"] >= config.warmup:
-            mean = sum(losses) / len(losses)
+            n = len(losses)
+            mean = state["sum"] / n
             # at least a thousandth of the mean: a flat loss does not make every wiggle a spike
-            std = max(math.sqrt(sum((x - mean) ** 2 for x in losses) / len(losses)),
-                      1e-3 * abs(mean))
+            # (and the running sums' rounding, far below that, does not matter)
+            std = max(math.sqrt(max(state["sumsq"] / n - mean * mean, 0.0)), 1e-3 * abs(mean))
             if loss > mean + config.threshold * std:
                 return (f"loss {loss:.4g} above mean {mean:.4g} + {config.threshold:g} std "
                         f"({std:.3g})")
-        losses.append(loss)
-        del losses[:-config.window]
-        state["seen"] += 1
+        self._add(loss)
         return None
+
+    def _add(self, loss: float) -> None:
+        """Into the window and its running sums (O(1) a step; summed anew once a window, so
+        that rounding never accumulates)."""
+        state, losses = self.state, self.state["losses"]
+        losses.append(loss)
+        state["sum"] += loss
+        state["sumsq"] += loss * loss
+        if len(losses) > self.config.window:
+            old = losses.pop(0)
+            state["sum"] -= old
+            state["sumsq"] -= old * old
+        state["seen"] += 1
+        if state["seen"] % self.config.window == 0:
+            state["sum"] = math.fsum(losses)
+            state["sumsq"] = math.fsum(x * x for x in losses)
 
 
 def new_state() -> dict[str, Any]:
     """The guard's part of the loop's state: the detector's window, the NaN/inf streak, the
     step up to which the LR is lowered, and every rollback so far."""
-    return {"losses": [], "seen": 0, "streak": 0, "lr_until": 0, "rollbacks": []}
+    return {"losses": [], "sum": 0.0, "sumsq": 0.0, "seen": 0, "streak": 0, "lr_until": 0,
+            "rollbacks": []}
 
 
 class _LateLoss:
@@ -212,9 +228,9 @@ class SpikeGuard:
         state = self.state
         parts = {name: _copy(self.parts[name].state_dict()) for name in _RESTORED
                  if self.parts.get(name) is not None}
-        self._snapshot = {"parts": parts, "rng": _copy(rng.get_rng_state()),
+        self._snapshot = {"parts": parts, "rng": rng.get_rng_state(),  # new objects: no copy
                           "detector": _copy({k: v for k, v in state.spike.items()
-                                             if k in ("losses", "seen", "streak")}),
+                                             if k not in ("lr_until", "rollbacks")}),
                           "step": state.global_step,
                           "position": (state.epoch, state.batch_in_epoch)}
 
@@ -233,7 +249,7 @@ class SpikeGuard:
                 "check the data")
         for name, saved in snap["parts"].items():
             self.parts[name].load_state_dict(_copy(saved))
-        rng.set_rng_state(_copy(snap["rng"]))
+        rng.set_rng_state(snap["rng"])  # copied into the generators
         nonfinite.reset()  # NaN/inf losses of the steps undone are counted; their streak ended
         state.spike.update(_copy(snap["detector"]))
         state.skipped_steps += step - snap["step"]
@@ -282,18 +298,24 @@ class _GuardedStep:
     def __call__(self, window: Any, *args: Any) -> Any:
         guard = self._guard
         step = guard.state.global_step + 1
-        factor = guard.lr_factor(step)
-        groups = guard.parts["optimizer"].param_groups if factor != 1.0 else ()
+        if step > guard.state.spike["lr_until"]:  # the common case: the LR as planned
+            result = self._step(window, *args)
+        else:
+            result = self._lowered(step, window, *args)
+        guard.observe(step, result)
+        return result
+
+    def _lowered(self, step: int, window: Any, *args: Any) -> Any:
+        factor = self._guard.lr_factor(step)
+        groups = self._guard.parts["optimizer"].param_groups
         planned = [g["lr"] for g in groups]
         for g in groups:
             g["lr"] = g["lr"] * factor
         try:
-            result = self._step(window, *args)
+            return self._step(window, *args)
         finally:
             for g, lr in zip(groups, planned):
                 g["lr"] = lr
-        guard.observe(step, result)
-        return result
 
     def __getattr__(self, name: str) -> Any:  # the wrapped step's (its scalars, optimizer, ...)
         return getattr(self._step, name)
