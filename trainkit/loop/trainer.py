@@ -346,10 +346,10 @@ class Trainer:
             if stop:
                 self._save_and_stop(run, step)
                 return True
-            if rolled:  # the data goes on after the skipped batches: a new pass from there
-                return False
             # a save never follows NaN/inf steps the host has not counted
             checkpointer.step_done(step, time_due=save, may_save=guard.steady)
+            if rolled:  # the data goes on after the skipped batches: a new pass from there
+                return False
             if step >= run.total_steps:
                 break
             fetched = clock()

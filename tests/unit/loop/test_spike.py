@@ -227,8 +227,11 @@ def test_read_a_step_late_a_spike_is_rolled_back_a_step_later_the_same_every_tim
 @pytest.mark.usefixtures("late_reads")
 def test_read_a_step_late_a_spike_at_a_snapshot_step_is_read_there_not_kept(
         tmp_path: Path) -> None:
-    fit(tmp_path, poison=(39,))  # step 40, a snapshot step: read there, before the snapshot
+    fit(tmp_path, poison=(39,), every_n_steps=10)  # step 40, a snapshot step: read there
     assert [(r["step"], r["to_step"]) for r in summary_rollbacks(tmp_path)] == [(40, 30)]
+    # step 40's checkpoint holds the state rolled back to, and the saves go on after it
+    assert {p.name for p in (tmp_path / "checkpoints").glob("step_*.pt")} >= {
+        f"step_{step:09d}.pt" for step in (40, 50)}
 
 
 def summary_rollbacks(run_dir: Path) -> list[dict[str, Any]]:
