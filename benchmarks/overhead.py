@@ -4,6 +4,7 @@
     python -m benchmarks.overhead --quick
     python -m benchmarks.overhead --mlflow file:/tmp/mlruns   # also trainkit logging to MLflow
     python -m benchmarks.overhead --callback  # also trainkit with one callback that does nothing
+    python -m benchmarks.overhead --spike     # also trainkit with trainer.spike on, vs off
 
 All three sides train the same tiny MLP (32-64-10) on the same in-memory batches with the same
 SGD (lr 0.01, momentum 0.9) for the same number of steps, fp32 on the CPU with one thread, where
@@ -22,6 +23,10 @@ summary.json) and its process's exit is reported apart, in seconds.
 Each round runs loop, trainkit, lightning, lightning, trainkit, loop; a ratio is the median over
 rounds of the two sides' summed steps/s, so machine noise hits every side alike. Goals: trainkit
 >= 0.98 of the loop, and ahead of Lightning.
+
+With ``--spike``, two more trainkit sides feed the same batches through a resumable list (the
+guard needs a loader that starts mid-epoch), one with ``trainer.spike`` on at its defaults
+(a snapshot every 50 steps, each loss read on the host: free on the CPU), one off.
 
 Lightning is given its lightest ordinary configuration, as a user chasing speed would: no logger,
 no checkpoint callback, no progress bar, no model summary, no sanity validation, no validation
@@ -47,6 +52,7 @@ from torch import nn
 
 from benchmarks.common import alternate, emit, median, ratio, row
 from trainkit import CheckpointConfig, MLflowSink, Trainer, TrainerConfig
+from trainkit.data.resumable import DataPosition, PositionedLoader
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 GOAL_VS_LOOP = 0.98
@@ -66,6 +72,27 @@ def make_batches(steps: int, batch: int = 64) -> Batches:
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(batch, 32, generator=g), torch.randint(0, 10, (batch,), generator=g))
             for _ in range(steps)]
+
+
+class ResumableList(PositionedLoader):
+    """The batches as a loader that resumes at any batch (what ``trainer.spike`` needs)."""
+
+    def __init__(self, batches: Batches) -> None:
+        self.batches, self.position = batches, DataPosition()
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        for i in range(self.position.begin_pass(), len(self.batches)):
+            self.position.batch = i + 1
+            yield self.batches[i]
+
+
+def with_spike(batches: Batches, *, on: bool) -> float:
+    """Steps/s of :func:`with_trainkit` over a :class:`ResumableList`, ``trainer.spike`` on
+    or off."""
+    return with_trainkit(ResumableList(batches), spike=on)  # type: ignore[arg-type]
 
 
 def hand_written(batches: Batches) -> float:
@@ -106,7 +133,7 @@ class FitClock:
 
 def with_trainkit(batches: Batches, *, sinks: tuple[Any, ...] = (),
                   callbacks: tuple[Any, ...] = (), every: int = 100,
-                  timings: list[dict[str, float]] | None = None) -> float:
+                  timings: list[dict[str, float]] | None = None, spike: bool = False) -> float:
     """Steps/s of ``trainkit.Trainer.fit`` with nothing written (no run dir, no checkpoint).
 
     ``every``: the logging interval. ``timings``: time the fit up to its written summary, and
@@ -116,7 +143,8 @@ def with_trainkit(batches: Batches, *, sinks: tuple[Any, ...] = (),
     model = make_model()
     optimizer = make_optimizer(model)
     clock = FitClock(len(batches) // 2) if timings is not None else None
-    trainer = Trainer(TrainerConfig(device="cpu", max_epochs=1, log_every_n_steps=every),
+    trainer = Trainer(TrainerConfig(device="cpu", max_epochs=1, log_every_n_steps=every,
+                                    spike={"enabled": spike}),
                       checkpoint=CheckpointConfig(resume=None, save_last=False),
                       sinks=list(sinks), callbacks=(*callbacks, clock) if clock else callbacks)
     start = time.perf_counter()
@@ -202,13 +230,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the trainkit side also logs to this MLflow store (trainkit[mlflow])")
     parser.add_argument("--callback", action="store_true",
                         help="also trainkit with one no-op on_step_end callback")
+    parser.add_argument("--spike", action="store_true",
+                        help="also trainkit with trainer.spike on, vs off")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.rounds = 30, 1
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        result = _measure(args.steps, args.rounds, args.threads, args.mlflow, args.callback)
+        result = _measure(args.steps, args.rounds, args.threads, args.mlflow, args.callback,
+                          args.spike)
     finally:
         torch.set_num_threads(threads_before)  # `python -m benchmarks` runs others after us
     emit(result)
@@ -216,11 +247,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _measure(steps: int, rounds: int, threads: int, mlflow_uri: str | None = None,
-             callback: bool = False) -> dict[str, Any]:
+             callback: bool = False, spike: bool = False) -> dict[str, Any]:
     batches = make_batches(steps)
     sides: dict[str, Callable[[Batches], float]] = {"loop": hand_written, "trainkit": with_trainkit}
     if callback:
         sides["trainkit+callback"] = functools.partial(with_trainkit, callbacks=(NoOp(),))
+    if spike:
+        sides["trainkit@resumable"] = functools.partial(with_spike, on=False)
+        sides["trainkit+spike"] = functools.partial(with_spike, on=True)
     twins = ("trainkit@50", "trainkit+mlflow")  # on fits LONG_FITS times as long
     timings: dict[str, list[dict[str, float]]] = {name: [] for name in twins}
     if mlflow_uri:
@@ -253,6 +287,11 @@ def _measure(steps: int, rounds: int, threads: int, mlflow_uri: str | None = Non
         rows.append(row("overhead: trainkit+no-op callback/loop steps/s",
                         ratios["trainkit+callback/loop"], f">= {GOAL_VS_LOOP}",
                         ratios["trainkit+callback/loop"] >= GOAL_VS_LOOP))
+    if spike:
+        ratios["trainkit+spike/trainkit"] = ratio(samples, "trainkit+spike", "trainkit@resumable")
+        rows.append(row("overhead: trainkit with trainer.spike on/off steps/s",
+                        ratios["trainkit+spike/trainkit"], ">= 0.95",
+                        ratios["trainkit+spike/trainkit"] >= 0.95))
     if mlflow_uri:
         # per round, as `samples`: each side's two fits
         by_round = {name: [kept[i:i + 2] for i in range(0, len(kept), 2)]

@@ -57,6 +57,43 @@ class ProfileConfig:
 
 
 @dataclass
+class SpikeConfig:
+    """``trainer.spike``: roll back to the last good state on a loss spike (loop/spike.py).
+
+    A spike: a training loss above the mean + ``threshold`` standard deviations of the last
+    ``window`` finite losses (once ``warmup`` losses were seen), or ``max_nonfinite`` NaN/inf
+    losses in a row. The run then goes back to its in-memory snapshot (taken every
+    ``snapshot_every`` steps), skips the batches since, trains ``lr_steps`` steps at the LR
+    times ``lr_factor``, and goes on; a spike beyond ``max_rollbacks`` rollbacks within
+    ``rollback_window`` steps stops the run (status ``diverged``).
+    """
+
+    enabled: bool = False
+    window: int = 100
+    threshold: float = 6.0
+    warmup: int = 50
+    max_nonfinite: int = 3  # 0: NaN/inf losses are left to trainer.nonfinite_patience
+    snapshot_every: int = 50
+    max_rollbacks: int = 3
+    rollback_window: int = 1000
+    lr_factor: float = 1.0
+    lr_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _check_bool("trainer.spike.enabled", self.enabled)
+        for name, minimum in (("window", 2), ("warmup", 2), ("max_nonfinite", 0),
+                              ("snapshot_every", 1), ("max_rollbacks", 0),
+                              ("rollback_window", 1), ("lr_steps", 0)):
+            _check_int(f"trainer.spike.{name}", getattr(self, name), minimum=minimum)
+        for name, low, high in (("threshold", 0.0, float("inf")), ("lr_factor", 0.0, 1.0)):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not low < value <= high):
+                raise ConfigError(f"trainer.spike.{name} must be a number in ({low:g}, {high:g}]"
+                                  f", got {value!r}")
+
+
+@dataclass
 class TrainerConfig:
     """How to train. ``max_steps`` counts optimizer steps; -1 means no step limit."""
 
@@ -99,10 +136,13 @@ class TrainerConfig:
     # (trainkit.distributed.slurm_requeue); false: exit 75 and leave resubmitting to you
     slurm_requeue: bool = True
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # off unless enabled
+    spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike rollback; off
 
     def __post_init__(self) -> None:
         if isinstance(self.profile, Mapping):  # from a plain dict (a library user's, a test's)
             self.profile = ProfileConfig(**self.profile)
+        if isinstance(self.spike, Mapping):
+            self.spike = SpikeConfig(**self.spike)
         _check_int("trainer.max_epochs", self.max_epochs, minimum=1)
         _check_int("trainer.max_steps", self.max_steps, minimum=-1)
         if self.max_steps == 0:
@@ -138,6 +178,12 @@ class TrainerConfig:
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ConfigError(f"trainer.ema_decay must be in (0, 1) or null, got {self.ema_decay}")
         _check_int("trainer.nonfinite_patience", self.nonfinite_patience, minimum=0)
+        streak, patience = self.spike.max_nonfinite, self.nonfinite_patience
+        if self.spike.enabled and streak and patience and streak > patience - 2:
+            raise ConfigError(  # a rollback may come a step after the streak was seen
+                f"trainer.spike.max_nonfinite={streak} must be at most trainer.nonfinite_patience"
+                f" - 2 = {patience - 2}, or the run stops before it rolls back: lower it or "
+                "raise trainer.nonfinite_patience")
         _check_bool("trainer.cudnn_benchmark", self.cudnn_benchmark)
         _check_bool("trainer.tf32", self.tf32)
         _check_bool("trainer.cpu_keep_freed_memory", self.cpu_keep_freed_memory)

@@ -49,6 +49,8 @@ FACTORS: dict[str, list[Any]] = {
     "activation_checkpointing": [False, True],
     "accumulate": [1, 3],
     "async_save": [False, True],
+    # trainer.spike on: a snapshot every step (never a spike: taking them must change nothing)
+    "spike": [False, True],
 }
 # (option, value) -> (absolute tolerance, why not bitwise); empty: every row is bitwise on CPU.
 TOLERANCES: dict[tuple[str, Any], tuple[float, str]] = {}
@@ -88,7 +90,7 @@ def test_the_rows_cover_every_pair_of_option_values() -> None:
     for a, b in itertools.combinations(FACTORS, 2):
         seen = {(row[a], row[b]) for row in ROWS}
         assert seen == set(itertools.product(FACTORS[a], FACTORS[b])), (a, b)
-    assert len(ROWS) <= 12  # vs 3 * 3 * 2**7 = 1152 combinations
+    assert len(ROWS) <= 12  # vs 3 * 3 * 2**8 = 2304 combinations
 
 
 @pytest.fixture(scope="module")

@@ -252,7 +252,8 @@ class StepVote:
     Three flags travel together: "my loss is NaN/inf" (all ranks skip the step: DDP already mixed
     the bad gradients into everyone's), "I received a stop signal" (all stop after the same step)
     and "a time-based checkpoint is due" (only rank 0's clock counts, so wall-clock drift between
-    machines cannot make one rank save and the others not). When the step checked its loss,
+    machines cannot make one rank save and the others not), and with them "my loss spiked"
+    (all ranks roll back together: :attr:`spiked`). When the step checked its loss,
     :meth:`nonfinite` carried the vote and :meth:`stop_and_save` costs nothing. In one process
     there is nothing to agree on: each answer is this process's own.
 
@@ -260,12 +261,16 @@ class StepVote:
         stop: whether this rank wants to stop (a signal arrived).
         save_due: whether this rank's clock says a time-based checkpoint is due; None when
             the run saves by time never.
+        spike: whether this rank saw a loss spike not yet acted on; None: never.
     """
 
-    def __init__(self, stop: Callable[[], bool], save_due: Callable[[], bool] | None) -> None:
+    def __init__(self, stop: Callable[[], bool], save_due: Callable[[], bool] | None,
+                 spike: Callable[[], bool] | None = None) -> None:
         self._stop = stop
         self._save_due = save_due or _never  # None: no time-based saves
+        self._spike = spike or _never
         self._agreed: tuple[bool, bool] | None = None
+        self.spiked = False  # any rank's spike, as agreed by the last stop_and_save
         self.active = is_distributed()
 
     def nonfinite(self, local: bool | torch.Tensor) -> bool | torch.Tensor:
@@ -282,7 +287,8 @@ class StepVote:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # queued on the GPU: no host read
                 return flag.bool()
             return torch.tensor(self.nonfinite(bool(local)))  # a CPU tensor: reading it is free
-        bad, stop, save = any_rank(local, self._stop(), self._save_due())
+        bad, stop, save, self.spiked = any_rank(local, self._stop(), self._save_due(),
+                                                self._spike())
         self._agreed = (stop, save)
         return bad
 
@@ -293,10 +299,13 @@ class StepVote:
         for since (by a callback after the step); every rank must pass the same.
         """
         if not self.active:  # one process: nothing to agree on
+            self.spiked = self._spike()
             return self._stop(), self._save_due()
         if self._agreed is None or again:
             self._agreed = None
-            _, stop, save = any_rank(False, self._stop(), self._save_due())
+            # a spike agreed in the step's own vote stays pending (the flag is), so it is voted
+            _, stop, save, self.spiked = any_rank(False, self._stop(), self._save_due(),
+                                                  self._spike())
             return stop, save
         agreed, self._agreed = self._agreed, None
         return agreed

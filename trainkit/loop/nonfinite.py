@@ -169,6 +169,13 @@ class NonFiniteGuard:
         if tally.count and tally.longest >= self.patience:
             raise self.diverged(tally.longest)
 
+    def reset(self) -> None:
+        """End the streak after a rollback to good weights (what the device counted read
+        first: the NaN/inf steps undone still count in ``nonfinite_steps``)."""
+        self.read()
+        self.state.nonfinite_streak = 0
+        self._update_idle()
+
     def steady(self) -> bool:
         """Whether a checkpoint may be written now: the device's count read (raising when the
         run diverged), and no streak running -- in one the weights did not move, and the last

@@ -16,6 +16,7 @@ from trainkit.loop.evaluation import EvalSchedule, LossWatch
 from trainkit.loop.micro_batch import MicroBatching
 from trainkit.loop.nonfinite import NonFiniteGuard
 from trainkit.loop.run_report import RunReport
+from trainkit.loop.spike import SpikeGuard
 from trainkit.loop.step import Criterion, Forward, WindowStep
 from trainkit.observe.logging import Progress
 from trainkit.observe.metrics import StepMeter
@@ -50,3 +51,4 @@ class Run:
     step: WindowStep | MicroBatching | None = None  # set as training starts
     vote: group.StepVote | None = None  # the same
     guard: NonFiniteGuard | None = None  # the same
+    spike: SpikeGuard | None = None  # the same, when trainer.spike is enabled

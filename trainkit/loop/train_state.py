@@ -26,6 +26,8 @@ class TrainState:
     planned_steps: int = 0  # the run's length when saved; the LR schedule was planned for it
     stop_reason: str | None = None  # request_stop's: the run is over, a re-run trains no more
     micro_batch_size: int = 0  # samples per micro-batch (trainer.micro_batch_size); 0: whole
+    # trainer.spike's: the detector's window, the LR-lowered steps, every rollback; None: off
+    spike: dict[str, Any] | None = None
 
     @property
     def epoch_number(self) -> int:

@@ -11,7 +11,8 @@ The loop runs the steps and says what happened; its parts decide: the
 starts), the :class:`~trainkit.loop.evaluation.EvalSchedule` and the
 :class:`~trainkit.observe.schedule.LogSchedule` which steps evaluate and log, the
 :class:`~trainkit.distributed.group.StepVote` what the ranks agree on, the
-:class:`~trainkit.loop.nonfinite.NonFiniteGuard` about NaN/inf losses, the strategy
+:class:`~trainkit.loop.nonfinite.NonFiniteGuard` about NaN/inf losses, the
+:class:`~trainkit.loop.spike.SpikeGuard` about loss spikes (``trainer.spike``), the strategy
 (:mod:`trainkit.distributed.strategy`) how the model is placed, and the
 :class:`~trainkit.loop.run_report.RunReport` how the run ends.
 """
@@ -50,6 +51,7 @@ from trainkit.loop.nonfinite import NonFiniteGuard, NonFiniteLossError
 from trainkit.loop.precision import Precision
 from trainkit.loop.run import Run
 from trainkit.loop.run_report import RunReport
+from trainkit.loop.spike import LossSpikeError, spike_guard
 from trainkit.loop.step import (
     Criterion,
     Forward,
@@ -140,6 +142,7 @@ class Trainer:
 
         Raises:
             NonFiniteLossError: ``trainer.nonfinite_patience`` NaN/inf losses in a row.
+            LossSpikeError: more loss spikes than ``trainer.spike`` rolls back.
             TrainkitError: a checkpoint could not be written or does not fit this run, or the
                 device ran out of memory (``status: "oom"``).
         """
@@ -255,7 +258,7 @@ class Trainer:
             if status == "completed":
                 self.checkpointer.save(self.state.global_step, last_step=True)
             self.checkpointer.wait()  # the last checkpoint is on disk before the summary says so
-        except NonFiniteLossError:
+        except (NonFiniteLossError, LossSpikeError):
             run.report.finish("diverged", {})
             raise
         finally:
@@ -276,8 +279,10 @@ class Trainer:
         run.meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
         preemption = run.preemption  # not the run: the run holds the vote (no reference cycle)
+        run.spike = spike_guard(cfg.spike, state, self.checkpointer, run, self.runtime)
         run.vote = group.StepVote(lambda: preemption.requested or self._stop_reason is not None,
-                                  save_due=self.checkpointer.time_due)
+                                  save_due=self.checkpointer.time_due,
+                                  spike=run.spike.pending if run.spike else None)
         run.guard = NonFiniteGuard(cfg.nonfinite_patience, state, self.checkpointer.last_saved,
                                    self.runtime.device)
         run.step = WindowStep(
@@ -287,6 +292,7 @@ class Trainer:
             agree=run.vote.nonfinite if run.vote.active else None, scalars=run.meter.own)
         # trainer.micro_batch_size: each batch split (and, in auto, retried on out-of-memory)
         run.step = micro_batched(run.step, cfg, state, model, self._profilers)
+        run.step = run.spike.wrap(run.step) if run.spike else run.step  # sees each loss
         run.evals.enabled = run.val_data is not None
         run.logs.logged()  # the first line by time is due a period from now
 
@@ -333,11 +339,17 @@ class Trainer:
             if run.evals.due(step):
                 self._validate(run)
             stop, save = vote.stop_and_save(vote_again)
-            if stop or step == run.stop_at_step:
+            stop = stop or step == run.stop_at_step
+            # a spike all ranks agreed on: back to the last good state, past these batches
+            rolled = run.spike is not None and run.spike.after_step(
+                step, vote.spiked, guard, stop or save or step >= run.total_steps)
+            if stop:
                 self._save_and_stop(run, step)
                 return True
             # a save never follows NaN/inf steps the host has not counted
             checkpointer.step_done(step, time_due=save, may_save=guard.steady)
+            if rolled:  # the data goes on after the skipped batches: a new pass from there
+                return False
             if step >= run.total_steps:
                 break
             fetched = clock()

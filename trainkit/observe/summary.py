@@ -53,6 +53,10 @@ def build_summary(status: str, results: Mapping[str, float], counters: Mapping[s
         # trainer.micro_batch_size's samples per micro-batch (auto's, as found); absent: off
         **({"micro_batch_size": counters["micro_batch_size"]}
            if counters.get("micro_batch_size") else {}),
+        # trainer.spike's rollbacks (each one's step, loss, batches skipped); absent: off
+        **({"spike_rollbacks": len(counters["spike"]["rollbacks"]),
+            "spike_skipped_batches": sum(r["batches"] for r in counters["spike"]["rollbacks"])}
+           if counters.get("spike") is not None else {}),
         **extra,
     }
 
