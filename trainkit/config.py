@@ -208,6 +208,10 @@ class DataConfig:
     # files' dtype (null: meta.json's, else uint16)
     seq_len: int = 256
     token_dtype: str | None = None
+    # data.name=hf_text (trainkit.data.hf_text): the tokenizer's folder (the model's), and the
+    # column of the texts (data.label_column: their classes; absent: causal language modelling)
+    tokenizer: str | None = None
+    text_column: str = "text"
     # data.name=webdataset (trainkit.data.shards): training and validation shards, a brace
     # pattern or a list of paths/URLs (null: <root>/shards.json's); training samples per rank in
     # an epoch (null: shards.json's total / ranks); the shuffle buffer's samples per worker
@@ -282,6 +286,9 @@ class CheckpointConfig:
     monitor: str | None = None  # e.g. "val/acc": keep checkpoints/best.pt by this metric
     mode: str = "max"  # whether a larger or smaller `monitor` is better
     async_save: bool = False  # write on a background thread; the loop waits only for a copy
+    # a LoRA run: `model` holds only the trainable tensors (adapters, a new head), the frozen
+    # base rebuilt from the model's config (trainkit.checkpoint.adapters)
+    adapters_only: bool = False
 
     def __post_init__(self) -> None:
         _check_int("checkpoint.every_n_steps", self.every_n_steps, minimum=0)
@@ -294,6 +301,7 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.async_save must be true or false, got "
                               f"{self.async_save!r}")
         _check_choice("checkpoint.mode", self.mode, MONITOR_MODES)
+        _check_bool("checkpoint.adapters_only", self.adapters_only)
 
 
 @dataclass

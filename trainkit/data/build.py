@@ -13,6 +13,7 @@ from trainkit.core.errors import ConfigError
 from trainkit.core.runtime import Runtime
 from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.data.gpu_decode import check_gpu_decode
+from trainkit.data.hf_text import hf_text_loaders
 from trainkit.data.loaders import make_loader
 from trainkit.data.memory import InMemoryLoader
 from trainkit.data.own_data import dataset_loaders, image_folder_loaders
@@ -58,6 +59,8 @@ def build_loaders(
                          custom_transforms=bool(train_transforms or eval_transforms))
     if cfg.name == "tokens":  # a token corpus: windows from memory-mapped files
         return token_loaders(cfg, runtime, seed=seed)  # type: ignore[return-value]
+    if cfg.name == "hf_text":  # text tokenised for a Hugging Face model
+        return hf_text_loaders(cfg, runtime, seed=seed)  # type: ignore[return-value]
     own = {"seed": seed, "channels_last": channels_last, "train_transforms": train_transforms,
            "eval_transforms": eval_transforms}
     if cfg.name == "webdataset":  # image shards streamed by every rank and worker
@@ -70,7 +73,7 @@ def build_loaders(
             return dataset_loaders(train, test, cfg, runtime, **own)
     elif cfg.name not in READERS:
         raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(READERS)}, "
-                          "image_folder, tokens, webdataset; "
+                          "image_folder, tokens, webdataset, hf_text; "
                           "for your own dataset set dataset._target_ (see the README)")
     else:
         read = READERS[cfg.name]

@@ -34,6 +34,7 @@ from trainkit.entry.ranks import join_ranks
 from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
 from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused
 from trainkit.loop.trainer import Trainer
+from trainkit.models.build import make_model
 from trainkit.observe.logging import setup_logging
 
 CONFIG_DIR = str(config_dir())
@@ -115,7 +116,7 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
     run would train. Seed first (``seed_everything``) for the run's own initial weights.
     """
     train_data, val_data, num_classes = build_data(cfg, settings, runtime)
-    model = instantiate(cfg.model, _convert_="all")
+    model = make_model(OmegaConf.to_container(cfg.model, resolve=True))  # and model.lora
     optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
     criterion = build_criterion(cfg)  # the config's (e.g. label smoothing), or cross-entropy
     forward = build_forward(cfg)  # the config's (a language model's lm_forward), or the default

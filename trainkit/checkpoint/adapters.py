@@ -1,0 +1,52 @@
+"""``checkpoint.adapters_only=true``: a LoRA run's checkpoints keep only what trains.
+
+:class:`AdaptersOnly` stands for the model in the Checkpointer: its ``state_dict`` is the
+model's trainable tensors alone (the LoRA adapters, and PEFT's ``modules_to_save`` such as a
+classifier's new head), under the model's own key names; loading one sets those and leaves the
+frozen base as built (from ``model.path``, or the run's seeded initialisation). A checkpoint is
+then megabytes instead of the whole model, and still resumes exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainkit.core.errors import ConfigError
+from trainkit.distributed import fsdp
+from trainkit.models.lora import is_lora
+
+
+class AdaptersOnly:
+    """The trainable part of ``model`` for checkpoints (``state_dict``/``load_state_dict``).
+
+    Raises:
+        ConfigError: ``model`` has no LoRA adapters, or is sharded by FSDP (whose checkpoints
+            are directories of the whole model).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        if not is_lora(model):
+            raise ConfigError("checkpoint.adapters_only=true keeps a LoRA run's adapters: set "
+                              "model.lora, or checkpoint.adapters_only=false")
+        if fsdp.is_sharded(model):
+            raise ConfigError("checkpoint.adapters_only=true: an FSDP run's checkpoints are "
+                              "sharded directories of the whole model; use trainer.strategy="
+                              "ddp, or checkpoint.adapters_only=false")
+        self.model = model
+        self.keys = {name for name, p in model.named_parameters() if p.requires_grad}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.model.state_dict().items() if k in self.keys}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Set the trainable tensors (all of them: a missing or extra one is an error)."""
+        if set(state) != self.keys:
+            missing, extra = sorted(self.keys - set(state)), sorted(set(state) - self.keys)
+            raise ConfigError(f"the checkpoint's adapters do not fit this model (missing: "
+                              f"{missing[:3]}, unexpected: {extra[:3]}): resume with the "
+                              "run's own model.lora")
+        self.model.load_state_dict(dict(state), strict=False)
