@@ -89,3 +89,33 @@ def _transformers() -> Any:
         raise TrainkitError("Hugging Face models need transformers: pip install "
                             "'trainkit[finetune]'") from None
     return transformers
+
+
+@torch.no_grad()
+def classify(model: nn.Module, tokenizer: Any, texts: list[str], *, seq_len: int,
+             classes: list[str], topk: int) -> list[dict[str, Any]]:
+    """Rows ``{"input": text, "classes": the top-k names, "probs": their probabilities}``."""
+    device = next(model.parameters()).device
+    batch = tokenizer(texts, truncation=True, max_length=seq_len, padding=True,
+                      return_tensors="pt").to(device)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    probs, index = logits.float().softmax(-1).topk(min(topk, len(classes)), dim=-1)
+    return [{"input": text, "classes": [classes[i] for i in row.tolist()], "probs": p.tolist()}
+            for text, row, p in zip(texts, index.cpu(), probs.cpu())]
+
+
+@torch.no_grad()
+def generate(model: nn.Module, tokenizer: Any, prompts: list[str], *, seq_len: int,
+             max_new_tokens: int) -> list[dict[str, Any]]:
+    """Rows ``{"input": prompt, "text": its continuation}`` (greedy, at most
+    ``max_new_tokens`` tokens; the prompts padded on the left, as generation needs)."""
+    device = next(model.parameters()).device
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, truncation=True, max_length=seq_len, padding=True,
+                      return_tensors="pt").to(device)
+    out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad_id(tokenizer))
+    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:],
+                                   skip_special_tokens=True)
+    return [{"input": prompt, "text": text} for prompt, text in zip(prompts, texts)]

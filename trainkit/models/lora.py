@@ -1,12 +1,13 @@
 """LoRA adapters through PEFT (``model.lora={r, alpha, dropout, target_modules}``).
 
 :func:`apply_lora` wraps a model in PEFT's ``PeftModel``: low-rank adapters beside the
-``nn.Linear`` / ``nn.Conv2d`` (and ``nn.Embedding``) layers named, every other weight frozen --
-PEFT's own freezing. A Hugging Face sequence classifier also trains its new head (PEFT's
-``modules_to_save`` for the task); name others with ``modules_to_save``. The wrapped model's
-``state_dict`` keys are PEFT's (``base_model.model.<name>...lora_A.default.weight``): the
-checkpoints of a LoRA run load into the same wrapping. :func:`merged` folds the adapters into
-the weights (``merge_and_unload``): the plain model, as ``trainkit export`` writes it.
+``nn.Linear`` / ``nn.Conv2d`` layers named (and the others PEFT adapts: ``nn.Embedding``,
+transformers' ``Conv1D``), every other weight frozen -- PEFT's own freezing. A Hugging Face
+sequence classifier also trains its new head (PEFT's ``modules_to_save`` for the task); name
+others with ``modules_to_save``. The wrapped model's ``state_dict`` keys are PEFT's
+(``base_model.model.<name>...lora_A.default.weight``): the checkpoints of a LoRA run load into
+the same wrapping. :func:`merged` folds the adapters into the weights (``merge_and_unload``):
+the plain model, as ``trainkit export`` writes it.
 """
 
 from __future__ import annotations
@@ -17,17 +18,17 @@ from typing import Any
 
 from torch import nn
 
-from trainkit.core.errors import ConfigError, TrainkitError
+from trainkit.core.errors import ConfigError, TrainkitError, one_line
 
 KEYS = ("r", "alpha", "dropout", "target_modules", "modules_to_save")
-ADAPTED = (nn.Linear, nn.Conv2d, nn.Conv1d, nn.Embedding)
 # PEFT's task types, for a transformers model of each kind (its head is then trained too)
 TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForCausalLM": "CAUSAL_LM"}
 
 
 def apply_lora(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
     """``model`` with LoRA adapters on the modules ``lora["target_modules"]`` names (PEFT's
-    meaning: a module whose name is, or ends in ``.`` and, one of them), the rest frozen.
+    meaning: a module whose name is one of them or ends in ``.<one of them>``), the rest
+    frozen.
 
     Raises:
         ConfigError: an unknown key, a bad rank, or a target that names no adaptable module.
@@ -42,7 +43,11 @@ def apply_lora(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
     if not targets:
         raise ConfigError("model.lora.target_modules is empty: name the layers to adapt, e.g. "
                           "[query, value]")
-    check_targets(model, targets)
+    missing = [t for t in targets if not any(name == t or name.endswith(f".{t}")
+                                             for name, _ in model.named_modules())]
+    if missing:  # PEFT itself stops only when none of them matches
+        raise ConfigError(f"model.lora.target_modules: {', '.join(missing)} names no module of "
+                          f"{type(model).__name__}; its layers end in: {_layers(model)}")
     try:
         import peft
     except ImportError:
@@ -51,19 +56,11 @@ def apply_lora(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
         r=r, lora_alpha=lora.get("alpha", 2 * r), lora_dropout=lora.get("dropout", 0.0),
         target_modules=targets, modules_to_save=lora.get("modules_to_save"),
         task_type=_task_type(model))
-    return peft.get_peft_model(model, config)
-
-
-def check_targets(model: nn.Module, targets: list[str]) -> None:
-    """Each of ``targets`` names at least one adaptable layer of ``model``, else one line with
-    the names that would."""
-    names = [n for n, m in model.named_modules() if isinstance(m, ADAPTED)]
-    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
-    if missing:
-        last = sorted({n.rsplit(".", 1)[-1] for n in names})
-        raise ConfigError(f"model.lora.target_modules: {', '.join(missing)} names no Linear, "
-                          f"Conv or Embedding layer of {type(model).__name__}; its layers end "
-                          f"in: {', '.join(last[:12])}")
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as err:  # PEFT's: no module matches, or one of a type it cannot adapt
+        raise ConfigError(f"model.lora.target_modules={targets}: {one_line(err, 100)}; "
+                          f"{type(model).__name__}'s layers end in: {_layers(model)}") from None
 
 
 def is_lora(model: nn.Module) -> bool:
@@ -91,3 +88,10 @@ def save_adapters(model: nn.Module, folder: str) -> None:
 def _task_type(model: nn.Module) -> str | None:
     name = type(model).__name__
     return next((task for end, task in TASK_TYPES.items() if name.endswith(end)), None)
+
+
+def _layers(model: nn.Module) -> str:
+    """The last parts of the names of ``model``'s layers with weights (a few), for a message."""
+    names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                    if name and not list(module.children()) and hasattr(module, "weight")})
+    return ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
