@@ -20,8 +20,9 @@ from trainkit.distributed import fsdp
 from trainkit.models.lora import is_lora
 
 
-class AdaptersOnly:
-    """The trainable part of ``model`` for checkpoints (``state_dict``/``load_state_dict``).
+class AdaptersOnly(nn.Module):
+    """The trainable part of ``model`` for checkpoints (``state_dict``/``load_state_dict``): a
+    module only so that the storages, which ask what a model is (sharded or not), can hold it.
 
     Raises:
         ConfigError: ``model`` has no LoRA adapters, or is sharded by FSDP (whose checkpoints
@@ -36,17 +37,18 @@ class AdaptersOnly:
             raise ConfigError("checkpoint.adapters_only=true: an FSDP run's checkpoints are "
                               "sharded directories of the whole model; use trainer.strategy="
                               "ddp, or checkpoint.adapters_only=false")
+        super().__init__()
         self.model = model
         self.keys = {name for name, p in model.named_parameters() if p.requires_grad}
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.model.state_dict().items() if k in self.keys}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         """Set the trainable tensors (all of them: a missing or extra one is an error)."""
         if set(state) != self.keys:
             missing, extra = sorted(self.keys - set(state)), sorted(set(state) - self.keys)
             raise ConfigError(f"the checkpoint's adapters do not fit this model (missing: "
                               f"{missing[:3]}, unexpected: {extra[:3]}): resume with the "
                               "run's own model.lora")
-        self.model.load_state_dict(dict(state), strict=False)
+        return self.model.load_state_dict(dict(state), strict=False)

@@ -171,9 +171,8 @@ def load_tokenizer(path: str, *, key: str = "data.tokenizer") -> Any:
     """
     folder = Path(path)
     if not folder.is_dir() or not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ConfigError(f"{key}={path} has no tokenizer (tokenizer.json or "
-                          "tokenizer_config.json): save one there with "
-                          "tokenizer.save_pretrained(DIR), or point data.tokenizer at one")
+        raise ConfigError(f"{key}={path} holds no tokenizer: save one there "
+                          "(tokenizer.save_pretrained), or set data.tokenizer to one's folder")
     try:
         from transformers import AutoTokenizer
     except ImportError:

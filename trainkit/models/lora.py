@@ -47,7 +47,7 @@ def apply_lora(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
                                              for name, _ in model.named_modules())]
     if missing:  # PEFT itself stops only when none of them matches
         raise ConfigError(f"model.lora.target_modules: {', '.join(missing)} names no module of "
-                          f"{type(model).__name__}; its layers end in: {_layers(model)}")
+                          f"{type(model).__name__}; its layers end in {_layers(model)}")
     try:
         import peft
     except ImportError:
@@ -60,7 +60,7 @@ def apply_lora(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
         return peft.get_peft_model(model, config)
     except ValueError as err:  # PEFT's: no module matches, or one of a type it cannot adapt
         raise ConfigError(f"model.lora.target_modules={targets}: {one_line(err, 100)}; "
-                          f"{type(model).__name__}'s layers end in: {_layers(model)}") from None
+                          f"{type(model).__name__}'s layers end in {_layers(model)}") from None
 
 
 def is_lora(model: nn.Module) -> bool:
@@ -91,7 +91,8 @@ def _task_type(model: nn.Module) -> str | None:
 
 
 def _layers(model: nn.Module) -> str:
-    """The last parts of the names of ``model``'s layers with weights (a few), for a message."""
+    """The last parts of the names of ``model``'s layers with weight matrices (a few), for a
+    message: the names target_modules may take."""
     names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                    if name and not list(module.children()) and hasattr(module, "weight")})
-    return ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+                    if name and getattr(getattr(module, "weight", None), "ndim", 0) >= 2})
+    return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
