@@ -22,7 +22,7 @@ from trainkit.data.hf_text import load_tokenizer, pad_id
 TASKS = ("classification", "causal_lm")
 
 
-def from_folder(path: str, task: str = "classification", num_labels: int | None = None
+def from_folder(path: str | None, task: str = "classification", num_labels: int | None = None
                 ) -> nn.Module:
     """The model saved in folder ``path``, for ``task``.
 
@@ -36,6 +36,9 @@ def from_folder(path: str, task: str = "classification", num_labels: int | None 
     Raises:
         ConfigError: no such folder, no model in it, or an unknown task.
     """
+    if not path:
+        raise ConfigError("model=hf needs model.path: the folder of the model (save_pretrained's "
+                          "config.json and weights), e.g. model.path=/models/bert-base")
     transformers = _transformers()
     folder = Path(path)
     if task not in TASKS:
