@@ -13,6 +13,7 @@ the plain model, as ``trainkit export`` writes it.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,7 +58,10 @@ def apply_lora(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
         target_modules=targets, modules_to_save=lora.get("modules_to_save"),
         task_type=_task_type(model))
     try:
-        return peft.get_peft_model(model, config)
+        with warnings.catch_warnings():  # PEFT 0.21 reads a property transformers 5 deprecated
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
+                                    FutureWarning)
+            return peft.get_peft_model(model, config)
     except ValueError as err:  # PEFT's: no module matches, or one of a type it cannot adapt
         raise ConfigError(f"model.lora.target_modules={targets}: {one_line(err, 100)}; "
                           f"{type(model).__name__}'s layers end in {_layers(model)}") from None
