@@ -30,13 +30,7 @@ class AdaptersOnly(nn.Module):
     """
 
     def __init__(self, model: nn.Module) -> None:
-        if not is_lora(model):
-            raise ConfigError("checkpoint.adapters_only=true keeps a LoRA run's adapters: set "
-                              "model.lora, or checkpoint.adapters_only=false")
-        if fsdp.is_sharded(model):
-            raise ConfigError("checkpoint.adapters_only=true: an FSDP run's checkpoints are "
-                              "sharded directories of the whole model; use trainer.strategy="
-                              "ddp, or checkpoint.adapters_only=false")
+        check_adapters_only(model, sharded=fsdp.is_sharded(model))
         super().__init__()
         self.model = model
         self.keys = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -52,3 +46,19 @@ class AdaptersOnly(nn.Module):
                               f"{missing[:3]}, unexpected: {extra[:3]}): resume with the "
                               "run's own model.lora")
         return self.model.load_state_dict(dict(state), strict=False)
+
+
+def check_adapters_only(model: nn.Module, *, sharded: bool) -> None:
+    """``checkpoint.adapters_only=true`` fits ``model`` (a LoRA model, not ``sharded`` by FSDP);
+    the entry point asks before the run starts, so that a refusal leaves nothing behind.
+
+    Raises:
+        ConfigError: one line saying why, and what to set instead.
+    """
+    if not is_lora(model):
+        raise ConfigError("checkpoint.adapters_only=true keeps a LoRA run's adapters: set "
+                          "model.lora, or checkpoint.adapters_only=false")
+    if sharded:
+        raise ConfigError("checkpoint.adapters_only=true: an FSDP run's checkpoints are "
+                          "sharded directories of the whole model; use trainer.strategy=ddp, "
+                          "or checkpoint.adapters_only=false")

@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from trainkit.checkpoint.adapters import check_adapters_only
 from trainkit.config import TrainConfig
 from trainkit.core.cuda_settings import use_device
 from trainkit.core.errors import ConfigError
@@ -117,6 +118,8 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
     """
     train_data, val_data, num_classes = build_data(cfg, settings, runtime)
     model = make_model(OmegaConf.to_container(cfg.model, resolve=True))  # and model.lora
+    if settings.checkpoint.adapters_only:  # refused now, not once the run has begun
+        check_adapters_only(model, sharded=settings.trainer.strategy == "fsdp")
     optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
     criterion = build_criterion(cfg)  # the config's (e.g. label smoothing), or cross-entropy
     forward = build_forward(cfg)  # the config's (a language model's lm_forward), or the default
