@@ -53,7 +53,7 @@ from trainkit.entry.rebuild import (
 from trainkit.loop.precision import Precision
 
 USAGE = ("RUN_DIR inputs=FOLDER|test|train out=FILE.jsonl|FILE.pt [ckpt=best] [topk=5] "
-         "[predict=pkg.module.function] [key=value ...]")
+         "[predict=pkg.module.function] [max_new_tokens=50] [key=value ...]")
 OPTIONS = {"ckpt": "", "weights": "auto", "inputs": "", "out": "", "topk": "5",
            "predict": "", "max_new_tokens": "50"}
 
@@ -128,6 +128,11 @@ def _predict_text(run: Any, options: dict[str, str], runtime: Runtime) -> dict[s
     else:
         raise TrainkitError(f"inputs={spec}: give a text file (one input a line), or test or "
                             "train for a split of the run's data")
+    try:
+        topk, new_tokens = int(options["topk"]), int(options["max_new_tokens"])
+    except ValueError:
+        raise TrainkitError(f"topk={options['topk']}, max_new_tokens="
+                            f"{options['max_new_tokens']}: give whole numbers") from None
     tokenizer, model = load_tokenizer(data.tokenizer), run.model.to(runtime.device).eval()
     classes = read_classes(run.state) or read_classes(run.run_dir)
     generating = run.cfg.model.get("task") == "causal_lm"
@@ -137,9 +142,9 @@ def _predict_text(run: Any, options: dict[str, str], runtime: Runtime) -> dict[s
         index = mine[start:start + data.eval_batch_size]
         batch = [texts[i] for i in index]
         rows = (hf.generate(model, tokenizer, batch, seq_len=data.seq_len,
-                            max_new_tokens=int(options["max_new_tokens"])) if generating
+                            max_new_tokens=new_tokens) if generating
                 else hf.classify(model, tokenizer, batch, seq_len=data.seq_len,
-                                 classes=classes, topk=int(options["topk"])))
+                                 classes=classes, topk=topk))
         done += zip(index, rows)
     gathered = group.gather_to_main(done)
     if gathered is None:
