@@ -254,6 +254,10 @@ class DataConfig:
     # files' dtype (null: meta.json's, else uint16)
     seq_len: int = 256
     token_dtype: str | None = None
+    # data.name=hf_text (trainkit.data.hf_text): the tokenizer's folder (the model's), and the
+    # column of the texts (data.label_column: their classes; absent: causal language modelling)
+    tokenizer: str | None = None
+    text_column: str = "text"
     # data.name=webdataset (trainkit.data.shards): training and validation shards, a brace
     # pattern or a list of paths/URLs (null: <root>/shards.json's); training samples per rank in
     # an epoch (null: shards.json's total / ranks); the shuffle buffer's samples per worker
@@ -336,6 +340,9 @@ class CheckpointConfig:
     # where checkpoints go: null = <run dir>/checkpoints; or a path, or any fsspec URL
     # (s3://bucket/run, gs://..., az://...; docs/storage.md): credentials from the environment
     dir: str | None = None
+    # a LoRA run: `model` holds only the trainable tensors (adapters, a new head), the frozen
+    # base rebuilt from the model's config (trainkit.checkpoint.adapters)
+    adapters_only: bool = False
 
     def __post_init__(self) -> None:
         _check_int("checkpoint.every_n_steps", self.every_n_steps, minimum=0)
@@ -348,6 +355,7 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.async_save must be true or false, got "
                               f"{self.async_save!r}")
         _check_choice("checkpoint.mode", self.mode, MONITOR_MODES)
+        _check_bool("checkpoint.adapters_only", self.adapters_only)
 
 
 @dataclass

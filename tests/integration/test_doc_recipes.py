@@ -235,6 +235,9 @@ README_RUN_BY = {
     "trainkit runs sweeps/lr": (
         "tests/integration/test_sweep.py::test_readme_sweep_trains_each_trial_and_runs_lists_"
         "them_best_first", '"trainkit runs"'),
+    "python -m trainkit.train +exp=finetune_text model.path=my_bert data.root=my_texts": (
+        "tests/integration/test_finetune_text.py::test_lora_fine_tuning_learns_and_changes_"
+        "only_the_adapters_and_head", '"+exp=finetune_text"'),
     ".venv/bin/python -m benchmarks --quick": (
         "tests/integration/test_benchmarks.py::test_runner_quick_writes_json_and_table",
         '"--quick"'),

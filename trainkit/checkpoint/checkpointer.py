@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
+from trainkit.checkpoint.adapters import AdaptersOnly
 from trainkit.checkpoint.contents import check_config, manifest
 from trainkit.checkpoint.files import CheckpointManager
 from trainkit.checkpoint.layout import newest_readable
@@ -104,6 +105,7 @@ class Checkpointer:
         self._next_due = 0  # the next step step_done() looks at (set by start() and each save)
         self.state: LoopState | None = None  # given by register()
         self.parts: dict[str, Any] = {}
+        self.module: nn.Module | None = None  # the model itself (register())
         # the storage this run writes with first, then those it can also read (register())
         self.storages: tuple[Storage, ...] = ()
         # told of every save, on every rank: (path, step) -> None (the callbacks' on_checkpoint)
@@ -121,11 +123,13 @@ class Checkpointer:
         collective: every rank registers at the same point.
         """
         self.state = state
-        self.parts = {"model": ddp.unwrap(model), "optimizer": optimizer,
+        self.module = model = ddp.unwrap(model)  # the parts' model: all of it, or its adapters
+        self.parts = {"model": AdaptersOnly(model) if self.config.adapters_only else model,
+                      "optimizer": optimizer,
                       "scheduler": scheduler, "precision": precision, "ema": ema,
                       "data": data if isinstance(data, ResumableData) else None,
                       "callbacks": callbacks}
-        self.storages = storages_for(self.parts["model"], self.directory, self.config,
+        self.storages = storages_for(model, self.directory, self.config,
                                      self.runtime)
 
     @property
@@ -335,7 +339,7 @@ class Checkpointer:
         # changed by it, so a save (a preemption's) changes nothing a later evaluation reports,
         # and the model saved is the one behind the metrics (FSDP would save any rank's copy).
         ema = self.parts["ema"]
-        ddp.broadcast_buffers(self.parts["model"], *(ema.buffers() if ema else ()))
+        ddp.broadcast_buffers(self.module, *(ema.buffers() if ema else ()))
         # Every rank's RNG state (dropout, augmentation draws differ per rank), for exact resumes.
         rng_per_rank = group.gather_to_main(rng.get_rng_state())  # collective: all ranks
         path = self.storage.save(step, Content(self.parts, self.state_dict, rng_per_rank),

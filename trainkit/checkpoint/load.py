@@ -15,32 +15,36 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainkit.checkpoint.adapters import AdaptersOnly
 from trainkit.checkpoint.contents import check_weights_fit
 from trainkit.checkpoint.select import find_checkpoint, model_weights, read_checkpoint
 from trainkit.core.device import resolve_device
 from trainkit.core.errors import TrainkitError, chain_lines
+from trainkit.models.build import make_model
 
 MODEL_JSON = "model.json"
 
 
 def build_model(node: Mapping[str, Any], weights: Mapping[str, torch.Tensor], *,
-                path: Any = "?") -> nn.Module:
-    """The model a config node describes (``{"_target_": ..., **arguments}``), holding
-    ``weights`` (checked to fit first: one line naming what differs). ``path``: where the
-    weights come from, for the message."""
-    from hydra.utils import instantiate  # the config's own way to build it; only when called
-
+                path: Any = "?", adapters_only: bool = False) -> nn.Module:
+    """The model a config node describes (``{"_target_": ..., **arguments}``, and ``lora``),
+    holding ``weights`` (checked to fit first: one line naming what differs). ``path``: where the
+    weights come from, for the message. ``adapters_only``: ``weights`` are a LoRA run's
+    trainable tensors alone (``checkpoint.adapters_only``), the base built from the node."""
     if not isinstance(node, Mapping) or "_target_" not in node:
         raise TrainkitError(f"{path} names no model to build (no model._target_ in its config)")
     try:
-        model = instantiate(dict(node), _convert_="all")
+        model = make_model(node)
+    except TrainkitError:
+        raise
     except Exception as err:  # a class renamed, moved or uninstalled since the run
         raise TrainkitError(
             f"the model this run trained, model._target_={node['_target_']}, no longer builds "
             f"here: install or fix its module, or name another with model._target_=...",
             details=[f"weights: {path}", *chain_lines(err)]) from None
-    check_weights_fit(model.state_dict(), weights, key="ckpt", path=path)
-    model.load_state_dict(weights)
+    target = AdaptersOnly(model) if adapters_only else model
+    check_weights_fit(target.state_dict(), weights, key="ckpt", path=path)
+    target.load_state_dict(weights)
     return model
 
 
@@ -72,9 +76,10 @@ def load_model(source: str | Path, ckpt: str = "best", *, device: str | torch.de
             return model.to(target)
     else:
         state = read_checkpoint(find_checkpoint(source, ckpt))
-        chosen, _ = model_weights(state, weights)
-        model = build_model((state.get("config") or {}).get("model"), chosen,
-                            path=state["_path"])
+        chosen, which = model_weights(state, weights)
+        config = state.get("config") or {}
+        model = build_model(config.get("model"), chosen, path=state["_path"],
+                            adapters_only=_adapters_only(config, which))
     return model.to(target).eval()
 
 
@@ -94,3 +99,9 @@ def load_export(folder: str | Path) -> nn.Module:
     model = build_model(info["model"], tensors, path=file)
     dtype = getattr(torch, info["dtype"]) if info.get("dtype") else None
     return model.to(dtype) if dtype is not None else model
+
+
+def _adapters_only(config: Mapping[str, Any], weights: str) -> bool:
+    """Whether a checkpoint's chosen weights are a LoRA run's adapters alone (the EMA's are
+    whole)."""
+    return bool((config.get("checkpoint") or {}).get("adapters_only")) and weights != "ema"

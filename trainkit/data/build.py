@@ -13,6 +13,7 @@ from trainkit.core.errors import ConfigError
 from trainkit.core.runtime import Runtime
 from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
 from trainkit.data.gpu_decode import check_gpu_decode
+from trainkit.data.hf_text import hf_text_loaders
 from trainkit.data.loaders import make_loader
 from trainkit.data.memory import InMemoryLoader
 from trainkit.data.own_data import dataset_loaders, image_folder_loaders
@@ -65,6 +66,9 @@ def build_loaders(
     if cfg.name == "tokens":  # a token corpus: windows from memory-mapped files
         return token_loaders(cfg, runtime, seed=seed,  # type: ignore[return-value]
                              eval_max_batches=eval_max_batches)
+    if cfg.name == "hf_text":  # text tokenised for a Hugging Face model
+        return hf_text_loaders(cfg, runtime, seed=seed,  # type: ignore[return-value]
+                               eval_max_batches=eval_max_batches)
     own = {"seed": seed, "channels_last": channels_last, "train_transforms": train_transforms,
            "eval_transforms": eval_transforms}
     if cfg.name == "webdataset":  # image shards streamed by every rank and worker
@@ -78,7 +82,7 @@ def build_loaders(
                                    **own)
     elif cfg.name not in READERS:
         raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(READERS)}, "
-                          "image_folder, tokens, webdataset; "
+                          "image_folder, tokens, webdataset, hf_text; "
                           "for your own dataset set dataset._target_ (see the README)")
     else:
         read = READERS[cfg.name]

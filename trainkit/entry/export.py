@@ -9,6 +9,10 @@ normalisation inside: it loads with torch alone (``torch.export.load``). The dat
 its facts (mean/std, image size, classes): ``data.root=...`` where it moved. Exit status: 0 when
 written, 2 on bad input (nothing written, an existing folder left as it is). Without ckpt=: ``best``
 where the run kept one, else ``last``.
+
+A Hugging Face text model's run (``model=hf``) exports its LoRA adapters merged into the weights,
+with its tokenizer (:mod:`trainkit.checkpoint.text_export`); ``--adapters`` writes a LoRA run's
+adapters alone in PEFT's format (default folder ``RUN_DIR/export_<ckpt>_adapters``).
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ from omegaconf import OmegaConf
 from trainkit.checkpoint.contents import trainkit_version
 from trainkit.checkpoint.export import DTYPES, FORMATS, export
 from trainkit.checkpoint.select import WEIGHTS
+from trainkit.checkpoint.text_export import export_adapters, export_text
 from trainkit.core.errors import TrainkitError, command_name
+from trainkit.data.classes import read_classes
+from trainkit.data.hf_text import load_tokenizer
 from trainkit.entry.errors import errors_as_one_line
-from trainkit.entry.rebuild import image_source, rebuild, split_args
+from trainkit.entry.rebuild import Rebuilt, image_source, rebuild, split_args
 
-USAGE = "RUN_DIR [ckpt=best|last|step_N|PATH] [--format F] [--dtype D] [--weights W] [--out DIR]"
+USAGE = ("RUN_DIR [ckpt=best|last|step_N|PATH] [--format F] [--dtype D] [--weights W] "
+         "[--out DIR] [--adapters]")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,29 +46,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", default="auto", choices=WEIGHTS,
                         help="auto: the EMA's when the run kept one")
     parser.add_argument("--out", type=Path, help="the folder to write (must not exist)")
+    parser.add_argument("--adapters", action="store_true",
+                        help="a LoRA run: its adapters alone, in PEFT's format")
     parser.add_argument("args", nargs="*", help="RUN_DIR, ckpt=..., config overrides")
     args = parser.parse_intermixed_args(argv)
     with errors_as_one_line():
         out = export_run(args.args, fmt=args.format, dtype=args.dtype, weights=args.weights,
-                         out=args.out)
+                         out=args.out, adapters=args.adapters)
         print(f"wrote {out}")
     return 0
 
 
 def export_run(args: list[str], *, fmt: str = "safetensors", dtype: str = "fp32",
-               weights: str = "auto", out: Path | None = None) -> Path:
+               weights: str = "auto", out: Path | None = None, adapters: bool = False) -> Path:
     """Export the run ``args`` names (``RUN_DIR [ckpt=...] [overrides]``); return the folder."""
     run_dir, options, overrides = split_args(args, {"ckpt": ""}, USAGE)
     if out is not None and out.exists():  # before the slow part; export() checks again
         raise TrainkitError(f"export folder {out} exists: remove it, or give another --out")
     run = rebuild(run_dir, options["ckpt"], weights, overrides)
-    out = out if out is not None else run_dir / f"export_{run.name}"
+    out = out if out is not None else run_dir / f"export_{run.name}{'_adapters' * adapters}"
+    if adapters or run.settings.data.name == "hf_text":  # a Hugging Face model, or adapters
+        return export_text_run(run, out, fmt=fmt, dtype=dtype, adapters=adapters)
     inputs, _ = image_source(run)  # mean/std, image size, classes
     info = {"model": OmegaConf.to_container(run.cfg.model, resolve=True),
             "weights": run.weights,
             "checkpoint": {"ckpt": run.name, "path": run.state["_path"], "step": run.step},
             "manifest": run.state.get("manifest"), "exported_by": f"trainkit {trainkit_version()}"}
     return export(run.model, out, fmt=fmt, dtype=dtype, inputs=inputs, info=info)
+
+
+def export_text_run(run: Rebuilt, out: Path, *, fmt: str, dtype: str, adapters: bool) -> Path:
+    """A text model's export (:mod:`trainkit.checkpoint.text_export`): merged, with its
+    tokenizer, or (``adapters``) its LoRA adapters alone."""
+    data = run.settings.data
+    tokenizer = load_tokenizer(data.tokenizer) if data.name == "hf_text" else None
+    if adapters:
+        return export_adapters(run.model, out, tokenizer=tokenizer)
+    node = OmegaConf.to_container(run.cfg.model, resolve=True)
+    node.pop("lora", None)  # merged: the plain model
+    classes = read_classes(run.state) or read_classes(run.run_dir)
+    info = {"model": node, "weights": run.weights,
+            "checkpoint": {"ckpt": run.name, "path": run.state["_path"], "step": run.step},
+            "classes": classes, "num_classes": len(classes) if classes else None,
+            "seq_len": data.seq_len, "manifest": run.state.get("manifest"),
+            "exported_by": f"trainkit {trainkit_version()}"}
+    return export_text(run.model, out, fmt=fmt, dtype=dtype, tokenizer=tokenizer,
+                       seq_len=data.seq_len, info=info)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """``trainkit predict RUN_DIR inputs=FOLDER|test|train out=FILE [ckpt=best] [topk=5]
-[predict=pkg.module.function] [key=value ...]``.
+[predict=pkg.module.function] [max_new_tokens=50] [key=value ...]``.
 
 Runs a finished run's model over a folder of images (``.png``/``.jpg``/..., its subfolders' too, in
 sorted order, read as the run read its evaluation images -- an image-folder run's resize and centre
@@ -15,6 +15,11 @@ as in training, it gets no row and is said and counted instead. Under
 torchrun each rank predicts its share and rank 0 writes the rows in order. Exit status: 0 when
 written, 2 on bad input (an existing ``out`` is left as it is). Without ckpt=: ``best`` where the
 run kept one, else ``last``.
+
+A Hugging Face text run (``model=hf``, ``data=hf_text``) predicts over texts: ``inputs=test|train``
+(its split's texts) or a text file (one input a line). A classifier's rows are ``{"input": text,
+"classes", "probs"}``; a causal language model's ``{"input": prompt, "text": continuation}``
+(greedy, ``max_new_tokens=50``).
 """
 
 from __future__ import annotations
@@ -50,9 +55,9 @@ from trainkit.entry.rebuild import (
 from trainkit.loop.precision import Precision
 
 USAGE = ("RUN_DIR inputs=FOLDER|test|train out=FILE.jsonl|FILE.pt [ckpt=best] [topk=5] "
-         "[predict=pkg.module.function] [key=value ...]")
+         "[predict=pkg.module.function] [max_new_tokens=50] [key=value ...]")
 OPTIONS = {"ckpt": "", "weights": "auto", "inputs": "", "out": "", "topk": "5",
-           "predict": ""}
+           "predict": "", "max_new_tokens": "50"}
 
 # What predict runs over: its inputs' names (paths or indices), a reader of one uint8 image by
 # index (raises UnreadableImage), and what the model takes (mean/std, size, classes)
@@ -84,6 +89,8 @@ def predict_run(run_dir: Path, options: dict[str, str], overrides: Sequence[str]
     runtime = Runtime.from_env(run.settings.trainer.device)
     use_device(runtime.device)
     group.init_process_group(runtime)
+    if run.settings.data.name == "hf_text":  # texts in, labels or generated text out
+        return _predict_text(run, options, runtime)
     names, read, inputs = _source(options["inputs"], run)
     model = Normalized(run.model, inputs).to(runtime.device).eval()
     precision = Precision(run.settings.trainer.precision, runtime.device)
@@ -128,6 +135,52 @@ def _readable(read: Callable[[int], torch.Tensor], index: list[int], names: list
             continue
         kept.append(i)
     return kept, images
+
+
+def _predict_text(run: Any, options: dict[str, str], runtime: Runtime) -> dict[str, Any] | None:
+    """A Hugging Face text run's rows (:func:`trainkit.models.hf.classify` or ``generate``)
+    over ``inputs=test|train`` (the run's split's texts) or a text file (one input a line)."""
+    from trainkit.data.classes import read_classes
+    from trainkit.data.hf_text import EVAL_SPLITS, load_tokenizer, read_splits
+    from trainkit.models import hf
+
+    data, spec = run.settings.data, options["inputs"]
+    if options["out"].endswith(".pt"):
+        raise TrainkitError(f"out={options['out']}: a text model's predictions are rows; give "
+                            "a .jsonl file")
+    if spec in ("test", "train"):
+        splits = read_splits(data.root)
+        name = spec if spec == "train" else next(s for s in EVAL_SPLITS if s in splits)
+        texts = list(splits[name][data.text_column])
+    elif Path(spec).is_file():
+        texts = [line for line in Path(spec).read_text(encoding="utf-8").splitlines() if line]
+    else:
+        raise TrainkitError(f"inputs={spec}: give a text file (one input a line), or test or "
+                            "train for a split of the run's data")
+    try:
+        topk, new_tokens = int(options["topk"]), int(options["max_new_tokens"])
+    except ValueError:
+        raise TrainkitError(f"topk={options['topk']}, max_new_tokens="
+                            f"{options['max_new_tokens']}: give whole numbers") from None
+    tokenizer, model = load_tokenizer(data.tokenizer), run.model.to(runtime.device).eval()
+    classes = read_classes(run.state) or read_classes(run.run_dir)
+    generating = run.cfg.model.get("task") == "causal_lm"
+    mine = list(range(runtime.rank, len(texts), runtime.world_size))  # this rank's share
+    done: list[tuple[int, Any]] = []
+    for start in range(0, len(mine), data.eval_batch_size):
+        index = mine[start:start + data.eval_batch_size]
+        batch = [texts[i] for i in index]
+        rows = (hf.generate(model, tokenizer, batch, seq_len=data.seq_len,
+                            max_new_tokens=new_tokens) if generating
+                else hf.classify(model, tokenizer, batch, seq_len=data.seq_len,
+                                 classes=classes, topk=topk))
+        done += zip(index, rows)
+    gathered = group.gather_to_main(done)
+    if gathered is None:
+        return None
+    ordered = sorted((pair for part in gathered for pair in part), key=lambda pair: pair[0])
+    return {"inputs": [texts[i] for i, _ in ordered], "rows": [row for _, row in ordered],
+            "raw": False}
 
 
 def _source(spec: str, run: Any) -> Source:

@@ -89,7 +89,8 @@ def rebuild(run_dir: Path, ckpt: str, weights: str, overrides: Sequence[str]) ->
                           OmegaConf.from_dotlist(list(overrides)))
     settings: TrainConfig = OmegaConf.to_object(cfg)
     chosen, which = model_weights(state, weights)
-    model = build_model(OmegaConf.to_container(cfg.model, resolve=True), chosen, path=path)
+    model = build_model(OmegaConf.to_container(cfg.model, resolve=True), chosen, path=path,
+                        adapters_only=settings.checkpoint.adapters_only and which == "raw")
     name = path.name.removesuffix(".pt") if not ckpt or path == Path(ckpt) else ckpt
     name = re.sub(r"^step_0+(?=\d)", "step_", name)  # step_000000008 -> step_8, as ckpt= says
     return Rebuilt(Path(run_dir), name, state, cfg, settings, model.eval(), which)

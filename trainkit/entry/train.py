@@ -19,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from trainkit.checkpoint.adapters import check_adapters_only
 from trainkit.config import TrainConfig
 from trainkit.core.cuda_settings import use_device
 from trainkit.core.errors import ConfigError
@@ -34,6 +35,7 @@ from trainkit.entry.ranks import join_ranks
 from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
 from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused
 from trainkit.loop.trainer import Trainer
+from trainkit.models.build import make_model
 from trainkit.models.vision import for_channels
 from trainkit.observe.logging import setup_logging
 
@@ -118,7 +120,9 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
     train_data, val_data, num_classes = build_data(cfg, settings, runtime)
     with open_dict(cfg):  # a torchvision classifier's stem for grayscale data (recorded so)
         cfg.model = for_channels(cfg.model, settings.data.channels)
-    model = instantiate(cfg.model, _convert_="all")
+    model = make_model(OmegaConf.to_container(cfg.model, resolve=True))  # and model.lora
+    if settings.checkpoint.adapters_only:  # refused now, not once the run has begun
+        check_adapters_only(model, sharded=settings.trainer.strategy == "fsdp")
     optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
     criterion = build_criterion(cfg)  # the config's (e.g. label smoothing), or cross-entropy
     forward = build_forward(cfg)  # the config's (a language model's lm_forward), or the default

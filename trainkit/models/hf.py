@@ -1,0 +1,124 @@
+"""Hugging Face ``transformers`` models from a local folder (``model=hf model.path=DIR``).
+
+:func:`from_folder` builds a sequence classifier or a causal language model from a folder
+written by ``save_pretrained`` (offline: nothing is downloaded). Such a model computes its own
+loss when the batch carries ``labels``; :func:`hf_forward` and :func:`model_loss` are the
+``forward`` and ``loss`` that ``configs/model/hf.yaml`` sets, so the run trains on that loss and
+evaluates the logits without glue of your own. Needs ``pip install 'trainkit[finetune]'``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainkit.core.errors import ConfigError, TrainkitError, one_line
+from trainkit.data.hf_text import load_tokenizer, pad_id
+
+TASKS = ("classification", "causal_lm")
+
+
+def from_folder(path: str | None, task: str = "classification", num_labels: int | None = None
+                ) -> nn.Module:
+    """The model saved in folder ``path``, for ``task``.
+
+    Args:
+        path: a folder ``save_pretrained`` wrote (``config.json`` and the weights).
+        task: ``classification`` (``AutoModelForSequenceClassification``; a head of
+            ``num_labels`` classes, re-initialised where the folder's differs or is missing) or
+            ``causal_lm`` (``AutoModelForCausalLM``; ``num_labels``, the data's vocabulary,
+            must fit the model's).
+
+    Raises:
+        ConfigError: no such folder, no model in it, or an unknown task.
+    """
+    if not path:
+        raise ConfigError("model=hf needs model.path: the folder of the model (save_pretrained's "
+                          "config.json and weights), e.g. model.path=/models/bert-base")
+    transformers = _transformers()
+    folder = Path(path)
+    if task not in TASKS:
+        raise ConfigError(f"model.task={task!r}: use {TASKS[0]!r} or {TASKS[1]!r}")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"model.path={path}: no config.json there; give a folder that "
+                          "save_pretrained wrote (config.json and the weights)")
+    try:
+        if task == "causal_lm":
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        else:
+            model = transformers.AutoModelForSequenceClassification.from_pretrained(
+                folder, num_labels=num_labels, ignore_mismatched_sizes=True)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.path={path}: transformers cannot load it "
+                          f"({one_line(err, 120)})") from None
+    vocab = model.config.get_text_config().vocab_size
+    if task == "causal_lm" and num_labels is not None and num_labels > vocab:
+        raise ConfigError(f"the tokenizer has {num_labels} tokens but the model's vocabulary "
+                          f"{vocab}: give the tokenizer the model was trained with")
+    if model.config.pad_token_id is None:  # a batch's padding, found by the classifier
+        model.config.pad_token_id = pad_id(load_tokenizer(path, key="model.path"))
+    return model
+
+
+def hf_forward(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[Any, Any]:
+    """``model(**batch)`` -> its logits (carrying its own loss, for :func:`model_loss`) and the
+    labels. A causal LM's are shifted (position ``t`` predicts token ``t + 1``) and flattened,
+    so that accuracy metrics see ``[N, vocab]`` logits and ``[N]`` targets (padding: -100)."""
+    out = model(**batch)
+    logits, labels = out.logits, batch["labels"]
+    if labels.dim() == 2:  # a causal LM: token labels
+        logits, labels = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    logits.model_loss = out.loss  # the model's own loss of this batch
+    return logits, labels
+
+
+def model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss the model computed itself in :func:`hf_forward` (a ``loss`` node)."""
+    loss = getattr(logits, "model_loss", None)
+    if loss is None:
+        raise TrainkitError("loss=model_loss takes the loss a Hugging Face model computed in "
+                            "trainkit.models.hf.hf_forward: set forward to it (model=hf does)")
+    return loss
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise TrainkitError("Hugging Face models need transformers: pip install "
+                            "'trainkit[finetune]'") from None
+    return transformers
+
+
+@torch.no_grad()
+def classify(model: nn.Module, tokenizer: Any, texts: list[str], *, seq_len: int,
+             classes: list[str], topk: int) -> list[dict[str, Any]]:
+    """Rows ``{"input": text, "classes": the top-k names, "probs": their probabilities}``."""
+    device = next(model.parameters()).device
+    batch = tokenizer(texts, truncation=True, max_length=seq_len, padding=True,
+                      return_tensors="pt").to(device)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    probs, index = logits.float().softmax(-1).topk(min(topk, len(classes)), dim=-1)
+    return [{"input": text, "classes": [classes[i] for i in row.tolist()], "probs": p.tolist()}
+            for text, row, p in zip(texts, index.cpu(), probs.cpu())]
+
+
+@torch.no_grad()
+def generate(model: nn.Module, tokenizer: Any, prompts: list[str], *, seq_len: int,
+             max_new_tokens: int) -> list[dict[str, Any]]:
+    """Rows ``{"input": prompt, "text": its continuation}`` (greedy, at most
+    ``max_new_tokens`` tokens; the prompts padded on the left, as generation needs)."""
+    device = next(model.parameters()).device
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, truncation=True, max_length=seq_len, padding=True,
+                      return_tensors="pt").to(device)
+    out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad_id(tokenizer))
+    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:],
+                                   skip_special_tokens=True)
+    return [{"input": prompt, "text": text} for prompt, text in zip(prompts, texts)]
