@@ -151,6 +151,8 @@ BAD_INPUTS = [
     ("trainer.max_steps=-3", "trainer.max_steps must be >= -1"),
     ("trainer.max_epochs=-1", "trainer.max_epochs must be >= 1"),
     ("trainer.no_such_key=1", "no_such_key"),
+    # Hydra's advice after a typo, followed: the key is added, and nothing reads it
+    ("+trainer.max_step=20", "trainer.max_step is not a setting: did you mean trainer.max_steps?"),
     ("optim._target_=torch.optim.NoSuchOptimizer", "NoSuchOptimizer"),
 ]
 # These also print details before the last line: why CUDA is missing, the import error.

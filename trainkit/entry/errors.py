@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainkit.core.errors import TrainkitError, chain_lines, one_line, print_error
 from trainkit.core.signals import EXIT_PREEMPTED, StoppedOutsideTraining
+from trainkit.entry.keys import unknown_key_line
 from trainkit.observe.logging import log_to_file
 
 # Users who set HYDRA_FULL_ERROR=1 get full tracebacks; read before main() sets it for itself.
@@ -47,6 +48,9 @@ def errors_as_one_line() -> Iterator[None]:
             _fail(hydra_words(str(err.__cause__)), details=err.__cause__.details)
         if isinstance(err, InstantiationException):  # a `_target_` that fails to import or build
             _fail(_instantiate_message(err), details=chain_lines(err.__cause__ or err))
+        if "Could not override" in str(err) and (line := unknown_key_line(
+                getattr(err.__cause__, "full_key", None) or "")):  # a typo'd key, without +
+            _fail(line)
         _fail(f"config error: {_fold_hydra_message(err)}")
     except torch.cuda.OutOfMemoryError as err:  # before fit, which reports its own (status oom)
         if _SHOW_TRACEBACK:

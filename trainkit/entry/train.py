@@ -29,6 +29,7 @@ from trainkit.distributed import group, slurm
 from trainkit.distributed.slurm_requeue import requeue_after_stop
 from trainkit.entry.config_dir import config_dir
 from trainkit.entry.errors import errors_as_one_line
+from trainkit.entry.keys import check_known_keys
 from trainkit.entry.own_data import build_data, save_classes
 from trainkit.entry.ranks import join_ranks
 from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
@@ -46,6 +47,7 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
 
     ``stop_at_step`` stops after that step as a preemption would (for verify_resume).
     """
+    check_known_keys(cfg)  # a +key=value of a typo: refused, not saved and ignored
     settings: TrainConfig = OmegaConf.to_object(cfg)  # type checks done; ranges checked here
     runtime = Runtime.from_env(settings.trainer.device)
     use_device(runtime.device)  # current before anything touches CUDA (also cuda:1 alone)
