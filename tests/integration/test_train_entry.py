@@ -83,6 +83,14 @@ def test_train_log_holds_the_console_lines(finished_run: Path) -> None:
     assert "\r" not in text
 
 
+def test_a_limit_cutting_the_other_short_is_said_among_the_first_lines(
+        finished_run: Path) -> None:
+    # +exp=mnist's max_steps: 188 and this run's max_epochs=2 of 16 steps
+    first = (finished_run / "train.log").read_text().split(" step ")[0]
+    assert ("trainer.max_epochs=2 ends the run after 32 steps (16 an epoch), before "
+            "trainer.max_steps=188") in first
+
+
 def assert_epochs_count_from_1(log: str, per_epoch: int) -> set[int]:
     """Every step and evaluation line names step S's epoch as ceil(S / per_epoch); returns
     the epochs named. (Once an epoch's last step and its evaluation said the next epoch.)"""

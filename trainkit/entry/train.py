@@ -34,6 +34,7 @@ from trainkit.entry.own_data import build_data, save_classes
 from trainkit.entry.ranks import join_ranks
 from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
 from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused
+from trainkit.entry.run_length import length_notes
 from trainkit.loop.trainer import Trainer
 from trainkit.observe.logging import setup_logging
 
@@ -69,6 +70,9 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
     trainer = Trainer(settings.trainer, run_dir=run_dir, checkpoint=settings.checkpoint,
                       runtime=runtime, run_config=OmegaConf.to_container(cfg, resolve=True),
                       sinks=sinks, callbacks=callbacks)
+    if runtime.is_main:  # a limit that cuts another short, a warm-up longer than the run
+        for note in length_notes(settings.trainer, len(parts.train_data), cfg.sched):
+            log.warning(note)
     scheduler = None
     if cfg.sched is not None:
         total_steps = trainer.planned_steps(len(parts.train_data))

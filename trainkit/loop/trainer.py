@@ -181,7 +181,7 @@ class Trainer:
     def planned_steps(self, batches_per_epoch: int) -> int:
         """Optimizer steps this run will take: the smaller of the epoch and step limits."""
         per_epoch = steps_per_epoch(batches_per_epoch, self.config.accumulate_grad_batches)
-        by_epochs = per_epoch * self.config.max_epochs
+        by_epochs = per_epoch * self.config.epoch_limit
         return by_epochs if self.config.max_steps < 0 else min(by_epochs, self.config.max_steps)
 
     def prepare_model(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
@@ -212,7 +212,7 @@ class Trainer:
         if callbacks.handlers["on_checkpoint"]:
             self.checkpointer.on_saved = functools.partial(callbacks.fire, "on_checkpoint", self)
         self.checkpointer.start(total_steps)
-        finished = report.already_ended(total_steps, self.config.max_epochs)
+        finished = report.already_ended(total_steps, self.config.epoch_limit)
         if finished is not None:  # a re-run of an ended run: nothing to train or write
             return finished
         run = self._new_run(model, optimizer, ema, train_data, total_steps, report, **parts)
@@ -296,7 +296,7 @@ class Trainer:
         """Epochs of steps until done, stopped or preempted; the status and the last results."""
         self._start_training(run)
         state = self.state
-        while (state.global_step < run.total_steps and state.epoch < self.config.max_epochs
+        while (state.global_step < run.total_steps and state.epoch < self.config.epoch_limit
                and state.stop_reason is None):  # a run stopped by request is over
             set_epoch(run.data, state.epoch, state.batch_in_epoch)
             if self._epoch(run):
