@@ -129,6 +129,14 @@ def test_evaluate_best_reproduces_the_value_the_run_recorded_bitwise(run: Path) 
     assert result.stdout.strip().splitlines()[-1].startswith(f"best (step {best_step}, ema ")
 
 
+def test_summary_records_the_best_checkpoint_that_evaluate_best_reproduces(run: Path) -> None:
+    best = json.loads((run / "summary.json").read_text())["best"]
+    evaluated = evaluate_run(run, "best")
+    assert best == {"metric": "val/loss", "value": evaluated["metrics"]["val/loss"],
+                    "step": evaluated["step"], "path": str(run / "checkpoints" / "best.pt")}
+    assert best["step"] < 12  # by the highest val/loss: not the last step
+
+
 def test_evaluate_last_and_step_n_equal_the_summary_and_their_evaluations(run: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert evaluate_run(run, "last")["metrics"] == summary["metrics"]

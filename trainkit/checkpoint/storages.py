@@ -64,6 +64,10 @@ class Storage(Protocol):
         """The name of the newest complete checkpoint (for messages)."""
 
     @property
+    def best(self) -> Path:
+        """The name of the best checkpoint by ``checkpoint.monitor`` (summary.json's ``best``)."""
+
+    @property
     def in_flight(self) -> bool:
         """Whether a save is still being written and waits for :meth:`poll` to publish it."""
 
@@ -134,6 +138,10 @@ class FileStorage:
     @property
     def last(self) -> Path:
         return self.manager.last if self.manager is not None else Path("last.pt")
+
+    @property
+    def best(self) -> Path:
+        return self.manager.best if self.manager is not None else Path("best.pt")
 
     in_flight = False  # a background write blocks only the next save: nothing to publish
 

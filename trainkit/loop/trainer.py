@@ -262,6 +262,7 @@ class Trainer:
             self.checkpointer.close()  # a write still in flight ends whole, however fit ends
             self._watchdog.on_abort = None  # its report holds the run's data
         extra = {"stop_reason": self.state.stop_reason} if status == "stopped" else {}
+        extra["best"] = self.checkpointer.best()  # checkpoint.monitor's best.pt, or None
         summary = run.report.finish(status, results, **extra,
                                    **getattr(run.data, "report", dict)())  # data/skipped_files
         run.report.hparams(self.run_config or asdict(self.config), results)
