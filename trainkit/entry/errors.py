@@ -34,6 +34,17 @@ _BACKEND_ERROR = re.compile(r"gloo|nccl|c10d|ProcessGroup|(closed|reset) by peer
 _HYDRA_WORDS = ((re.compile(r"(?<=\s)run_dir(?![\w/.-])"), "hydra.run.dir"),)
 
 
+# How a stopped run resumes, for the abort line: the entry point sets the exact command where
+# re-running the same one would start a new run dir (set_resume_hint).
+_resume = ["re-run the same command to resume"]
+
+
+def set_resume_hint(words: str) -> str:
+    """Say ``words`` (``resume with: <command>``) where a line tells how to resume; returns them."""
+    _resume[0] = words
+    return words
+
+
 @contextlib.contextmanager
 def errors_as_one_line() -> Iterator[None]:
     """Turn user errors into a short last line (details before it), also written to train.log."""
@@ -69,8 +80,7 @@ def errors_as_one_line() -> Iterator[None]:
     except KeyboardInterrupt:  # a second Ctrl-C (or signal) while stopping: abort, no save
         if _SHOW_TRACEBACK:
             raise
-        _fail("aborted without saving; re-run the same command to resume from the last "
-              "checkpoint", status=130)
+        _fail(f"aborted without saving; {_resume[0]} from the last checkpoint", status=130)
     except Exception as err:  # a bug, not bad input: the traceback stays, and the log keeps it
         _log_traceback(err)
         raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trainkit.core.errors import TrainkitError, one_line
+from trainkit.core.errors import TrainkitError, command_name, one_line
 from trainkit.core.runtime import Runtime
 from trainkit.distributed.slurm_requeue import run_dir_name
 from trainkit.entry.errors import hydra_words
@@ -107,3 +108,43 @@ def name_run_after_slurm_job() -> None:
     name = run_dir_name()
     if name is not None:
         os.environ.setdefault(RUN_NAME_ENV, name)
+
+
+# Hydra overrides a resume command leaves out: the folder (it names its own), and what only a
+# multirun or another rank's start needs.
+_NOT_CARRIED = ("hydra.run.dir", "hydra.sweep.", "hydra.mode", "hydra.job.num", "hydra.job.id",
+                "hydra.output_subdir", "hydra/launcher", "hydra/sweeper")
+
+
+def resume_command(run_dir: str | Path) -> str | None:
+    """The command that resumes this run in ``run_dir``; None where re-running the same command
+    does (``hydra.run.dir`` given, or the folder named by ``TRAINKIT_RUN_NAME``, as under SLURM).
+
+    Hydra's default folder is new at every start (``outputs/<date>/<time>``), and so is a
+    multirun's: their resume command is the job's own overrides (Hydra's record of them) with
+    ``hydra.run.dir=<run_dir>``, started as this process was (``trainkit train``, ``python -m
+    trainkit.train``, under torchrun).
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra = HydraConfig.get()
+    given = list(hydra.overrides.hydra)
+    fixed = RUN_NAME_ENV in os.environ or any(o.startswith("hydra.run.dir=") for o in given)
+    if hydra.mode == RunMode.RUN and fixed:
+        return None
+    kept = [o for o in given if not o.lstrip("+~").startswith(_NOT_CARRIED)]
+    overrides = [*hydra.overrides.task, *kept, f"hydra.run.dir={run_dir}"]
+    return " ".join([_program(), *map(shlex.quote, overrides)])
+
+
+def _program() -> str:
+    """How this process was started: ``trainkit train`` or ``python -m trainkit.train``, after
+    torchrun's options where torchrun started it."""
+    program = command_name("trainkit.train")
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return program
+    local, world = os.environ.get("LOCAL_WORLD_SIZE", "1"), os.environ.get("WORLD_SIZE", "1")
+    nodes = "" if local == world else "--nnodes=<nodes> <your rendezvous options> "
+    module = f"--no-python {program}" if program.startswith("trainkit") else program[7:]
+    return f"torchrun {nodes}--nproc_per_node={local} {module}"

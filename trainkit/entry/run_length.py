@@ -1,4 +1,5 @@
-"""A run's length said where a limit or the schedule changes it: one line each, at the start.
+"""A run's length said where a limit or the schedule changes it: one line each, at the start
+(:class:`StartLines`, after the run's first line).
 
 ``trainer.max_steps`` alone is a run's length (``max_epochs`` null: no epoch limit; see
 :attr:`trainkit.config.TrainerConfig.epoch_limit`). Where both limits are set, the one that ends
@@ -9,8 +10,9 @@ A schedule's warm-up longer than the run leaves the learning rate still rising a
 
 from __future__ import annotations
 
+import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainkit.config import TrainerConfig
@@ -40,3 +42,18 @@ def length_notes(trainer: TrainerConfig, batches_per_epoch: int,
                      "learning rate is still warming up when the run ends; lower "
                      "sched.warmup_steps")
     return notes
+
+
+class StartLines:
+    """A callback that says ``info`` and ``warnings`` lines as training starts, after the run's
+    first line (what trains where, for how long)."""
+
+    def __init__(self, info: Sequence[str], warnings: Sequence[str]) -> None:
+        self.info, self.warnings = list(info), list(warnings)
+
+    def on_fit_start(self, trainer: Any) -> None:
+        log = logging.getLogger("trainkit")
+        for line in self.info:
+            log.info(line)
+        for line in self.warnings:
+            log.warning(line)

@@ -95,6 +95,8 @@ class Trainer:
         >>> summary["metrics"]["val/acc"]
     """
 
+    resume_hint = "re-run the same command to resume"  # a stop's words; the entry point's own
+
     def __init__(self, config: TrainerConfig | None = None, *, run_dir: str | Path | None = None,
                  checkpoint: CheckpointConfig | None = None, runtime: Runtime | None = None,
                  run_config: Mapping[str, Any] | None = None,
@@ -381,7 +383,7 @@ class Trainer:
         self.checkpointer.save(step, again=reason is not None)  # the state changed since
         (log.warning if self.runtime.is_main else log.info)(  # once per job
             f"stopped at step {step}: {reason}" if reason else
-            f"stopped at step {step}; re-run the same command to resume")
+            f"stopped at step {step}; {self.resume_hint}")
 
     @watched("evaluation")
     def _validate(self, run: Run) -> dict[str, float]:
