@@ -146,5 +146,6 @@ def _program() -> str:
         return program
     local, world = os.environ.get("LOCAL_WORLD_SIZE", "1"), os.environ.get("WORLD_SIZE", "1")
     nodes = "" if local == world else "--nnodes=<nodes> <your rendezvous options> "
-    module = f"--no-python {program}" if program.startswith("trainkit") else program[7:]
+    module = (f"--no-python {program}" if program.startswith("trainkit")
+              else program.removeprefix("python "))
     return f"torchrun {nodes}--nproc_per_node={local} {module}"
