@@ -8,6 +8,7 @@ turned into these objects (``OmegaConf.to_object``).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,9 +96,11 @@ class SpikeConfig:
 
 @dataclass
 class TrainerConfig:
-    """How to train. ``max_steps`` counts optimizer steps; -1 means no step limit."""
+    """How to train. ``max_steps`` counts optimizer steps; -1 means no step limit.
+    ``max_epochs``: null is one epoch, or no epoch limit when ``max_steps`` is set (Lightning's
+    rule: ``max_steps`` alone is then the run's length); :attr:`epoch_limit` is what counts."""
 
-    max_epochs: int = 1
+    max_epochs: int | None = None
     max_steps: int = -1
     precision: str = "32"
     accumulate_grad_batches: int = 1
@@ -143,7 +146,8 @@ class TrainerConfig:
             self.profile = ProfileConfig(**self.profile)
         if isinstance(self.spike, Mapping):
             self.spike = SpikeConfig(**self.spike)
-        _check_int("trainer.max_epochs", self.max_epochs, minimum=1)
+        if self.max_epochs is not None:
+            _check_int("trainer.max_epochs", self.max_epochs, minimum=1)
         _check_int("trainer.max_steps", self.max_steps, minimum=-1)
         if self.max_steps == 0:
             raise ConfigError("trainer.max_steps=0 trains nothing: use a positive number or -1")
@@ -202,6 +206,14 @@ class TrainerConfig:
         _check_bool("trainer.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward)
         _check_bool("trainer.advice", self.advice)
         _check_bool("trainer.slurm_requeue", self.slurm_requeue)
+
+    @property
+    def epoch_limit(self) -> int:
+        """The epochs the loop may run: ``max_epochs``, else 1 without ``max_steps`` and no
+        limit (``sys.maxsize``) with it."""
+        if self.max_epochs is not None:
+            return self.max_epochs
+        return 1 if self.max_steps < 0 else sys.maxsize
 
 
 @dataclass

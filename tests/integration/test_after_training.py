@@ -129,6 +129,31 @@ def test_evaluate_best_reproduces_the_value_the_run_recorded_bitwise(run: Path) 
     assert result.stdout.strip().splitlines()[-1].startswith(f"best (step {best_step}, ema ")
 
 
+def test_summary_records_the_best_checkpoint_that_evaluate_best_reproduces(run: Path) -> None:
+    best = json.loads((run / "summary.json").read_text())["best"]
+    evaluated = evaluate_run(run, "best")
+    assert best == {"metric": "val/loss", "value": evaluated["metrics"]["val/loss"],
+                    "step": evaluated["step"], "path": str(run / "checkpoints" / "best.pt")}
+    assert best["step"] < 12  # by the highest val/loss: not the last step
+
+
+def test_the_console_command_imports_the_current_folders_modules(run: Path,
+                                                                  tmp_path: Path) -> None:
+    """``trainkit evaluate`` (the installed console script, whose own folder is first on its
+    sys.path) finds a module of the folder it runs in, as ``python -m trainkit.train`` does."""
+    script = Path(sys.executable).parent / "trainkit"
+    assert script.is_file(), "the console script is installed with the package (make install)"
+    shutil.copytree(run, tmp_path / "run")
+    (tmp_path / "my_net.py").write_text("from trainkit.models import MnistNet as Net\n")
+    result = subprocess.run([str(script), "evaluate", "run", "ckpt=last",
+                             "model._target_=my_net.Net"], cwd=tmp_path,
+                            env=offline_env(PYTHONPATH=str(REPO)), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = json.loads((tmp_path / "run" / "eval_last.json").read_text())
+    assert record["metrics"] == json.loads((run / "summary.json").read_text())["metrics"]
+
+
 def test_evaluate_last_and_step_n_equal_the_summary_and_their_evaluations(run: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert evaluate_run(run, "last")["metrics"] == summary["metrics"]

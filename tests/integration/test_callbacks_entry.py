@@ -69,3 +69,19 @@ def test_bad_input_is_one_line_exit_2_and_keeps_the_checkpoint(
     if "Boom" in words:  # the line and the bug's traceback are in train.log too
         log = (run_dir / "train.log").read_text()
         assert last in log and "Traceback" in log and "ValueError: boom at step 3" in log
+
+
+def test_a_run_that_fails_in_training_is_listed_as_failed_with_its_error(
+        tmp_path: Path, mnist_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from trainkit.entry.runs import main as runs_main
+
+    run_dir = tmp_path / "runs" / "boom"
+    result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_steps=4",
+                                 "+callbacks.boom._target_=tests.helpers.callbacks.Boom"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary == {"status": "failed", "error": "callback Boom raised in on_step_end: "
+                       "ValueError: boom at step 1 (traceback in train.log)"}, summary
+    assert runs_main([str(tmp_path / "runs")]) == 0
+    row = capsys.readouterr().out.splitlines()[1]
+    assert row.split()[:2] == ["boom", "failed"] and row.endswith(summary["error"]), row

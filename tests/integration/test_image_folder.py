@@ -96,6 +96,12 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
 
 
 @pytest.mark.dist
+def test_done_line_names_the_split_it_measured(straight: Path) -> None:
+    """An image folder evaluates on its validation files: the last line says so, not "test"."""
+    done = (straight / "train.log").read_text().splitlines()[-1]
+    assert "done: validation accuracy " in done, done
+
+
 def test_two_ranks_under_torchrun_take_equal_batches(tmp_path: Path, folder: Path) -> None:
     counts = tmp_path / "counts"
     result = subprocess.run(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -225,3 +226,35 @@ def test_a_signal_during_the_epoch_end_evaluation_stops_before_another_step(
     again = run_train(*command)
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 20
+
+
+def test_a_stopped_run_in_hydras_default_folder_resumes_with_the_command_it_printed(
+        tmp_path: Path, mnist_root: Path) -> None:
+    """No hydra.run.dir: the same command would start a new outputs/<date>/<time>. The start
+    names the folder, and the stop line gives the command that resumes it there."""
+    # the model signals its own process (SIGTERM) at its 3rd training forward, in every attempt
+    overrides = ["+exp=mnist", f"data.root={mnist_root}", "data.verify=false",
+                 "data.download=false", "data.batch_size=32", "trainer.log_every_n_steps=1",
+                 *FLAT, "+model.fault=sigterm", "+model.fault_rank=0", "+model.fault_at=3",
+                 "trainer.max_steps=8"]
+
+    def train(command: list[str]) -> tuple[Path, str]:
+        result = subprocess.run(command, cwd=tmp_path, env=offline_env(PYTHONPATH=str(REPO)),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                timeout=300)
+        assert result.returncode == 75, result.stdout[-3000:]
+        run_dirs = [p.parent for p in tmp_path.glob("outputs/*/*/summary.json")]
+        assert len(run_dirs) == 1, run_dirs  # one folder, also after the resume
+        return run_dirs[0], result.stdout
+
+    run_dir, said = train([sys.executable, "-m", "trainkit.train", *overrides])
+    assert f"run dir {run_dir}; after a stop, resume with: python -m trainkit.train" in said
+    last = said.rstrip().splitlines()[-1]
+    assert "stopped at step 3; resume with: python -m trainkit.train " in last, last
+    command = shlex.split(last.split("resume with: ", 1)[1])
+    assert command[:3] == ["python", "-m", "trainkit.train"]
+    assert command[-1] == f"hydra.run.dir={run_dir}"
+    again, said = train([sys.executable, *command[1:]])
+    assert again == run_dir
+    assert "resumed from" in said and "at step 3" in said
+    assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 6

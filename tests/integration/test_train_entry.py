@@ -83,6 +83,14 @@ def test_train_log_holds_the_console_lines(finished_run: Path) -> None:
     assert "\r" not in text
 
 
+def test_a_limit_cutting_the_other_short_is_said_among_the_first_lines(
+        finished_run: Path) -> None:
+    # +exp=mnist's max_steps: 188 and this run's max_epochs=2 of 16 steps
+    first = (finished_run / "train.log").read_text().split(" step ")[0]
+    assert ("trainer.max_epochs=2 ends the run after 32 steps (16 an epoch), before "
+            "trainer.max_steps=188") in first
+
+
 def assert_epochs_count_from_1(log: str, per_epoch: int) -> set[int]:
     """Every step and evaluation line names step S's epoch as ceil(S / per_epoch); returns
     the epochs named. (Once an epoch's last step and its evaluation said the next epoch.)"""
@@ -151,6 +159,8 @@ BAD_INPUTS = [
     ("trainer.max_steps=-3", "trainer.max_steps must be >= -1"),
     ("trainer.max_epochs=-1", "trainer.max_epochs must be >= 1"),
     ("trainer.no_such_key=1", "no_such_key"),
+    # Hydra's advice after a typo, followed: the key is added, and nothing reads it
+    ("+trainer.max_step=20", "trainer.max_step is not a setting: did you mean trainer.max_steps?"),
     ("optim._target_=torch.optim.NoSuchOptimizer", "NoSuchOptimizer"),
 ]
 # These also print details before the last line: why CUDA is missing, the import error.

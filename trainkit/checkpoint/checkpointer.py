@@ -59,6 +59,7 @@ class LoopState(Protocol):
     epoch: int
     batch_in_epoch: int
     best_metric: float | None
+    best_step: int | None
     planned_steps: int
 
     @property
@@ -302,7 +303,17 @@ class Checkpointer:
     def evaluated(self, results: Mapping[str, float], step: int) -> None:
         """Keep ``best.pt`` when ``checkpoint.monitor`` improved."""
         if self._improved(results):
+            self.state.best_step = step
             self.save(step, best=True)
+
+    def best(self) -> dict[str, Any] | None:
+        """summary.json's ``best``: ``checkpoint.monitor``'s best value, the step it was
+        measured at and the checkpoint kept of it; None without a monitor or a best yet."""
+        if not (self.config.monitor and self.storages and self.state is not None
+                and self.state.best_step is not None):
+            return None
+        return {"metric": self.config.monitor, "value": self.state.best_metric,
+                "step": self.state.best_step, "path": str(self.storage.best)}
 
     def _improved(self, results: Mapping[str, float]) -> bool:
         monitor = self.config.monitor

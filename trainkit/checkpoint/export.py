@@ -127,6 +127,9 @@ def _write_weights(model: nn.Module, path: Path, fmt: str, dtype: torch.dtype,
     from safetensors.torch import save_file
 
     save_file(weights, path)
+    # safetensors writes its file 0600; the folder was made with the umask's mode (mkdir): the
+    # file gets that, as model.json and the pt/pt2 files do
+    path.chmod(path.parent.stat().st_mode & 0o666)
 
 
 def program(model: nn.Module, inputs: Inputs, dtype: torch.dtype = torch.float32

@@ -86,6 +86,10 @@ class RemoteCheckpoints:
     def last(self) -> str:
         return self._url(self.layout.last)
 
+    @property
+    def best(self) -> str:
+        return self._url(self.layout.best)
+
     def step_path(self, step: int) -> str:
         return self._url(self.layout.step_path(step))
 

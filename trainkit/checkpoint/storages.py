@@ -66,6 +66,11 @@ class Storage(Protocol):
         """The name of the newest complete checkpoint (for messages; a URL's is a string)."""
 
     @property
+    def best(self) -> Path | str:
+        """The name of the best checkpoint by ``checkpoint.monitor`` (summary.json's ``best``;
+        a URL's is a string)."""
+
+    @property
     def in_flight(self) -> bool:
         """Whether a save is still being written and waits for :meth:`poll` to publish it."""
 
@@ -147,6 +152,10 @@ class FileStorage:
     @property
     def last(self) -> Path | str:
         return self.manager.last if self.manager is not None else Path("last.pt")
+
+    @property
+    def best(self) -> Path | str:
+        return self.manager.best if self.manager is not None else Path("best.pt")
 
     in_flight = False  # a background write blocks only the next save: nothing to publish
 
@@ -236,6 +245,10 @@ class ShardedStorage:
     @property
     def last(self) -> Path:
         return self._dirs.last if self._dirs is not None else Path("last")
+
+    @property
+    def best(self) -> Path:
+        return self._dirs.best if self._dirs is not None else Path("best")
 
     @property
     def in_flight(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterable
 
@@ -72,6 +73,13 @@ def command_name(module: str) -> str:
     console command started it (which puts that in ``sys.argv[0]``), else ``python -m <module>``.
     """
     return sys.argv[0] if sys.argv[0].startswith("trainkit ") else f"python -m {module}"
+
+
+def help_text(doc: str | None) -> str:
+    """A module docstring as a command's ``--help`` shows it: plain text, without reST's double
+    backticks and roles (``:mod:`trainkit.x``` -> ``trainkit.x``)."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc or "")
+    return text.replace("``", "")
 
 
 def _cut(text: str, limit: int) -> str:

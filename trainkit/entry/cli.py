@@ -8,6 +8,7 @@ torchrun: ``torchrun --nproc_per_node=2 --no-python trainkit train +exp=cifar``.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # command -> (module whose main() runs it, what it does)
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
         return 0 if args and args[0] in ("-h", "--help") else 2
     command, rest = args[0], args[1:]
+    _current_folder_importable()
     module = importlib.import_module(COMMANDS[command][0])
     # The name its usage line shows (trainkit.core.errors.command_name); Hydra reads the overrides
     # from sys.argv itself.
@@ -57,6 +59,16 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.main(rest) or 0)
     finally:
         sys.argv = argv_before
+
+
+def _current_folder_importable() -> None:
+    """The current folder first on ``sys.path``, as ``python -m`` puts it there: the console
+    script's own first entry is its ``bin/`` folder, so ``dataset._target_=my_project.data...``
+    imported under ``python -m trainkit.train`` failed under ``trainkit evaluate`` (and
+    ``export``, ``predict``, ``train``) from the same folder."""
+    here = os.getcwd()
+    if not {"", ".", here} & set(sys.path):
+        sys.path.insert(0, here)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from trainkit.core.errors import TrainkitError, chain_lines, one_line, print_error
 from trainkit.core.signals import EXIT_PREEMPTED, StoppedOutsideTraining
+from trainkit.entry.keys import unknown_key_line
 from trainkit.observe.logging import log_to_file
 
 # Users who set HYDRA_FULL_ERROR=1 get full tracebacks; read before main() sets it for itself.
@@ -31,6 +32,17 @@ _BACKEND_ERROR = re.compile(r"gloo|nccl|c10d|ProcessGroup|(closed|reset) by peer
 # The library's words for settings the entry point sets through Hydra (a word of its own: a path
 # that holds "run_dir" is left alone).
 _HYDRA_WORDS = ((re.compile(r"(?<=\s)run_dir(?![\w/.-])"), "hydra.run.dir"),)
+
+
+# How a stopped run resumes, for the abort line: the entry point sets the exact command where
+# re-running the same one would start a new run dir (set_resume_hint).
+_resume = ["re-run the same command to resume"]
+
+
+def set_resume_hint(words: str) -> str:
+    """Say ``words`` (``resume with: <command>``) where a line tells how to resume; returns them."""
+    _resume[0] = words
+    return words
 
 
 @contextlib.contextmanager
@@ -49,6 +61,9 @@ def errors_as_one_line() -> Iterator[None]:
             _fail(_instantiate_message(err), details=chain_lines(err.__cause__ or err))
         if isinstance(err, MissingMandatoryValue) and getattr(err, "full_key", None):
             _fail(_missing_message(str(err.full_key)))
+        if "Could not override" in str(err) and (line := unknown_key_line(
+                getattr(err.__cause__, "full_key", None) or "")):  # a typo'd key, without +
+            _fail(line)
         _fail(f"config error: {_fold_hydra_message(err)}")
     except torch.cuda.OutOfMemoryError as err:  # before fit, which reports its own (status oom)
         if _SHOW_TRACEBACK:
@@ -67,8 +82,7 @@ def errors_as_one_line() -> Iterator[None]:
     except KeyboardInterrupt:  # a second Ctrl-C (or signal) while stopping: abort, no save
         if _SHOW_TRACEBACK:
             raise
-        _fail("aborted without saving; re-run the same command to resume from the last "
-              "checkpoint", status=130)
+        _fail(f"aborted without saving; {_resume[0]} from the last checkpoint", status=130)
     except Exception as err:  # a bug, not bad input: the traceback stays, and the log keeps it
         _log_traceback(err)
         raise

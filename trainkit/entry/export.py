@@ -27,7 +27,7 @@ from trainkit.checkpoint.contents import trainkit_version
 from trainkit.checkpoint.export import DTYPES, FORMATS, export
 from trainkit.checkpoint.select import WEIGHTS
 from trainkit.checkpoint.text_export import export_adapters, export_text
-from trainkit.core.errors import TrainkitError, command_name
+from trainkit.core.errors import TrainkitError, command_name, help_text
 from trainkit.data.classes import read_classes
 from trainkit.data.hf_text import load_tokenizer
 from trainkit.entry.errors import errors_as_one_line
@@ -40,7 +40,7 @@ USAGE = ("RUN_DIR [ckpt=best|last|step_N|PATH] [--format F] [--dtype D] [--weigh
 def main(argv: list[str] | None = None) -> int:
     """Run ``trainkit export``; return its exit status."""
     parser = argparse.ArgumentParser(prog=command_name("trainkit.export"), usage=f"%(prog)s "
-                                     f"{USAGE}", description=__doc__.split("\n\n")[1])
+                                     f"{USAGE}", description=help_text(__doc__.split("\n\n")[1]))
     parser.add_argument("--format", default="safetensors", choices=FORMATS)
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     parser.add_argument("--weights", default="auto", choices=WEIGHTS,

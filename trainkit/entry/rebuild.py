@@ -24,7 +24,7 @@ from trainkit.checkpoint.export import Inputs
 from trainkit.checkpoint.load import build_model
 from trainkit.checkpoint.select import find_checkpoint, model_weights, read_checkpoint
 from trainkit.config import TrainConfig
-from trainkit.core.errors import ConfigError, TrainkitError, command_name, one_line
+from trainkit.core.errors import ConfigError, TrainkitError, command_name, help_text, one_line
 from trainkit.data.build import READERS
 from trainkit.data.datasets import TensorData
 from trainkit.loop.step import default_forward
@@ -52,7 +52,7 @@ def usage_status(args: Sequence[str], module: str, usage: str, doc: str | None) 
     (to stdout: 0); None when the command should run."""
     if args and args[0] not in ("-h", "--help"):
         return None
-    print(f"usage: {command_name(module)} {usage}\n\n{doc}",
+    print(f"usage: {command_name(module)} {usage}\n\n{help_text(doc)}",
           file=sys.stdout if args else sys.stderr)
     return 0 if args else 2
 

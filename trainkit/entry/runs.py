@@ -3,8 +3,9 @@
 A run dir is a folder with Hydra's ``.hydra/config.yaml`` (what the entry point writes first).
 Each row: the run's overrides that differ between the runs (``optim.lr``), its status and step
 (``summary.json``; ``running?`` without one: still running, or killed), its monitored metric
-(``checkpoint.monitor``, best first by ``checkpoint.mode``), then its other metrics. ``--csv``
-prints the same as comma-separated values, for scripts.
+(``checkpoint.monitor``, best first by ``checkpoint.mode``), its best checkpoint's value and step
+(summary.json's ``best``), then its other metrics; a ``failed`` run's error line comes last.
+``--csv`` prints the same as comma-separated values, for scripts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trainkit.core.errors import TrainkitError, command_name, print_error
 from trainkit.observe.summary import read_summary
@@ -32,6 +34,8 @@ class Run:
     monitor: str | None
     mode: str
     metrics: dict[str, float]
+    best: dict[str, Any] | None = None  # summary.json's: {metric, value, step, path}
+    error: str = ""  # a failed run's error line
 
     @property
     def value(self) -> float | None:
@@ -59,7 +63,8 @@ def find_runs(root: Path) -> list[Run]:
             status=summary.get("status", "running?"), step=summary.get("global_step"),
             monitor=checkpoint.get("monitor"), mode=checkpoint.get("mode", "max"),
             metrics={k: v for k, v in (summary.get("metrics") or {}).items()
-                     if isinstance(v, (int, float))}))
+                     if isinstance(v, (int, float))},
+            best=summary.get("best") or None, error=str(summary.get("error") or "")))
     return runs
 
 
@@ -83,14 +88,23 @@ def table(runs: list[Run], root: Path) -> tuple[list[str], list[list[str]]]:
     differing = [k for k in keys if len({run.overrides.get(k) for run in runs}) > 1]
     monitors = sorted({run.monitor for run in runs if run.monitor})
     others = sorted({m for run in runs for m in run.metrics} - set(monitors))
-    header = ["run", *differing, "status", "step", *monitors, *others]
+    best = ["best (step)"] if any(run.best for run in runs) else []
+    error = ["error"] if any(run.error for run in runs) else []
+    header = ["run", *differing, "status", "step", *monitors, *best, *others, *error]
     rows = []
     for run in best_first(runs):
         name = str(run.path.relative_to(root)) if run.path != root else "."
         rows.append([name, *(run.overrides.get(k, "") for k in differing), run.status,
                      "" if run.step is None else str(run.step),
-                     *(_number(run.metrics.get(m)) for m in [*monitors, *others])])
+                     *(_number(run.metrics.get(m)) for m in monitors),
+                     *([_best(run.best)] if best else []),
+                     *(_number(run.metrics.get(m)) for m in others),
+                     *([run.error] if error else [])])
     return header, rows
+
+
+def _best(best: dict[str, Any] | None) -> str:
+    return f"{_number(best.get('value'))} ({best.get('step')})" if best else ""
 
 
 def _number(value: float | None) -> str:

@@ -29,11 +29,13 @@ from trainkit.core.signals import EXIT_PREEMPTED, Preemption, stop_outside_train
 from trainkit.distributed import group, slurm
 from trainkit.distributed.slurm_requeue import requeue_after_stop
 from trainkit.entry.config_dir import config_dir, schema
-from trainkit.entry.errors import errors_as_one_line
+from trainkit.entry.errors import errors_as_one_line, set_resume_hint
+from trainkit.entry.keys import check_known_keys
 from trainkit.entry.own_data import build_data, save_classes
 from trainkit.entry.ranks import join_ranks
 from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
-from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused
+from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused, resume_command
+from trainkit.entry.run_length import StartLines, length_notes
 from trainkit.loop.trainer import Trainer
 from trainkit.models.build import make_model
 from trainkit.models.vision import for_channels
@@ -43,12 +45,15 @@ CONFIG_DIR = str(config_dir())
 ConfigStore.instance().store(name="train_schema", node=schema())
 
 
-def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = None
-          ) -> dict[str, Any]:
+def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = None,
+          resume: str | None = None) -> dict[str, Any]:
     """Run one training job described by a composed config; return its summary.
 
     ``stop_at_step`` stops after that step as a preemption would (for verify_resume).
+    ``resume``: the command that resumes the run after a stop, where re-running this one would
+    not (:func:`~trainkit.entry.run_dir.resume_command`); said at the start and at a stop.
     """
+    check_known_keys(cfg)  # a +key=value of a typo: refused, not saved and ignored
     settings: TrainConfig = OmegaConf.to_object(cfg)  # type checks done; ranges checked here
     runtime = Runtime.from_env(settings.trainer.device)
     use_device(runtime.device)  # current before anything touches CUDA (also cuda:1 alone)
@@ -64,12 +69,19 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
     # Your callbacks: a `callbacks` node of name -> `_target_` (null drops one), on every rank.
     callbacks = [instantiate(node, _convert_="all")
                  for node in (cfg.get("callbacks") or {}).values() if node is not None]
+    # after the run's first line: its folder, how it resumes, what changes its length
+    callbacks.append(StartLines(
+        [f"run dir {run_dir}" + (f"; after a stop, resume with: {resume}" if resume else "")],
+        length_notes(settings.trainer, len(parts.train_data), cfg.sched) if runtime.is_main
+        else []))
     for callback in callbacks:  # one that samples from the model (PrintSample) gets it
         if hasattr(callback, "set_model"):
             callback.set_model(parts.model)
     trainer = Trainer(settings.trainer, run_dir=run_dir, checkpoint=settings.checkpoint,
                       runtime=runtime, run_config=OmegaConf.to_container(cfg, resolve=True),
                       sinks=sinks, callbacks=callbacks)
+    if resume:  # the stop line's "re-run the same command" would start a new run dir
+        trainer.resume_hint = set_resume_hint(f"resume with: {resume}")
     scheduler = None
     if cfg.sched is not None:
         total_steps = trainer.planned_steps(len(parts.train_data))
@@ -88,15 +100,20 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
     if summary["status"] == "stopped":
         log.info("done: stopped at step %d (%s); run dir %s", summary["global_step"],
                  summary["stop_reason"], run_dir)
-    if summary["status"] == "completed" and "val/acc" not in summary["metrics"]:
-        log.info("done: val/loss %.4f after %d steps in %.1f s; run dir %s",
-                 summary["metrics"].get("val/loss", float("nan")), summary["global_step"],
-                 summary["wall_time_s"], run_dir)
-    elif summary["status"] == "completed":
-        log.info("done: test accuracy %.4f after %d steps in %.1f s; run dir %s",
-                 summary["metrics"].get("val/acc", float("nan")), summary["global_step"],
-                 summary["wall_time_s"], run_dir)
+    if summary["status"] == "completed":
+        log.info("done: %s after %d steps in %.1f s; run dir %s", final_result(cfg, summary),
+                 summary["global_step"], summary["wall_time_s"], run_dir)
     return summary
+
+
+def final_result(cfg: DictConfig, summary: dict[str, Any]) -> str:
+    """The done line's result, named for the split it was measured on: MNIST's and CIFAR-10's
+    evaluation is their test split; every other source's is a validation split."""
+    metrics = summary["metrics"]
+    if "val/acc" not in metrics:
+        return f"val/loss {metrics.get('val/loss', float('nan')):.4f}"
+    test = cfg.get("dataset") is None and cfg.data.name in ("mnist", "cifar10")
+    return f"{'test' if test else 'validation'} accuracy {metrics['val/acc']:.4f}"
 
 
 class RunParts(NamedTuple):
@@ -142,10 +159,10 @@ def _hydra_main(cfg: DictConfig) -> None:
         # that one already, and an elastic restart's is the first attempt's: all get the same.
         run_dir = group.shared_run_dir(HydraConfig.get().runtime.output_dir)
         with removed_if_unused(run_dir):  # a config error leaves no folder of Hydra's files only
-            summary = train(cfg, run_dir)
+            summary = train(cfg, run_dir, resume=resume_command(run_dir))
     group.shutdown()
     if summary["status"] == "preempted":
-        sys.exit(EXIT_PREEMPTED)  # documented: checkpoint saved, re-run the command to resume
+        sys.exit(EXIT_PREEMPTED)  # documented: checkpoint saved; the stop line says how to resume
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ class TrainState:
     nonfinite_steps: int = 0
     nonfinite_streak: int = 0
     best_metric: float | None = None  # of checkpoint.monitor
+    best_step: int | None = None  # the step best_metric was measured at (best.pt's)
     planned_steps: int = 0  # the run's length when saved; the LR schedule was planned for it
     stop_reason: str | None = None  # request_stop's: the run is over, a re-run trains no more
     micro_batch_size: int = 0  # samples per micro-batch (trainer.micro_batch_size); 0: whole

@@ -97,6 +97,8 @@ class Trainer:
         >>> summary["metrics"]["val/acc"]
     """
 
+    resume_hint = "re-run the same command to resume"  # a stop's words; the entry point's own
+
     def __init__(self, config: TrainerConfig | None = None, *, run_dir: str | Path | None = None,
                  checkpoint: CheckpointConfig | None = None, runtime: Runtime | None = None,
                  run_config: Mapping[str, Any] | None = None,
@@ -184,7 +186,7 @@ class Trainer:
     def planned_steps(self, batches_per_epoch: int) -> int:
         """Optimizer steps this run will take: the smaller of the epoch and step limits."""
         per_epoch = steps_per_epoch(batches_per_epoch, self.config.accumulate_grad_batches)
-        by_epochs = per_epoch * self.config.max_epochs
+        by_epochs = per_epoch * self.config.epoch_limit
         return by_epochs if self.config.max_steps < 0 else min(by_epochs, self.config.max_steps)
 
     def prepare_model(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
@@ -215,7 +217,7 @@ class Trainer:
         if callbacks.handlers["on_checkpoint"]:
             self.checkpointer.on_saved = functools.partial(callbacks.fire, "on_checkpoint", self)
         self.checkpointer.start(total_steps)
-        finished = report.already_ended(total_steps, self.config.max_epochs)
+        finished = report.already_ended(total_steps, self.config.epoch_limit)
         if finished is not None:  # a re-run of an ended run: nothing to train or write
             return finished
         run = self._new_run(model, optimizer, ema, train_data, total_steps, report, **parts)
@@ -265,6 +267,7 @@ class Trainer:
             self.checkpointer.close()  # a write still in flight ends whole, however fit ends
             self._watchdog.on_abort = None  # its report holds the run's data
         extra = {"stop_reason": self.state.stop_reason} if status == "stopped" else {}
+        extra["best"] = self.checkpointer.best()  # checkpoint.monitor's best.pt, or None
         summary = run.report.finish(status, results, **extra,
                                    **getattr(run.data, "report", dict)())  # data/skipped_files
         run.report.hparams(self.run_config or asdict(self.config), results)
@@ -302,7 +305,7 @@ class Trainer:
         """Epochs of steps until done, stopped or preempted; the status and the last results."""
         self._start_training(run)
         state = self.state
-        while (state.global_step < run.total_steps and state.epoch < self.config.max_epochs
+        while (state.global_step < run.total_steps and state.epoch < self.config.epoch_limit
                and state.stop_reason is None):  # a run stopped by request is over
             set_epoch(run.data, state.epoch, state.batch_in_epoch)
             if self._epoch(run):
@@ -392,7 +395,7 @@ class Trainer:
         self.checkpointer.save(step, again=reason is not None)  # the state changed since
         (log.warning if self.runtime.is_main else log.info)(  # once per job
             f"stopped at step {step}: {reason}" if reason else
-            f"stopped at step {step}; re-run the same command to resume")
+            f"stopped at step {step}; {self.resume_hint}")
 
     @watched("evaluation")
     def _validate(self, run: Run) -> dict[str, float]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from trainkit.core.device import GIB, available_devices, bf16_native, resolve_device
-from trainkit.core.errors import TrainkitError, command_name, print_error
+from trainkit.core.errors import TrainkitError, command_name, help_text, print_error
 
 # What torchrun sets for each worker, what SLURM sets for each task, and the knobs that change how
 # the backends connect (the usual suspects when a multi-node job hangs at start-up).
@@ -77,7 +77,8 @@ def sanity_check(device: torch.device, n: int = 1024) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=command_name("trainkit.env"), description=__doc__)
+    parser = argparse.ArgumentParser(prog=command_name("trainkit.env"),
+                                     description=help_text(__doc__))
     parser.add_argument("--device", default="auto", help="device for the sanity check")
     args = parser.parse_args(argv)
     info = collect()
