@@ -155,13 +155,15 @@ class SpikeGuard:
         sinks: metrics.jsonl and TensorBoard (each rollback's figures); ``log(metrics, step)``.
         is_main: rank 0 says each rollback as a warning (the others in their logs only).
         saves: whether a step gets a periodic checkpoint (the Checkpointer's ``due``).
+        total_steps: the fit's last step (its final checkpoint is a save like any other).
     """
 
     def __init__(self, config: SpikeConfig, state: Any, parts: Mapping[str, Any],
                  device: torch.device, batches_per_epoch: int, sinks: Any,
-                 is_main: bool = True, saves: Callable[[int], bool] = lambda step: False
-                 ) -> None:
+                 is_main: bool = True, saves: Callable[[int], bool] = lambda step: False,
+                 total_steps: int | None = None) -> None:
         self.config, self.state, self.parts, self._saves = config, state, parts, saves
+        self.total_steps = total_steps
         if state.spike is None:  # a new run, or one resumed from a checkpoint made without
             state.spike = new_state()
         self.detector = SpikeDetector(config, state.spike)
@@ -203,9 +205,10 @@ class SpikeGuard:
         True when the run rolled back: the data goes on from the state's position.
 
         ``nonfinite``: the loop's :class:`~trainkit.loop.nonfinite.NonFiniteGuard`, whose
-        streak a rollback ends. ``saving``: the run stops or ends after this step (with a
-        checkpoint); every rank must pass the same.
+        streak a rollback ends. ``saving``: the run stops or saves after this step (a
+        checkpoint); every rank must pass the same. The fit's last step saves too.
         """
+        saving = saving or (self.total_steps is not None and step >= self.total_steps)
         snapshot = not step % self.config.snapshot_every
         if not (agreed or snapshot or saving or self._saves(step)):
             return False

@@ -267,9 +267,9 @@ class Trainer:
             self.checkpointer.close()  # a write still in flight ends whole, however fit ends
             self._watchdog.on_abort = None  # its report holds the run's data
         extra = {"stop_reason": self.state.stop_reason} if status == "stopped" else {}
-        extra["best"] = self.checkpointer.best()  # checkpoint.monitor's best.pt, or None
-        summary = run.report.finish(status, results, **extra,
-                                   **getattr(run.data, "report", dict)())  # data/skipped_files
+        # best: checkpoint.monitor's best checkpoint, or None; the data's skipped files
+        summary = run.report.finish(status, results, **extra, best=self.checkpointer.best(),
+                                   **getattr(run.data, "report", dict)())
         run.report.hparams(self.run_config or asdict(self.config), results)
         self.callbacks.fire("on_fit_end", self, summary)
         return summary
@@ -344,8 +344,7 @@ class Trainer:
             stop, save = vote.stop_and_save(vote_again)
             stop = stop or step == run.stop_at_step
             # a spike all ranks agreed on: back to the last good state, past these batches
-            rolled = run.spike is not None and run.spike.after_step(
-                step, vote.spiked, guard, stop or save or step >= run.total_steps)
+            rolled = run.spike and run.spike.after_step(step, vote.spiked, guard, stop or save)
             if stop:
                 self._save_and_stop(run, step)
                 return True
