@@ -19,6 +19,7 @@ from trainkit.checkpoint.contents import check_weights_fit
 from trainkit.checkpoint.select import find_checkpoint, model_weights, read_checkpoint
 from trainkit.core.device import resolve_device
 from trainkit.core.errors import TrainkitError, chain_lines
+from trainkit.models.pretrained import model_node
 
 MODEL_JSON = "model.json"
 
@@ -33,7 +34,7 @@ def build_model(node: Mapping[str, Any], weights: Mapping[str, torch.Tensor], *,
     if not isinstance(node, Mapping) or "_target_" not in node:
         raise TrainkitError(f"{path} names no model to build (no model._target_ in its config)")
     try:
-        model = instantiate(dict(node), _convert_="all")
+        model = instantiate(model_node(node), _convert_="all")  # without model.pretrained
     except Exception as err:  # a class renamed, moved or uninstalled since the run
         raise TrainkitError(
             f"the model this run trained, model._target_={node['_target_']}, no longer builds "

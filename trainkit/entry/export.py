@@ -25,6 +25,7 @@ from trainkit.checkpoint.select import WEIGHTS
 from trainkit.core.errors import TrainkitError, command_name
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.rebuild import image_source, rebuild, split_args
+from trainkit.models.pretrained import model_node
 
 USAGE = "RUN_DIR [ckpt=best|last|step_N|PATH] [--format F] [--dtype D] [--weights W] [--out DIR]"
 
@@ -56,7 +57,7 @@ def export_run(args: list[str], *, fmt: str = "safetensors", dtype: str = "fp32"
     run = rebuild(run_dir, options["ckpt"], weights, overrides)
     out = out if out is not None else run_dir / f"export_{run.name}"
     inputs, _ = image_source(run)  # mean/std, image size, classes
-    info = {"model": OmegaConf.to_container(run.cfg.model, resolve=True),
+    info = {"model": model_node(OmegaConf.to_container(run.cfg.model, resolve=True)),
             "weights": run.weights,
             "checkpoint": {"ckpt": run.name, "path": run.state["_path"], "step": run.step},
             "manifest": run.state.get("manifest"), "exported_by": f"trainkit {trainkit_version()}"}

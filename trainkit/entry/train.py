@@ -34,6 +34,8 @@ from trainkit.entry.ranks import join_ranks
 from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
 from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused
 from trainkit.loop.trainer import Trainer
+from trainkit.models.param_groups import build_optimizer
+from trainkit.models.pretrained import load_pretrained, model_node
 from trainkit.observe.logging import setup_logging
 
 CONFIG_DIR = str(config_dir())
@@ -115,8 +117,14 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
     run would train. Seed first (``seed_everything``) for the run's own initial weights.
     """
     train_data, val_data, num_classes = build_data(cfg, settings, runtime)
-    model = instantiate(cfg.model, _convert_="all")
-    optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
+    node = OmegaConf.to_container(cfg.model, resolve=True)
+    model = instantiate(model_node(node), _convert_="all")
+    if node.get("pretrained"):  # before DDP/FSDP and compile; a resumed run's checkpoint wins
+        load_pretrained(model, node["pretrained"])
+    # optim.param_groups, layer_decay, decay_norm_and_bias: the groups; the rest its _target_'s
+    optimizer = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True),
+                                lambda node, groups: instantiate(node, params=groups,
+                                                                 _convert_="all"))
     criterion = build_criterion(cfg)  # the config's (e.g. label smoothing), or cross-entropy
     forward = build_forward(cfg)  # the config's (a language model's lm_forward), or the default
     vocab = getattr(model, "vocab_size", None)

@@ -59,6 +59,7 @@ from trainkit.loop.step import (
     windows,
 )
 from trainkit.loop.train_state import TrainState
+from trainkit.models.param_groups import apply_freeze, describe
 from trainkit.observe.advice import Advisor
 from trainkit.observe.logging import Progress, log_start, log_window, setup_logging
 from trainkit.observe.metrics import StepMeter, startup_seconds
@@ -187,6 +188,9 @@ class Trainer:
     def prepare_model(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         """``model`` as fit trains it, before compiling: activation checkpointing, then the
         strategy's placement (:func:`trainkit.distributed.strategy.prepare_model`)."""
+        cfg = self.config  # trainer.freeze: frozen before DDP/FSDP see which parameters train
+        apply_freeze(model, cfg.freeze, cfg.unfreeze_at_epoch, 0,
+                     world_size=self.runtime.world_size)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(model, self.config.activation_checkpointing)
         return strategy.prepare_model(model, optimizer, self.config, self.runtime,
@@ -225,7 +229,7 @@ class Trainer:
                   steps_per_epoch(len(train_data), self.config.accumulate_grad_batches),
                   self.config, getattr(train_data, "batch_size", None), self._settings_text,
                   precision=self.precision.describe(), startup_s=report.startup_s,
-                  setup_s=report.setup_s)
+                  setup_s=report.setup_s, params=describe(model, optimizer))
         if self.precision.warning:
             log.warning(self.precision.warning)
         return self._run(run)
@@ -299,6 +303,8 @@ class Trainer:
         while (state.global_step < run.total_steps and state.epoch < self.config.max_epochs
                and state.stop_reason is None):  # a run stopped by request is over
             set_epoch(run.data, state.epoch, state.batch_in_epoch)
+            apply_freeze(ddp.unwrap(run.model), self.config.freeze,  # trainer.unfreeze_at_epoch
+                         self.config.unfreeze_at_epoch, state.epoch)
             if self._epoch(run):
                 return ("stopped" if state.stop_reason else "preempted"), run.results or {}
         if run.val_data is not None and not run.results:  # resumed a finished run: report it again
