@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -94,8 +95,18 @@ def _read_file(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise ConfigError(f"model.pretrained={path} is not a weights file that loads safely "
-                          f"({one_line(err, 90)}): give a state dict (.safetensors, .pt) or "
-                          "a model folder") from None
+                          f"({_why(err)}): give a state dict (.safetensors, .pt) or a model "
+                          "folder") from None
+
+
+def _why(err: BaseException) -> str:
+    """The few words of torch's weights-only refusal that say what the file held."""
+    text = str(err)
+    if named := re.search(r"GLOBAL (\S+)", text):
+        return f"it names {named.group(1)}: a pickle that would run code"
+    if "WeightsUnpickler error:" in text:  # bytes that are no pickle torch writes
+        return one_line(text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0], 60)
+    return one_line(err, 80)
 
 
 def _unwrap(content: Any, path: Path) -> tuple[dict[str, torch.Tensor], str]:
