@@ -32,6 +32,8 @@ from trainkit.loop.ema import EMA
 from trainkit.loop.precision import Precision
 from trainkit.loop.step import StepResult, WindowStep, train_window, windows
 from trainkit.loop.trainer import NonFiniteLossError, Trainer, TrainState
+from trainkit.models.param_groups import param_groups
+from trainkit.models.pretrained import load_pretrained
 from trainkit.observe.trackers import MLflowSink, WandbSink
 
 __version__ = "0.1.0"
@@ -75,8 +77,10 @@ __all__ = [
     "load_cifar10",
     "load_mnist",
     "load_model",
+    "load_pretrained",
     "make_loader",
     "move_to_device",
+    "param_groups",
     "resolve_device",
     "save_atomic",
     "seed_everything",
