@@ -49,6 +49,7 @@ FACTORS: dict[str, list[Any]] = {
     "activation_checkpointing": [False, True],
     "accumulate": [1, 3],
     "async_save": [False, True],
+    "freeze": [False, True],  # trainer.freeze; in one process unfrozen from the second epoch
 }
 # (option, value) -> (absolute tolerance, why not bitwise); empty: every row is bitwise on CPU.
 TOLERANCES: dict[tuple[str, Any], tuple[float, str]] = {}
