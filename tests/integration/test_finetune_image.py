@@ -95,6 +95,9 @@ def test_a_file_that_is_not_weights_stops_the_run_in_one_line_before_anything_is
     junk.write_bytes(bytes(range(256)) * 8)
     result = finetune(tmp_path / "run", rotated, junk)
     assert result.returncode == 2
-    _, last = error_report(result.stderr)
-    assert f"model.pretrained={junk} is not a weights file that loads safely" in last
+    details, last = error_report(result.stderr)  # a long path: the line whole as a detail
+    assert f"model.pretrained={junk} is not a weights file" in details[-1]
+    assert last.startswith("trainkit: model.pretrained=/") and last.endswith(
+        "not a weights file that loads safely (Unsupported operand 0): give a state dict "
+        "(.safetensors, .pt) or a model folder")
     assert not (tmp_path / "run").exists()
