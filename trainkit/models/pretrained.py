@@ -103,7 +103,7 @@ def _why(err: BaseException) -> str:
     """The few words of torch's weights-only refusal that say what the file held."""
     text = str(err)
     if named := re.search(r"GLOBAL (\S+)", text):
-        return f"it names {named.group(1)}: a pickle that would run code"
+        return f"it names {named.group(1)}: a pickled object or code, not tensors"
     if "WeightsUnpickler error:" in text:  # bytes that are no pickle torch writes
         return one_line(text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0], 60)
     return one_line(err, 80)
@@ -190,8 +190,9 @@ def load_pretrained(model: nn.Module, path: str | Path, *,
 
 
 def _aligned(saved: dict[str, torch.Tensor], here: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """``saved`` with its names under the prefix that matches the most of ``here``: as they are,
-    without a prefix all of them share, or with one all of ``here``'s share."""
+    """``saved`` renamed as matches the most of ``here``'s names: as they are, only those under
+    one first name with it removed (a base model inside a task model's file), or all with one
+    of ``here``'s first names put in front."""
     def heads(names: Any) -> set[str]:
         return {name.split(".", 1)[0] + "." for name in names if "." in name}
 

@@ -132,7 +132,7 @@ def test_files_that_are_not_weights_are_refused_in_one_line(tmp_path: Path) -> N
             return os.system, (f"touch {ran}",)
 
     torch.save({"state_dict": Code()}, tmp_path / "evil.pth")
-    with pytest.raises(ConfigError, match=r"it names \S*system: a pickle that would run code"):
+    with pytest.raises(ConfigError, match=r"it names \S*system: a pickled object or code"):
         read_weights(tmp_path / "evil.pth")
     assert not ran.exists()
     torch.save({"epoch": 3, "lr": 0.1}, tmp_path / "meta.pth")
