@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torchmetrics.classification import MulticlassAccuracy
 
 from trainkit import (
     CheckpointConfig,
@@ -30,10 +31,9 @@ from trainkit import (
     load_mnist,
     seed_everything,
 )
-from torchmetrics.classification import MulticlassAccuracy
 from trainkit.distributed import ddp, group
-from trainkit.models import CifarNet, MnistNet
 from trainkit.loop.step import default_forward
+from trainkit.models import CifarNet, MnistNet
 
 GLOBAL_BATCH = 16  # 96 training samples: 6 batches an epoch, 2 steps of 3 when accumulating 3
 MODELS = {"mnist": (lambda: MnistNet(widths=(4, 8, 16)), load_mnist),
@@ -89,7 +89,8 @@ def fit(row: dict[str, Any], root: str, run_dir: Path, runtime: Runtime,
         signal_at = stop_at_step * row["accumulate"]
     torch._dynamo.utils.counters.clear()
     summary = trainer.fit(model, optimizer, loaders[0], val_data=loaders[1],
-                          metrics={"acc": MulticlassAccuracy(10, average="micro")}, forward=SignalAt(signal_at))
+                          metrics={"acc": MulticlassAccuracy(10, average="micro")},
+                          forward=SignalAt(signal_at))
     ema = trainer.checkpointer.parts["ema"]
     return {"summary": summary, "state": full(ddp.unwrap(model).state_dict()),
             "ema": full(ema.state_dict()["weights"]) if ema is not None else None,
