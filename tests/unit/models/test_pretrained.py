@@ -147,3 +147,13 @@ def test_files_that_are_not_weights_are_refused_in_one_line(tmp_path: Path) -> N
 def test_the_model_node_leaves_out_what_trainkit_reads() -> None:
     assert model_node({"_target_": "m.Net", "pretrained": "w.pt", "width": 3}) == {
         "_target_": "m.Net", "width": 3}
+
+
+def test_a_resumed_run_may_name_other_pretrained_weights_but_not_another_model() -> None:
+    from trainkit.checkpoint.contents import check_config
+    from trainkit.core.errors import TrainkitError
+
+    saved = {"config": {"model": {"_target_": "m.Net", "width": 3, "pretrained": "a.pt"}}}
+    check_config(saved, {"model": {"_target_": "m.Net", "width": 3, "pretrained": None}})
+    with pytest.raises(TrainkitError, match=r"another model\.width"):
+        check_config(saved, {"model": {"_target_": "m.Net", "width": 4, "pretrained": "a.pt"}})
