@@ -8,6 +8,7 @@ trainer.fit -> summary.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainkit.config import TrainConfig
 from trainkit.core.cuda_settings import use_device
@@ -35,7 +36,7 @@ from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
 from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused
 from trainkit.loop.trainer import Trainer
 from trainkit.models.param_groups import build_optimizer
-from trainkit.models.pretrained import load_pretrained, model_node
+from trainkit.models.pretrained import MODEL_KEYS, load_pretrained
 from trainkit.observe.logging import setup_logging
 
 CONFIG_DIR = str(config_dir())
@@ -117,10 +118,12 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
     run would train. Seed first (``seed_everything``) for the run's own initial weights.
     """
     train_data, val_data, num_classes = build_data(cfg, settings, runtime)
-    node = OmegaConf.to_container(cfg.model, resolve=True)
-    model = instantiate(model_node(node), _convert_="all")
-    if node.get("pretrained"):  # before DDP/FSDP and compile; a resumed run's checkpoint wins
-        load_pretrained(model, node["pretrained"])
+    node = copy.deepcopy(cfg.model)  # in its place in the config: errors name model._target_
+    with open_dict(node):  # the keys trainkit reads (model.pretrained), not the model's class
+        own = {key: node.pop(key, None) for key in MODEL_KEYS}
+    model = instantiate(node, _convert_="all")
+    if own["pretrained"]:  # before DDP/FSDP and compile; a resumed run's checkpoint wins
+        load_pretrained(model, own["pretrained"])
     # optim.param_groups, layer_decay, decay_norm_and_bias: the groups; the rest its _target_'s
     optimizer = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True),
                                 lambda node, groups: instantiate(node, params=groups,
