@@ -38,6 +38,7 @@ from trainkit import (
     TrainerConfig,
     TrainkitError,
     make_loader,
+    param_groups,
     seed_everything,
 )
 from trainkit.core.errors import print_error
@@ -129,7 +130,9 @@ def train(args: argparse.Namespace, callbacks: Sequence[Any] = ()) -> dict[str, 
                            **{**loader, "num_workers": 0})
     seed_everything(args.seed)  # the same initial weights on every rank
     model = GPT(vocab_size=256, block=args.block, dim=args.dim, layers=args.layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    # GPT-2's recipe: weight decay on the 2-D weights only (not biases, norms, embeddings)
+    optimizer = torch.optim.AdamW(param_groups(model, decay_norm_and_bias=False), lr=args.lr,
+                                  weight_decay=0.1)
     trainer = Trainer(
         TrainerConfig(max_epochs=1000, max_steps=args.steps, precision=args.precision,
                       device=str(runtime.device), seed=args.seed, gradient_clip_val=1.0,

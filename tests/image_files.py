@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,29 @@ def make_folder(root: Path, *, classes: int = 3, per_class: int = 8, val_per_cla
                 save(picture(rng, label, int(h), int(w)), folder / f"img{i:03d}",
                      KINDS[n % len(KINDS)])
                 n += 1
+    return root
+
+
+def make_digits(root: Path, digits: Sequence[int], *, per_class: int, val_per_class: int,
+                rotate: int = 0, seed: int = 0, size: int = 32) -> Path:
+    """``root/{train,val}/digit_<d>/`` of digits drawn with Pillow's font, each at its own
+    size, place and tilt, turned ``rotate`` degrees: one set to pretrain on, its rotations to
+    fine-tune on (a real transfer: the strokes are the same)."""
+    from PIL import ImageDraw, ImageFont
+
+    rng = np.random.default_rng(seed)
+    for split, count in (("train", per_class), ("val", val_per_class)):
+        for digit in digits:
+            folder = root / split / f"digit_{digit}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                image = Image.new("L", (size, size))
+                font = ImageFont.load_default(size=int(rng.integers(size * 5 // 8, size * 7 // 8)))
+                at = (size // 2 + int(rng.integers(-3, 4)), size // 2 + int(rng.integers(-3, 4)))
+                ImageDraw.Draw(image).text(at, str(digit), fill=255, font=font, anchor="mm")
+                image = image.rotate(rotate + float(rng.uniform(-12, 12)))
+                noisy = np.asarray(image, dtype=np.float64) + rng.normal(0, 20, (size, size))
+                Image.fromarray(noisy.clip(0, 255).astype(np.uint8)).save(folder / f"{i:03d}.png")
     return root
 
 

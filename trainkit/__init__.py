@@ -41,6 +41,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time: _SOURCES and
     from trainkit.loop.precision import Precision
     from trainkit.loop.step import StepResult, WindowStep, train_window, windows
     from trainkit.loop.trainer import NonFiniteLossError, Trainer, TrainState
+    from trainkit.models.param_groups import param_groups
+    from trainkit.models.pretrained import load_pretrained
     from trainkit.observe.trackers import MLflowSink, WandbSink
 
 __version__ = "0.1.0"
@@ -84,8 +86,10 @@ __all__ = [
     "load_cifar10",
     "load_mnist",
     "load_model",
+    "load_pretrained",
     "make_loader",
     "move_to_device",
+    "param_groups",
     "resolve_device",
     "save_atomic",
     "seed_everything",
@@ -116,6 +120,8 @@ _SOURCES = {name: module for module, names in (
     ("trainkit.loop.precision", "Precision"),
     ("trainkit.loop.step", "StepResult WindowStep train_window windows"),
     ("trainkit.loop.trainer", "NonFiniteLossError Trainer TrainState"),
+    ("trainkit.models.param_groups", "param_groups"),
+    ("trainkit.models.pretrained", "load_pretrained"),
     ("trainkit.observe.trackers", "MLflowSink WandbSink"),
 ) for name in names.split()}
 

@@ -119,6 +119,10 @@ class TrainerConfig:
     # faults per step; see trainkit.core.cpu_settings). Process-wide: once on, on until the exit.
     cpu_keep_freed_memory: bool = True
     activation_checkpointing: list[str] = field(default_factory=list)
+    # fine-tuning (trainkit.models.param_groups): parameters frozen by glob patterns on their
+    # names, until epoch unfreeze_at_epoch (1: after the first epoch; null: frozen throughout)
+    freeze: list[str] = field(default_factory=list)
+    unfreeze_at_epoch: int | None = None
     # auto: DDP over several ranks; fsdp: weights, gradients and optimizer state sharded (FSDP2)
     strategy: str = "auto"
     fsdp_blocks: list[str] = field(default_factory=list)  # sharded units; empty: repeated blocks
@@ -198,6 +202,12 @@ class TrainerConfig:
                               f"got {self.hang_timeout_s!r}")
         _check_choice("trainer.hang_action", self.hang_action, HANG_ACTIONS)
         self.activation_checkpointing = list(self.activation_checkpointing)
+        self.freeze = list(self.freeze)
+        if self.unfreeze_at_epoch is not None:
+            _check_int("trainer.unfreeze_at_epoch", self.unfreeze_at_epoch, minimum=1)
+            if not self.freeze:
+                raise ConfigError("trainer.unfreeze_at_epoch needs trainer.freeze: name the "
+                                  "parameters to freeze until then, e.g. trainer.freeze=[layer*]")
         _check_choice("trainer.strategy", self.strategy, STRATEGIES)
         self.fsdp_blocks = list(self.fsdp_blocks)
         if not all(isinstance(name, str) and name for name in self.fsdp_blocks):

@@ -80,7 +80,8 @@ def fit(row: dict[str, Any], root: str, run_dir: Path, runtime: Runtime,
         channels_last=row["channels_last"],
         compile=row["compile"], ema_decay=0.9 if row["ema"] else None,
         activation_checkpointing=["features"] if row["activation_checkpointing"] else [],
-        log_every_n_steps=1, hang_timeout_s=0,
+        log_every_n_steps=1, hang_timeout_s=0, freeze=["features.1.*"] if row["freeze"] else [],
+        unfreeze_at_epoch=1 if row["freeze"] and row["strategy"] == "none" else None,
         spike={"enabled": row["spike"], "snapshot_every": 1, "warmup": 10**6})
     trainer = Trainer(config, run_dir=run_dir, runtime=runtime,
                       checkpoint=CheckpointConfig(async_save=row["async_save"]))

@@ -51,6 +51,7 @@ FACTORS: dict[str, list[Any]] = {
     "async_save": [False, True],
     # trainer.spike on: a snapshot every step (never a spike: taking them must change nothing)
     "spike": [False, True],
+    "freeze": [False, True],  # trainer.freeze; in one process unfrozen from the second epoch
 }
 # (option, value) -> (absolute tolerance, why not bitwise); empty: every row is bitwise on CPU.
 TOLERANCES: dict[tuple[str, Any], tuple[float, str]] = {}

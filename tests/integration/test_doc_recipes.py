@@ -157,6 +157,10 @@ README_RUN_BY = {
         _HERE + "test_readme_info_searchpath_from_another_folder", "--info"),
     "python -m trainkit.train +exp=mnist": (_ENTRY + "test_summary_follows_the_contract",
                                             '"+exp=mnist"'),
+    "python -m trainkit.train +exp=finetune_image data.root=/data/pets "
+    "model.pretrained=resnet18.pth": (
+        "tests/integration/test_finetune_image.py::test_the_finetuned_resnet18_replaces_its_head_"
+        "trains_it_alone_first_and_beats_random", '"+exp=finetune_image"'),
     "python -m trainkit.train +exp=cifar": (
         "tests/integration/test_cifar_exp.py::test_cifar_experiment_trains_on_cifar_format_files",
         '"+exp=cifar"'),

@@ -52,6 +52,7 @@ def trainkit_version() -> str:
 
 # Config keys whose change makes a checkpoint unusable for this run (others only warn).
 MUST_MATCH = ("model", "data.name", "trainer.precision")
+STARTS_ONLY = ("model.pretrained",)  # where a run's weights started: its checkpoint's win since
 
 
 def check_config(state: Mapping[str, Any], run_config: Mapping[str, Any]) -> None:
@@ -64,7 +65,7 @@ def check_config(state: Mapping[str, Any], run_config: Mapping[str, Any]) -> Non
     if not saved or not run_config:
         return
     changes = config_changes(saved, run_config)
-    fatal = [c for c in changes if c.startswith(MUST_MATCH)]
+    fatal = [c for c in changes if c.startswith(MUST_MATCH) and not c.startswith(STARTS_ONLY)]
     if fatal:
         keys = [change.split(":")[0] for change in fatal]
         named = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")

@@ -32,6 +32,7 @@ from trainkit.data.classes import read_classes
 from trainkit.data.hf_text import load_tokenizer
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.rebuild import Rebuilt, image_source, rebuild, split_args
+from trainkit.models.pretrained import model_node
 
 USAGE = ("RUN_DIR [ckpt=best|last|step_N|PATH] [--format F] [--dtype D] [--weights W] "
          "[--out DIR] [--adapters]")
@@ -68,7 +69,7 @@ def export_run(args: list[str], *, fmt: str = "safetensors", dtype: str = "fp32"
     if adapters or run.settings.data.name == "hf_text":  # a Hugging Face model, or adapters
         return export_text_run(run, out, fmt=fmt, dtype=dtype, adapters=adapters)
     inputs, _ = image_source(run)  # mean/std, image size, classes
-    info = {"model": OmegaConf.to_container(run.cfg.model, resolve=True),
+    info = {"model": model_node(OmegaConf.to_container(run.cfg.model, resolve=True)),
             "weights": run.weights,
             "checkpoint": {"ckpt": run.name, "path": run.state["_path"], "step": run.step},
             "manifest": run.state.get("manifest"), "exported_by": f"trainkit {trainkit_version()}"}

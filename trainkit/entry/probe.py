@@ -43,6 +43,7 @@ from trainkit.entry.train import CONFIG_DIR, build_data, build_parts
 from trainkit.loop.activations import apply_activation_checkpointing
 from trainkit.loop.precision import Precision
 from trainkit.loop.step import WindowStep
+from trainkit.models.param_groups import apply_freeze
 from trainkit.observe.logging import setup_logging
 
 INPUT_WAIT = 0.15  # a data-wait share of the together phase that makes a run input-bound
@@ -110,9 +111,10 @@ def probe(cfg: Any, *, seconds: float) -> dict[str, Any] | None:
 
 
 def _window_step(cfg: Any, runtime: Runtime, parts: Any) -> WindowStep:
-    """fit's step on the model prepared as fit prepares it (activation checkpointing, then the
-    strategy: device, DDP/FSDP, compile)."""
+    """fit's step on the model prepared as fit prepares it (trainer.freeze, activation
+    checkpointing, then the strategy: device, DDP/FSDP, compile)."""
     precision = Precision(cfg.precision, runtime.device)
+    apply_freeze(parts.model, cfg, 0)  # trainer.freeze: the first epoch's step
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(parts.model, cfg.activation_checkpointing)
     model = strategy.prepare_model(parts.model, parts.optimizer, cfg, runtime, precision.mode)

@@ -38,6 +38,7 @@ from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused, 
 from trainkit.entry.run_length import StartLines, length_notes
 from trainkit.loop.trainer import Trainer
 from trainkit.models.build import make_model
+from trainkit.models.param_groups import build_optimizer
 from trainkit.models.vision import for_channels
 from trainkit.observe.logging import setup_logging
 
@@ -137,10 +138,15 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
     train_data, val_data, num_classes = build_data(cfg, settings, runtime)
     with open_dict(cfg):  # a torchvision classifier's stem for grayscale data (recorded so)
         cfg.model = for_channels(cfg.model, settings.data.channels)
-    model = make_model(OmegaConf.to_container(cfg.model, resolve=True))  # and model.lora
+    # model.pretrained's weights (before DDP/FSDP and compile; a resumed run's checkpoint wins),
+    # then model.lora's adapters
+    model = make_model(OmegaConf.to_container(cfg.model, resolve=True), pretrained=True)
     if settings.checkpoint.adapters_only:  # refused now, not once the run has begun
         check_adapters_only(model, sharded=settings.trainer.strategy == "fsdp")
-    optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")
+    # optim.param_groups, layer_decay, decay_norm_and_bias: the groups; the rest its _target_'s
+    optimizer = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True),
+                                lambda node, groups: instantiate(node, params=groups,
+                                                                 _convert_="all"))
     criterion = build_criterion(cfg)  # the config's (e.g. label smoothing), or cross-entropy
     forward = build_forward(cfg)  # the config's (a language model's lm_forward), or the default
     vocab = getattr(model, "vocab_size", None)

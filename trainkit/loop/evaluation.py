@@ -23,7 +23,7 @@ log = logging.getLogger("trainkit")
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
-             device: torch.device, criterion: Criterion, metrics: Mapping[str, Any],
+             device: torch.device, criterion: Criterion, metrics: Mapping[str, Any] | None,
              forward: Forward, max_batches: int | None = None) -> dict[str, float]:
     """Mean loss and each metric over ``data`` (at most ``max_batches`` batches, when given) as
     ``{"val/loss": ..., "val/<name>": ...}``.
@@ -35,7 +35,7 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     # Not through DDP: it broadcasts buffers before every forward, a collective that ranks
     # with different numbers of val batches would not match. Rank 0's buffers (batch-norm
     # statistics drift per rank) make the result that of the checkpointed weights.
-    model = ddp.unwrap(model)
+    model, metrics = ddp.unwrap(model), metrics or {}
     ddp.broadcast_buffers(model)
     was_training = model.training
     model.eval()

@@ -61,6 +61,7 @@ from trainkit.loop.step import (
     windows,
 )
 from trainkit.loop.train_state import TrainState
+from trainkit.models.param_groups import apply_freeze, describe
 from trainkit.observe.advice import Advisor
 from trainkit.observe.logging import Progress, log_start, log_window, setup_logging
 from trainkit.observe.metrics import StepMeter, startup_seconds
@@ -178,9 +179,8 @@ class Trainer:
                  criterion: Criterion = F.cross_entropy, metrics: Mapping[str, Any] | None = None,
                  forward: Forward = default_forward) -> dict[str, float]:
         """Mean loss and each metric over ``data`` as ``{"val/loss": ..., "val/<name>": ...}``."""
-        return evaluation.evaluate(model, data, precision=self.precision,
-                                   device=self.runtime.device, criterion=criterion,
-                                   metrics=metrics or {}, forward=forward,
+        return evaluation.evaluate(model, data, precision=self.precision, criterion=criterion,
+                                   device=self.runtime.device, metrics=metrics, forward=forward,
                                    max_batches=self.config.eval_max_batches)
 
     def planned_steps(self, batches_per_epoch: int) -> int:
@@ -192,6 +192,8 @@ class Trainer:
     def prepare_model(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
         """``model`` as fit trains it, before compiling: activation checkpointing, then the
         strategy's placement (:func:`trainkit.distributed.strategy.prepare_model`)."""
+        # trainer.freeze: frozen before DDP/FSDP see which parameters train
+        apply_freeze(model, self.config, 0, world_size=self.runtime.world_size)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(model, self.config.activation_checkpointing)
         return strategy.prepare_model(model, optimizer, self.config, self.runtime,
@@ -230,7 +232,7 @@ class Trainer:
                   steps_per_epoch(len(train_data), self.config.accumulate_grad_batches),
                   self.config, getattr(train_data, "batch_size", None), self._settings_text,
                   precision=self.precision.describe(), startup_s=report.startup_s,
-                  setup_s=report.setup_s)
+                  setup_s=report.setup_s, params=describe(model, optimizer))
         if self.precision.warning:
             log.warning(self.precision.warning)
         return self._run(run)
@@ -308,6 +310,7 @@ class Trainer:
         while (state.global_step < run.total_steps and state.epoch < self.config.epoch_limit
                and state.stop_reason is None):  # a run stopped by request is over
             set_epoch(run.data, state.epoch, state.batch_in_epoch)
+            apply_freeze(ddp.unwrap(run.model), self.config, state.epoch)  # unfreeze_at_epoch
             if self._epoch(run):
                 return ("stopped" if state.stop_reason else "preempted"), run.results or {}
         if run.val_data is not None and not run.results:  # resumed a finished run: report it again
@@ -324,8 +327,7 @@ class Trainer:
         evaluation and callbacks made of it.
         """
         state, checkpointer, vote, guard = self.state, self.checkpointer, run.vote, run.guard
-        clock, fire = time.perf_counter, self.callbacks.fire
-        batches = len(run.data)
+        clock, fire, batches = time.perf_counter, self.callbacks.fire, len(run.data)
         run.model.train()
         run.evals.start_epoch(state.global_step, state.epoch, state.global_step + steps_per_epoch(
             batches - state.batch_in_epoch, self.config.accumulate_grad_batches))
@@ -389,8 +391,8 @@ class Trainer:
         run.guard.stop_if_diverged()  # counted before the save
         # the reason of whichever rank asked (a collective: all ranks stop at this step)
         reason = next((r for r in group.all_gather(self._stop_reason) if r is not None), None)
-        if reason is not None:  # a request: in the checkpoint, so a re-run trains no further
-            self.state.stop_reason = reason
+        # a request's reason (None: a signal) in the checkpoint: a re-run then trains no further
+        self.state.stop_reason = reason
         self.checkpointer.save(step, again=reason is not None)  # the state changed since
         (log.warning if self.runtime.is_main else log.info)(  # once per job
             f"stopped at step {step}: {reason}" if reason else

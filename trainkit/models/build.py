@@ -1,5 +1,6 @@
 """The model a config node describes: its ``_target_`` built with its arguments, then the
-fine-tuning keys trainkit reads itself (``lora``: adapters through PEFT).
+fine-tuning keys trainkit reads itself (``pretrained``: weights from a file; ``lora``: adapters
+through PEFT).
 
 The entry point builds a run's model with :func:`make_model`, and ``trainkit evaluate``,
 ``predict``, ``export`` and ``trainkit.load_model`` rebuild it with the same function from the
@@ -14,13 +15,18 @@ from typing import Any
 from torch import nn
 
 from trainkit.models.lora import apply_lora
+from trainkit.models.pretrained import load_pretrained
 
 
-def make_model(node: Mapping[str, Any]) -> nn.Module:
-    """``instantiate(node)`` less its ``lora`` key, with LoRA applied where that is set."""
+def make_model(node: Mapping[str, Any], *, pretrained: bool = False) -> nn.Module:
+    """``instantiate(node)`` less the keys trainkit reads: with ``pretrained`` (a new run's
+    model; a rebuilt one takes its checkpoint's weights) ``model.pretrained``'s weights loaded,
+    then LoRA applied where ``model.lora`` is set (the adapters wrap the loaded weights)."""
     from hydra.utils import instantiate  # the config's own way to build it; only when called
 
     node = dict(node)
-    lora = node.pop("lora", None)
+    lora, weights = node.pop("lora", None), node.pop("pretrained", None)
     model = instantiate(node, _convert_="all")
+    if pretrained and weights:
+        load_pretrained(model, weights)
     return apply_lora(model, lora) if lora else model

@@ -40,7 +40,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A GPT: token and position embeddings, causal blocks, an output layer tied to the input.
+    """A GPT: token and position embeddings, causal blocks, an output layer tied to the input,
+    initialised as GPT-2 (zero biases, residual projections scaled by ``1/sqrt(2 * layers)``);
+    ``+exp=lm`` decays only its 2-D weights (``optim.decay_norm_and_bias=false``).
 
     Args:
         vocab_size: tokens the model knows (256 for bytes, 50257 for GPT-2's encoding).
@@ -57,14 +59,24 @@ class GPT(nn.Module):
         self.tokens, self.positions = nn.Embedding(vocab_size, dim), nn.Embedding(block, dim)
         self.blocks = nn.Sequential(*(Block(dim, heads) for _ in range(layers)))
         self.ln = nn.LayerNorm(dim)
-        for param in self.parameters():  # GPT-2's small initial weights (also the output layer's)
-            if param.dim() > 1:
-                nn.init.normal_(param, std=0.02)
+        self.apply(_gpt2_init)
+        for block in self.blocks:  # GPT-2's residual projections: 1/sqrt(2 layers) smaller
+            for residual in (block.proj, block.mlp[2]):  # (each block adds to the stream twice)
+                nn.init.normal_(residual.weight, std=0.02 / math.sqrt(2 * layers))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[batch, time, vocab_size]`` for token ids ``[batch, time]``."""
         x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
         return self.ln(self.blocks(x)) @ self.tokens.weight.T
+
+
+def _gpt2_init(module: nn.Module) -> None:
+    """GPT-2's initial weights: N(0, 0.02) for linear and embedding weights (the output layer
+    is tied to the token embedding), zero biases; layer norms keep PyTorch's (1, 0)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
 
 
 def lm_forward(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:

@@ -48,9 +48,11 @@ def setup_logging(run_dir: str | Path | None, is_main: bool = True) -> logging.L
 
 def log_start(model: str, runtime: Any, total_steps: int, per_epoch: int, config: Any,
               batch_size: int | None, settings_text: str = "", *, precision: str | None = None,
-              startup_s: float | None = None, setup_s: float | None = None) -> None:
+              startup_s: float | None = None, setup_s: float | None = None,
+              params: str = "") -> None:
     """The first line of a run: what trains where, for how long, with which global batch and
-    precision (``auto``'s choice and why), and how long the process took to get there."""
+    precision (``auto``'s choice and why), ``params`` (what trains, what is frozen, the
+    optimizer's groups), and how long the process took to get there."""
     k, world = config.accumulate_grad_batches, runtime.world_size
     batch = (f"global batch {batch_size * k * world} = batch {batch_size} x accumulate {k} x "
              f"world size {world}" if isinstance(batch_size, int) else
@@ -59,9 +61,10 @@ def log_start(model: str, runtime: Any, total_steps: int, per_epoch: int, config
     started = (f"; started in {startup_s:.1f} s" if startup_s is not None else
                f"; set up in {setup_s:.1f} s" if setup_s is not None else "")
     logging.getLogger(LOGGER_NAME).info(
-        "training %s on %s for %d steps (%d per epoch), precision %s, %s%s", model,
+        "training %s on %s for %d steps (%d per epoch), precision %s, %s%s%s", model,
         runtime.device, total_steps, per_epoch, precision or config.precision,
-        batch + (f", {settings_text}" if settings_text else ""), started)
+        batch + (f", {settings_text}" if settings_text else ""),
+        f"; {params}" if params else "", started)
 
 
 def log_window(scalars: Mapping[str, float], epoch: int, step: int, total_steps: int) -> None:
