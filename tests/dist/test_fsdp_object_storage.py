@@ -122,10 +122,3 @@ def test_sigterm_then_the_same_command_on_a_fresh_folder_resumes_bitwise_from_th
                 assert_equal_trees(x, y)
         else:
             assert_equal_trees(got[part], expected[part])
-
-
-def test_async_saves_to_a_url_are_refused_in_one_line(data_root: Path, s3: S3,
-                                                      tmp_path: Path) -> None:
-    proc = _run(tmp_path / "run", data_root, "s3://runs/async", s3, "checkpoint.async_save=true")
-    assert proc.returncode != 0
-    assert "checkpoint.async_save=false" in proc.stdout + proc.stderr
