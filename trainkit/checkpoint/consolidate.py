@@ -23,8 +23,8 @@ def load_full(path: str | Path, *, key: str = "checkpoint") -> dict[str, Any]:
     may be a commit record's URL (:mod:`~trainkit.checkpoint.remote_sharded`)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    url = is_url(path)
-    meta = remote_sharded.read_meta(str(path), key=key) if url else read_meta(path, key=key)
+    meta = (remote_sharded.read_meta(str(path), key=key) if is_url(path)
+            else read_meta(path, key=key))
     fd, raw = tempfile.mkstemp(prefix=".consolidate-", suffix=".tmp")
     os.close(fd)
     try:

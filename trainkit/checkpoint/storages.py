@@ -11,7 +11,8 @@ Two implement it:
   its commit record per checkpoint (:mod:`~trainkit.checkpoint.remote`);
 * :class:`ShardedStorage` -- one directory per checkpoint, every rank writing its part through
   DCP, read onto any number of ranks (:mod:`~trainkit.checkpoint.sharded`,
-  :mod:`~trainkit.checkpoint.reshard`).
+  :mod:`~trainkit.checkpoint.reshard`); where ``checkpoint.dir`` is a URL, one folder of objects
+  and its commit record per checkpoint (:mod:`~trainkit.checkpoint.remote_sharded`).
 
 :func:`storages_for` chooses, once, when the parts are registered: the storage this run writes
 with comes first, then the others, which only read (``checkpoint.init_from`` of a file into a
