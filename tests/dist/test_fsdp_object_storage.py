@@ -122,3 +122,29 @@ def test_sigterm_then_the_same_command_on_a_fresh_folder_resumes_bitwise_from_th
                 assert_equal_trees(x, y)
         else:
             assert_equal_trees(got[part], expected[part])
+
+
+
+def test_async_sharded_saves_to_a_url_are_refused_in_one_line(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from trainkit.checkpoint.storages import storages_for
+    from trainkit.config import CheckpointConfig
+    from trainkit.core.errors import ConfigError
+    from trainkit.core.runtime import Runtime
+
+    # a real FSDP2 module, in this process: a group of one rank, for this test only
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        model = fully_shard(torch.nn.Linear(2, 2))
+        with pytest.raises(ConfigError) as refused:
+            storages_for(model, "memory://bucket/run", CheckpointConfig(async_save=True),
+                         Runtime(torch.device("cpu")))
+    finally:
+        dist.destroy_process_group()
+    assert str(refused.value) == (
+        "checkpoint.dir=memory://bucket/run: a sharded (fsdp) run saves to a URL synchronously "
+        "only; set checkpoint.async_save=false or give a path")
