@@ -111,9 +111,9 @@ class RemoteShardedCheckpoints:
         old = record["meta"]
         files = {k: v for k, v in record["files"].items() if k != old} | {new: size}
         record = {**record, "meta": new, "files": files}
-        self._write_records(record, step, periodic=self.fs.exists(str(self.layout.step_path(
-            step))), best=best)
-        self.fs.rm(join(base, old))
+        numbered = self.fs.exists(str(self.layout.step_path(step)))  # rewritten too, if any
+        self._write_records(record, step, periodic=numbered, best=best)
+        self.fs.rm(join(base, old))  # no record names it now
 
     def poll(self) -> None:
         pass
