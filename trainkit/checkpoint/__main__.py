@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Tools for trainkit checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
     merge = commands.add_parser("consolidate", help="a sharded checkpoint directory as one file")
-    merge.add_argument("source", help="a checkpoint directory, e.g. <run>/checkpoints/last")
+    merge.add_argument("source", help="a checkpoint directory, e.g. <run>/checkpoints/last, "
+                       "or a commit record's URL, e.g. s3://bucket/run/last.json")
     merge.add_argument("out", help="the file to write, e.g. model.pt")
     merge.add_argument("--optimizer", action="store_true", help="include the optimizer's state")
     args = parser.parse_args(argv)

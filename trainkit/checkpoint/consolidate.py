@@ -10,27 +10,33 @@ from typing import Any
 
 import torch
 
+from trainkit.checkpoint import remote_sharded
 from trainkit.checkpoint.files import save_atomic
 from trainkit.checkpoint.sharded import _quiet_single_process, read_meta
 from trainkit.core.errors import TrainkitError, one_line
+from trainkit.core.objectstore import is_url
 
 
 def load_full(path: str | Path, *, key: str = "checkpoint") -> dict[str, Any]:
     """A whole sharded checkpoint in this process (no process group): ``trainkit.pt``'s state
-    with ``model``, ``optimizer`` and ``ema["weights"]`` filled in as plain tensors."""
+    with ``model``, ``optimizer`` and ``ema["weights"]`` filled in as plain tensors. ``path``
+    may be a commit record's URL (:mod:`~trainkit.checkpoint.remote_sharded`)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    meta = read_meta(path, key=key)
+    meta = (remote_sharded.read_meta(str(path), key=key) if is_url(path)
+            else read_meta(path, key=key))
     fd, raw = tempfile.mkstemp(prefix=".consolidate-", suffix=".tmp")
     os.close(fd)
     try:
         with _quiet_single_process():
-            dcp_to_torch_save(path, raw)
+            dcp_to_torch_save(meta.get("_files", path), raw)
         tensors = torch.load(raw, map_location="cpu", weights_only=True)
     except Exception as err:
         raise TrainkitError(f"checkpoint {path} cannot be read ({one_line(err, 80)})") from None
     finally:
         os.unlink(raw)
+        remote_sharded.forget(meta)
+    meta.pop("_files", None)
     meta.pop("_tensors")
     meta["model"], meta["optimizer"] = tensors["model"], tensors["optimizer"]
     if meta.get("ema") is not None and "ema" in tensors:
@@ -47,6 +53,8 @@ def consolidate(src: str | Path, out: str | Path, *, optimizer: bool = False) ->
     ``model.load_state_dict(..., strict=True)``. Nothing is written when ``src`` is not a
     complete checkpoint directory.
 
+    ``src`` may be a commit record's URL (``s3://bucket/run/last.json``) of a sharded run.
+
     Raises:
         TrainkitError: ``src`` is missing, incomplete or not a checkpoint; ``out`` is not writable.
     """
@@ -55,7 +63,8 @@ def consolidate(src: str | Path, out: str | Path, *, optimizer: bool = False) ->
         raise TrainkitError(f"cannot write {out}: folder {out.parent} does not exist")
     if out.is_dir():
         raise TrainkitError(f"{out} is a folder: give the file to write, e.g. {out}/model.pt")
-    _check_sharded_source(Path(src))
+    if not is_url(src):
+        _check_sharded_source(Path(src))
     full = load_full(src, key="consolidate's source")
     plain = {"model": full["model"], "global_step": full["global_step"], "epoch": full["epoch"]}
     if optimizer:

@@ -57,7 +57,7 @@ def load_tensors(meta: Mapping[str, Any], model: nn.Module, optimizer: Any, ema:
     _check_fits(path, state["model"], saved, key)
     if ema is not None and not any(name.startswith("ema.") for name in saved):
         del state["ema"]
-    _load(path, state, group)
+    _load(meta.get("_files", path), state, group)  # a URL's: its local copy
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     return "ema" in state
@@ -72,7 +72,7 @@ def load_weights(meta: Mapping[str, Any], model: nn.Module, ema: Any) -> bool:
     _check_fits(meta["_path"], state["model"], meta["_tensors"], "checkpoint.init_from")
     if ema is not None and any(name.startswith("ema.") for name in meta["_tensors"]):
         state["ema"] = ema.state_dict()["weights"]
-    _load(meta["_path"], state, None)
+    _load(meta.get("_files", meta["_path"]), state, None)
     set_model_state_dict(model, state["model"])
     return "ema" in state
 

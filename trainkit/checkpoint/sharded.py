@@ -107,6 +107,9 @@ class ShardedCheckpoints:
     def best(self) -> Path:
         return self.layout.best
 
+    def step_path(self, step: int) -> Path:
+        return self.layout.step_path(step)
+
     # -- saving -------------------------------------------------------------------------------
 
     def save(self, tensors: dict[str, Any], meta: dict[str, Any] | None, step: int, *,

@@ -11,7 +11,8 @@ Two implement it:
   its commit record per checkpoint (:mod:`~trainkit.checkpoint.remote`);
 * :class:`ShardedStorage` -- one directory per checkpoint, every rank writing its part through
   DCP, read onto any number of ranks (:mod:`~trainkit.checkpoint.sharded`,
-  :mod:`~trainkit.checkpoint.reshard`).
+  :mod:`~trainkit.checkpoint.reshard`); where ``checkpoint.dir`` is a URL, one folder of objects
+  and its commit record per checkpoint (:mod:`~trainkit.checkpoint.remote_sharded`).
 
 :func:`storages_for` chooses, once, when the parts are registered: the storage this run writes
 with comes first, then the others, which only read (``checkpoint.init_from`` of a file into a
@@ -29,14 +30,14 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from trainkit.checkpoint import remote, reshard, sharded
+from trainkit.checkpoint import remote, remote_sharded, reshard, sharded
 from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
 from trainkit.checkpoint.contents import check_weights_fit
 from trainkit.checkpoint.files import CheckpointManager, read_checkpoint
 from trainkit.checkpoint.layout import Layout
 from trainkit.config import CheckpointConfig
 from trainkit.core import rng
-from trainkit.core.errors import TrainkitError
+from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.objectstore import is_url
 from trainkit.core.runtime import Runtime
 from trainkit.distributed import fsdp
@@ -116,10 +117,10 @@ def storages_for(model: nn.Module, directory: Path | str | None, config: Checkpo
     """This run's storages, the one it writes with first: directories for a model sharded by
     ``fully_shard`` (FSDP2), else files (``directory`` a URL: objects and commit records). A
     collective: every rank calls it at the same point."""
-    if is_url(directory):
-        if fsdp.is_sharded(model):
-            raise TrainkitError(f"checkpoint.dir={directory}: a sharded (fsdp) run keeps its "
-                                "checkpoints on a local or shared disk only; give a path")
+    if is_url(directory) and fsdp.is_sharded(model) and config.async_save:
+        raise ConfigError(f"checkpoint.dir={directory}: a sharded (fsdp) run saves to a URL "
+                          "synchronously only; set checkpoint.async_save=false or give a path")
+    if is_url(directory) and not fsdp.is_sharded(model):
         return (FileStorage(directory, config, runtime, writes=True),
                 ShardedStorage(None, config, runtime, writes=False))
     if fsdp.is_sharded(model):  # a sharded optimizer takes its state from directories only
@@ -175,8 +176,8 @@ class FileStorage:
         return self.manager.candidates() if self.manager is not None and self.listed else []
 
     def holds(self, checkpoint: Path | str | Mapping[str, Any]) -> bool:
-        if isinstance(checkpoint, str):
-            return is_url(checkpoint)  # a commit record
+        if isinstance(checkpoint, str):  # a commit record
+            return is_url(checkpoint) and not remote_sharded.is_sharded_record(checkpoint)
         if isinstance(checkpoint, Path):
             return not checkpoint.is_dir()  # a missing path too: its message says so
         return "format" not in checkpoint
@@ -227,23 +228,28 @@ class FileStorage:
 class ShardedStorage:
     """``step_<N>/`` directories with ``last`` and ``best`` links in ``directory``: every rank
     writes its shards through DCP, rank 0 adds ``trainkit.pt`` (the rest of the state); they load
-    into a sharded or a plain model on any number of ranks.
+    into a sharded or a plain model on any number of ranks. A URL ``directory`` holds object
+    folders and commit records instead (:mod:`~trainkit.checkpoint.remote_sharded`).
 
     ``writes``: this run saves here (with the process group DCP's collectives run on); a storage
     that only reads loads on the default group.
     """
 
-    def __init__(self, directory: Path | None, config: CheckpointConfig, runtime: Runtime, *,
-                 writes: bool = True) -> None:
+    def __init__(self, directory: Path | str | None, config: CheckpointConfig,
+                 runtime: Runtime, *, writes: bool = True) -> None:
         self.directory, self.runtime = directory, runtime
-        self.layout = Layout(directory, config.keep_last, suffix="") if directory else None
+        self.layout = (Layout(directory, config.keep_last, suffix="")
+                       if directory and not is_url(directory) else None)
         # a collective with async_save (a gloo group of its own): made by every rank at once
-        self._dirs = (sharded.ShardedCheckpoints(directory, config.keep_last,
-                                                 async_save=config.async_save)
-                      if writes and directory is not None else None)
+        self._dirs: sharded.ShardedCheckpoints | remote_sharded.RemoteShardedCheckpoints | None
+        self._dirs = (None if not writes or directory is None
+                      else remote_sharded.RemoteShardedCheckpoints(directory, config.keep_last)
+                      if is_url(directory)
+                      else sharded.ShardedCheckpoints(directory, config.keep_last,
+                                                      async_save=config.async_save))
 
     @property
-    def last(self) -> Path:
+    def last(self) -> Path | str:
         return self._dirs.last if self._dirs is not None else Path("last")
 
     @property
@@ -254,7 +260,8 @@ class ShardedStorage:
     def in_flight(self) -> bool:
         return self._dirs is not None and self._dirs.in_flight
 
-    def save(self, step: int, content: Content, *, periodic: bool, best: bool) -> Path | None:
+    def save(self, step: int, content: Content, *, periodic: bool,
+             best: bool) -> Path | str | None:
         """Every rank writes its part of ``step_<step>/``; rank 0 adds ``trainkit.pt``."""
         if self._dirs is None:
             return None
@@ -271,31 +278,39 @@ class ShardedStorage:
         else:
             tensors = reshard.tensor_state(parts["model"], parts["optimizer"], parts["ema"])
             self._dirs.save(tensors, meta, step, best=best)
-        return self._dirs.layout.step_path(step)
+        return self._dirs.step_path(step)
 
-    def list(self) -> list[Path]:
+    def list(self) -> list[Path | str]:
+        if isinstance(self._dirs, remote_sharded.RemoteShardedCheckpoints):
+            return self._dirs.candidates()
         # DCP reshards onto any model, sharded or not: a plain run lists them too
         return self.layout.candidates() if self.layout is not None else []
 
     def holds(self, checkpoint: Path | str | Mapping[str, Any]) -> bool:
         if isinstance(checkpoint, str):
-            return False  # a URL: FileStorage's
+            return remote_sharded.is_sharded_record(checkpoint)
         if isinstance(checkpoint, Path):
             return checkpoint.is_dir()
         return checkpoint.get("format") == sharded.FORMAT
 
-    def read(self, path: Path, key: str) -> dict[str, Any]:
+    def read(self, path: Path | str, key: str) -> dict[str, Any]:
+        if isinstance(path, str):  # downloaded into a local folder, removed once loaded
+            return remote_sharded.read_meta(path, key=key)
         return sharded.read_meta(path, key=key)
 
     def load(self, state: Mapping[str, Any], parts: Mapping[str, Any], *, key: str,
              optimizer: bool) -> bool:
         """Model, optimizer and EMA weights from a directory, resharded onto this run."""
         model, ema = parts["model"], parts["ema"]
-        if optimizer:
-            group = self._dirs.group if self._dirs is not None else None
-            loaded = reshard.load_tensors(state, model, parts["optimizer"], ema, group, key=key)
-        else:
-            loaded = reshard.load_weights(state, model, ema)
+        try:
+            if optimizer:
+                group = self._dirs.group if self._dirs is not None else None
+                loaded = reshard.load_tensors(state, model, parts["optimizer"], ema, group,
+                                              key=key)
+            else:
+                loaded = reshard.load_weights(state, model, ema)
+        finally:
+            remote_sharded.forget(state)
         if not (loaded and state.get("ema")):
             return False
         ema.updates = int(state["ema"]["updates"])  # the weights are in place; now the count

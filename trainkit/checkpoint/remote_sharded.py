@@ -1,0 +1,249 @@
+"""Sharded (FSDP, DCP) checkpoints on object storage (any fsspec URL), where there is no rename.
+
+Inside ``checkpoint.dir`` (``s3://bucket/run``), as :mod:`~trainkit.checkpoint.remote` keeps
+single files:
+
+* ``objects/<N>-<id>/`` -- a checkpoint's files: DCP's ``.metadata`` and ``__<rank>_0.distcp``
+  and trainkit's ``trainkit.pt`` (:mod:`~trainkit.checkpoint.sharded`), under a name of its own
+  that no reader takes for a checkpoint;
+* ``last.json``, ``best.json``, ``step_<N>.json`` -- commit records naming the object folder,
+  each of its files with its size, and which file is ``trainkit.pt``.
+
+How: DCP's public :class:`~torch.distributed.checkpoint.FileSystemWriter` writes each rank's part
+into a local staging folder of that rank (rank 0's gets ``.metadata`` once every rank's part is
+written), each rank uploads its own files with fsspec, a barrier, and only then rank 0 writes
+``last.json`` -- the commit -- then the other records, then removes what no record names.
+Staging locally rather than a StorageWriter over fsspec keeps DCP's writer, planner and metadata
+as they are on a disk (torch exports no fsspec writer); the price is one local copy per rank.
+Reading downloads a checkpoint's files whole into a local folder and reads it there (any number
+of ranks, as on a disk): each rank fetches every file, since a resharded load may need any.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from trainkit.checkpoint import sharded
+from trainkit.checkpoint.files import save_atomic
+from trainkit.checkpoint.layout import missing, write_failed
+from trainkit.checkpoint.remote import OBJECTS, RemoteLayout
+from trainkit.core.errors import TrainkitError
+from trainkit.core.objectstore import filesystem, join, store_error
+from trainkit.distributed.group import barrier
+
+FORMAT = "trainkit-sharded-object-1"
+STAGING_PREFIX = "trainkit-dcp-"  # local folders (the system's temp dir, $TMPDIR)
+
+
+class RemoteShardedCheckpoints:
+    """The interface of :class:`~trainkit.checkpoint.sharded.ShardedCheckpoints` (sync saves
+    only) over a URL. Every rank makes one at the same point and calls :meth:`save` together."""
+
+    def __init__(self, url: str, keep_last: int = 3) -> None:
+        self.url = url.rstrip("/")
+        self.fs, root = filesystem(self.url, "checkpoint.dir")
+        self.layout = RemoteLayout(self.fs, root, keep_last)
+        self.distributed = sharded._distributed()
+        self.is_main = not self.distributed or dist.get_rank() == 0
+        self.group = sharded._group(self.distributed, False)
+        self.written_step = -1
+
+    in_flight = False  # saves are synchronous
+
+    @property
+    def last(self) -> str:
+        return join(self.url, self.layout.last.name)
+
+    def step_path(self, step: int) -> str:
+        return join(self.url, self.layout.step_path(step).name)
+
+    def candidates(self) -> list[str]:
+        """Records to try when resuming, newest first."""
+        return [join(self.url, path.name) for path in self.layout.candidates()]
+
+    def save(self, tensors: dict[str, Any], meta: dict[str, Any] | None, step: int, *,
+             best: bool = False) -> None:
+        """Write this rank's part of step ``step``; rank 0 commits it once every rank's part
+        and DCP's metadata are uploaded (every rank calls this; ``meta`` matters on rank 0)."""
+        import torch.distributed.checkpoint as dcp
+
+        self.written_step = step
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX))
+        try:
+            name = self._same_on_every_rank(f"{OBJECTS}/{step:09d}-{uuid.uuid4().hex[:12]}")
+            if self.is_main:
+                save_atomic(meta or {}, staging / sharded.META_FILE)
+            with sharded._quiet_single_process():
+                dcp.save(tensors, storage_writer=sharded._writer(staging, step),
+                         process_group=self.group, no_dist=not self.distributed)
+            self._guard(lambda: self._upload(staging, name))
+            if self.distributed:  # every rank's files are in the store before the commit
+                barrier(self.group)
+            if self.is_main:
+                self._guard(lambda: self._commit(name, step, best))
+        except (OSError, dcp.CheckpointException) as err:
+            raise write_failed(err, self.url) from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def update_meta(self, meta: dict[str, Any] | None, step: int, *, best: bool) -> None:
+        """Give step ``step``'s checkpoint (this run's newest) a new ``trainkit.pt``: uploaded
+        under a new name, then the records naming the checkpoint rewritten to name it."""
+        if not self.is_main:
+            return
+        self._guard(lambda: self._replace_meta(meta or {}, step, best))
+
+    def _replace_meta(self, meta: dict[str, Any], step: int, best: bool) -> None:
+        record = _record(self.fs, str(self.layout.last))
+        base = join(str(self.layout.directory), record["object"])
+        new = f"trainkit-{uuid.uuid4().hex[:8]}.pt"
+        with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX) as staging:
+            save_atomic(meta, Path(staging) / new)
+            self.fs.put_file(str(Path(staging) / new), join(base, new))
+            size = (Path(staging) / new).stat().st_size
+        old = record["meta"]
+        files = {k: v for k, v in record["files"].items() if k != old} | {new: size}
+        record = {**record, "meta": new, "files": files}
+        numbered = self.fs.exists(str(self.layout.step_path(step)))  # rewritten too, if any
+        self._write_records(record, step, periodic=numbered, best=best)
+        self.fs.rm(join(base, old))  # no record names it now
+
+    def poll(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def _same_on_every_rank(self, name: str) -> str:
+        """Rank 0's ``name``, on every rank (a collective)."""
+        if not self.distributed:
+            return name
+        names = [name]
+        dist.broadcast_object_list(names, src=0, group=self.group)
+        return names[0]
+
+    def _upload(self, staging: Path, name: str) -> None:
+        base = join(str(self.layout.directory), name)
+        for path in sorted(staging.iterdir()):
+            if path.is_file():
+                self.fs.put_file(str(path), join(base, path.name))
+
+    def _commit(self, name: str, step: int, best: bool) -> None:
+        """Rank 0, after every rank uploaded: the records naming ``name``, then the rotation."""
+        base = join(str(self.layout.directory), name)
+        self.fs.invalidate_cache(base)
+        files = {entry["name"].rsplit("/", 1)[-1]: entry["size"]
+                 for entry in self.fs.ls(base, detail=True) if entry["type"] == "file"}
+        if ".metadata" not in files:
+            raise OSError(f"{base} has no .metadata after every rank's upload")
+        record = {"format": FORMAT, "global_step": step, "object": name,
+                  "meta": sharded.META_FILE, "files": files}
+        self._write_records(record, step, periodic=True, best=best)
+
+    def _write_records(self, record: dict[str, Any], step: int, *, periodic: bool,
+                       best: bool) -> None:
+        data = json.dumps(record).encode()
+        self.fs.pipe(str(self.layout.last), data)  # the commit
+        if best:
+            self.fs.pipe(str(self.layout.best), data)
+        if periodic:
+            self.fs.pipe(str(self.layout.step_path(step)), data)
+            for old in self.layout.stale():
+                self.fs.rm(str(old))
+        self._remove_unnamed()
+
+    def _remove_unnamed(self) -> None:
+        """Remove the object folders no record names: rotated ones, and uploads a kill left
+        uncommitted (every rank is past its upload: none is being written now)."""
+        root = str(self.layout.directory)
+        records = [self.layout.last, self.layout.best, *self.layout.steps()]
+        named = {_record(self.fs, str(path)).get("object") for path in records}
+        objects = join(root, OBJECTS)
+        self.fs.invalidate_cache(objects)
+        try:
+            present = self.fs.ls(objects, detail=False)
+        except FileNotFoundError:
+            return
+        for path in present:
+            if f"{OBJECTS}/{path.rstrip('/').rsplit('/', 1)[-1]}" not in named:
+                self.fs.rm(path, recursive=True)
+
+    def _guard(self, write: Any) -> Any:
+        try:
+            return write()
+        except Exception as err:
+            raise (store_error(err, self.url, "checkpoint.dir")
+                   or write_failed(err, self.url)) from None
+
+
+def _record(fs: Any, path: str) -> dict[str, Any]:
+    """The commit record at ``path``; {} where there is none or it is not one."""
+    try:
+        record = json.loads(fs.cat(path))
+    except (FileNotFoundError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def is_sharded_record(url: str) -> bool:
+    """Whether ``url`` is a commit record of a sharded checkpoint (False where none reads)."""
+    try:
+        fs, path = filesystem(url, "checkpoint")
+        return _record(fs, path).get("format") == FORMAT
+    except Exception:  # the reader of the other format says what is wrong
+        return False
+
+
+def read_meta(url: str, *, key: str = "checkpoint.resume") -> dict[str, Any]:
+    """:func:`~trainkit.checkpoint.sharded.read_meta` of the checkpoint the record at ``url``
+    names, downloaded whole into a local folder: ``_path`` is ``url``, ``_files`` the folder
+    (DCP reads it; :func:`forget` removes it).
+
+    Raises:
+        TrainkitError: no such record, the store cannot be reached, or the checkpoint is
+            missing, incomplete or not one.
+    """
+    fs, path = filesystem(url, key)
+    try:
+        record = json.loads(fs.cat(path))
+        base = join(path.rsplit("/", 1)[0], record["object"])
+        files, meta_name = dict(record["files"]), record["meta"]
+    except FileNotFoundError as err:
+        raise (store_error(err, url, key) or missing(url, key)) from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise TrainkitError(f"{url} is not a trainkit commit record ({err})") from None
+    except Exception as err:
+        raise (store_error(err, url, key) or TrainkitError(f"cannot read {url} ({err})")) from None
+    local = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX))
+    try:
+        for name, size in files.items():
+            target = local / (sharded.META_FILE if name == meta_name else name)
+            fs.get_file(join(base, name), str(target))
+            if target.stat().st_size != size:
+                raise TrainkitError(f"checkpoint {url} is incomplete ({name} is "
+                                    f"{target.stat().st_size} bytes, its record says {size})")
+        meta = sharded.read_meta(local, key=key)
+    except Exception as err:
+        shutil.rmtree(local, ignore_errors=True)
+        if isinstance(err, TrainkitError):
+            raise TrainkitError(str(err).replace(str(local), url)) from None
+        raise (store_error(err, url, key)
+               or TrainkitError(f"checkpoint {url} is incomplete ({err})")) from None
+    meta["_path"], meta["_files"] = url, str(local)
+    return meta
+
+
+def forget(meta: dict[str, Any]) -> None:
+    """Remove the local copy :func:`read_meta` made (nothing for a checkpoint on a disk)."""
+    if meta.get("_files"):
+        shutil.rmtree(meta["_files"], ignore_errors=True)
