@@ -178,6 +178,9 @@ def test_export_pt2_runs_with_torch_alone_and_gives_trainkits_logits(
     assert info["classes"] == [str(i) for i in range(10)] and info["image_size"] == [1, 28, 28]
     assert info["mean"] == [0.1307] and info["weights"] == "ema"
     assert info["manifest"]["config_sha256"] and info["manifest"]["torch"]
+    rebuilt = rebuild(run, "best", "auto", [])  # the record: what the data gives, read again
+    assert read_inputs(run) == data_inputs(rebuilt.cfg, rebuilt.settings, None)
+    assert not read_inputs(run).fused and read_inputs(run).image_size == (1, 28, 28)
 
 
 def test_exported_weights_are_the_emas_unless_raw_is_asked(run: Path, tmp_path: Path) -> None:
