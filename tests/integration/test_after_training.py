@@ -8,6 +8,7 @@ not the editable install's; the site-packages folder on ``sys.path`` for torch a
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from trainkit.entry import cli
 from trainkit.entry.evaluate import evaluate_run
 from trainkit.entry.export import export_run
 from trainkit.entry.own_data import build_data
-from trainkit.entry.rebuild import image_source, rebuild
+from trainkit.entry.rebuild import data_inputs, image_source, read_inputs, rebuild, run_classes
 
 pytestmark = pytest.mark.slow
 SITE = sysconfig.get_paths()["purelib"]
@@ -177,6 +178,9 @@ def test_export_pt2_runs_with_torch_alone_and_gives_trainkits_logits(
     assert info["classes"] == [str(i) for i in range(10)] and info["image_size"] == [1, 28, 28]
     assert info["mean"] == [0.1307] and info["weights"] == "ema"
     assert info["manifest"]["config_sha256"] and info["manifest"]["torch"]
+    rebuilt = rebuild(run, "best", "auto", [])  # the record: what the data gives, read again
+    assert read_inputs(run) == data_inputs(rebuilt.cfg, rebuilt.settings, None)
+    assert not read_inputs(run).fused and read_inputs(run).image_size == (1, 28, 28)
 
 
 def test_exported_weights_are_the_emas_unless_raw_is_asked(run: Path, tmp_path: Path) -> None:
@@ -317,36 +321,46 @@ def test_image_folder_resnet_run_predicts_and_exports_what_its_own_loader_evalua
 
 
 @pytest.mark.parametrize("dataset", [
-    ("tests.image_files.Pictures",),
-    ("tests.image_files.hf_split", "+dataset.cache_dir={tmp}/hf_cache")], ids=["torch", "hf"])
+    ("Pictures",), ("hf_split", "+dataset.cache_dir={tmp}/hf_cache")], ids=["torch", "hf"])
 def test_own_dataset_run_predicts_its_splits_and_files_and_exports_as_its_loader_evaluates(
-        tmp_path: Path, dataset: tuple[str, ...]) -> None:
+        tmp_path: Path, dataset: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
     """A run on a dataset of the user's, a torch ``Dataset`` (PIL images of mixed sizes) or a
-    Hugging Face ``datasets.Dataset`` (its image column's file bytes): ``inputs=test`` (the
-    dataset's own samples), its files and its export all give the outputs of the run's own
-    validation loader, with the dataset's class names."""
-    if dataset[0].endswith("hf_split"):
+    Hugging Face ``datasets.Dataset`` (its image column's file bytes), from a module of the
+    user's folder: ``inputs=test`` (the dataset's own samples), its files and its export all
+    give the outputs of the run's own validation loader, with the dataset's class names. Predict
+    over files and export, run where that module is not importable, use what the run recorded
+    (``inputs.json``)."""
+    if dataset[0] == "hf_split":
         pytest.importorskip("datasets")
     folder = make_folder(tmp_path / "images", per_class=4, val_per_class=2)
+    project, module = tmp_path / "project", f"my_{dataset[0].lower()}_data"
+    project.mkdir()  # the user's own module, importable from their project's folder only
+    (project / f"{module}.py").write_text(f"from tests.image_files import {dataset[0]}\n")
     run_dir = tmp_path / "run"
     result = run_train("data=image_folder", f"data.root={folder}", f"hydra.run.dir={run_dir}",
-                       "data.name=own", f"+dataset._target_={dataset[0]}",
+                       "data.name=own", f"+dataset._target_={module}.{dataset[0]}",
                        *(o.format(tmp=tmp_path) for o in dataset[1:]),
                        "model._target_=tests.image_files.TinyNet", "~model.widths",
                        "data.image_size=24", "data.batch_size=4", "data.eval_batch_size=8",
-                       "data.num_workers=0", "trainer.max_steps=2", "trainer.precision=32")
+                       "data.num_workers=0", "trainer.max_steps=2", "trainer.precision=32",
+                       env=offline_env(PYTHONPATH=os.pathsep.join([str(project), str(REPO)])))
     assert result.returncode == 0, result.stderr[-3000:]
+    export = trainkit_command("export", str(run_dir), "--format", "pt2", "--out",
+                              str(tmp_path / "export"))  # its module not importable here
+    assert export.returncode == 0, export.stderr[-3000:]
+    by_split, by_file = tmp_path / "test.pt", tmp_path / "files.pt"
+    assert cli.main(["predict", str(run_dir), f"inputs={folder / 'val'}", f"out={by_file}"]) == 0
+    monkeypatch.syspath_prepend(str(project))  # the run's data, for the rest
     run = rebuild(run_dir, "last", "auto", [])
+    assert read_inputs(run_dir) == data_inputs(run.cfg, run.settings, run_classes(run))
     _, val_data, _ = build_data(run.cfg, run.settings, Runtime.from_env("cpu"))
     with torch.no_grad():
         theirs = run.model(torch.cat([x for x, _ in val_data]))
-    by_split, by_file = tmp_path / "test.pt", tmp_path / "files.pt"
     assert cli.main(["predict", str(run_dir), "inputs=test", f"out={by_split}"]) == 0
-    assert cli.main(["predict", str(run_dir), f"inputs={folder / 'val'}", f"out={by_file}"]) == 0
     split, files = torch.load(by_split), torch.load(by_file)
     assert split["inputs"] == list(range(6)) and len(files["inputs"]) == 6
     assert torch.equal(split["outputs"], theirs) and torch.equal(files["outputs"], theirs)
-    out = export_run([str(run_dir)], fmt="pt2", out=tmp_path / "export")
+    out = tmp_path / "export"
     assert json.loads((out / "model.json").read_text())["classes"] == [
         "class_0", "class_1", "class_2"]
     _, read = image_source(run)

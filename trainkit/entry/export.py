@@ -5,10 +5,12 @@ Writes a run's model weights -- the EMA's when the run kept one -- as a new fold
 ``RUN_DIR/export_<ckpt>``) of one weights file and ``model.json`` (the model's ``_target_`` and
 arguments, class names, mean/std, image size, the run's manifest). A sharded (FSDP) checkpoint is
 consolidated on the way, in this process. ``pt2`` is a ``torch.export`` program with the input
-normalisation inside: it loads with torch alone (``torch.export.load``). The data is read for
-its facts (mean/std, image size, classes): ``data.root=...`` where it moved. Exit status: 0 when
-written, 2 on bad input (nothing written, an existing folder left as it is). Without ckpt=: ``best``
-where the run kept one, else ``last``.
+normalisation inside: it loads with torch alone (``torch.export.load``). The input's facts
+(mean/std, image size, classes) are those the run recorded when it trained
+(``RUN_DIR/inputs.json``): neither its data nor its ``dataset._target_``'s module is needed; a run
+from before that record reads its data for them (``data.root=...`` where it moved). Exit status:
+0 when written, 2 on bad input (nothing written, an existing folder left as it is). Without
+ckpt=: ``best`` where the run kept one, else ``last``.
 
 A Hugging Face text model's run (``model=hf``) exports its LoRA adapters merged into the weights,
 with its tokenizer (:mod:`trainkit.checkpoint.text_export`); ``--adapters`` writes a LoRA run's
@@ -31,7 +33,7 @@ from trainkit.core.errors import TrainkitError, command_name, help_text
 from trainkit.data.classes import read_classes
 from trainkit.data.hf_text import load_tokenizer
 from trainkit.entry.errors import errors_as_one_line
-from trainkit.entry.rebuild import Rebuilt, image_source, rebuild, split_args
+from trainkit.entry.rebuild import Rebuilt, model_inputs, rebuild, split_args
 from trainkit.models.pretrained import model_node
 
 USAGE = ("RUN_DIR [ckpt=best|last|step_N|PATH] [--format F] [--dtype D] [--weights W] "
@@ -68,7 +70,7 @@ def export_run(args: list[str], *, fmt: str = "safetensors", dtype: str = "fp32"
     out = out if out is not None else run_dir / f"export_{run.name}{'_adapters' * adapters}"
     if adapters or run.settings.data.name == "hf_text":  # a Hugging Face model, or adapters
         return export_text_run(run, out, fmt=fmt, dtype=dtype, adapters=adapters)
-    inputs, _ = image_source(run)  # mean/std, image size, classes
+    inputs = model_inputs(run)  # mean/std, image size, classes: as the run recorded
     info = {"model": model_node(OmegaConf.to_container(run.cfg.model, resolve=True)),
             "weights": run.weights,
             "checkpoint": {"ckpt": run.name, "path": run.state["_path"], "step": run.step},

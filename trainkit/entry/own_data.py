@@ -20,6 +20,7 @@ from trainkit.core.errors import ConfigError
 from trainkit.core.runtime import Runtime
 from trainkit.data import build_loaders
 from trainkit.data.classes import write_classes
+from trainkit.entry.rebuild import data_inputs, write_inputs
 
 
 def build_data(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> tuple[Any, Any, int]:
@@ -61,3 +62,12 @@ def save_classes(run_dir: str | Path, train_data: Any, runtime: Runtime) -> None
     classes = getattr(train_data, "classes", None)
     if classes is not None and runtime.is_main:
         write_classes(run_dir, classes)
+
+
+def save_inputs(run_dir: str | Path, cfg: DictConfig, settings: TrainConfig, train_data: Any,
+                runtime: Runtime) -> None:
+    """``<run_dir>/inputs.json``: what an image model takes (mean/std, image size, classes,
+    evaluation transform), derived as export and predict would derive it from the data, so that
+    they need neither the data nor the module of ``dataset._target_`` (rank 0 writes it)."""
+    if runtime.is_main and settings.data.name not in ("tokens", "hf_text"):  # image models only
+        write_inputs(run_dir, data_inputs(cfg, settings, getattr(train_data, "classes", None)))

@@ -3,7 +3,8 @@
 
 Runs a finished run's model over a folder of images (``.png``/``.jpg``/..., its subfolders' too, in
 sorted order, read as the run read its evaluation images -- an image-folder run's resize and centre
-crop, a tensor dataset's mode and size -- and normalised as its loaders normalise) or over a split
+crop, a tensor dataset's mode and size -- and normalised as its loaders normalise, as the run
+recorded in ``RUN_DIR/inputs.json``: the data itself is not needed) or over a split
 of its data (``test``: the one it evaluated on, ``train``): an image folder's files, or a tensor
 dataset's or your own ``Dataset``'s samples by index. It writes one row per input, in input order:
 ``out.jsonl`` rows ``{"input": path or index, "classes": top-k names, "probs": their

@@ -4,14 +4,19 @@ its own config (with the command's overrides), its model with the chosen weights
 The run's config is the one its checkpoint stores (resolved, as it trained), checked by the
 same schema as training; the data and metrics are built by the functions training builds them
 with (:func:`trainkit.train.build_data`), so an evaluation sees the same batches.
+What an image model takes (mean/std, image size, classes, evaluation transform) is derived here
+(:func:`data_inputs`), once when the run trains, into ``<run>/inputs.json``: export and predict
+over files read it there, without the data.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +33,8 @@ from trainkit.core.errors import ConfigError, TrainkitError, command_name, help_
 from trainkit.data.build import READERS
 from trainkit.data.datasets import TensorData
 from trainkit.loop.step import default_forward
+
+INPUTS_FILE = "inputs.json"  # what the model takes, recorded when the run trains
 
 
 @dataclass
@@ -162,41 +169,91 @@ def build_forward(cfg: DictConfig) -> Any:
 
 
 def image_source(run: Rebuilt) -> tuple[Inputs, Callable[[Path], torch.Tensor]]:
-    """What the model takes, and a reader of an image file into it (uint8 ``[C, H, W]``): for a
-    run on tensor data (MNIST, CIFAR-10, a ``TensorData`` of yours) the file in that data's mode
-    and size; for a run that decoded images (an image folder, shards, your own ``Dataset``) the
-    run's own evaluation transform (:mod:`trainkit.data.transforms`)."""
-    data = run.settings.data
-    if run.cfg.get("dataset") is not None or data.name not in ("image_folder", "webdataset"):
-        split = read_split(run.cfg, run.settings, train=False)
-        if isinstance(split, TensorData):
-            inputs = inputs_of(split)
-            return inputs, lambda path: read_image(path, inputs.image_size)
+    """What the model takes (:func:`model_inputs`), and a reader of an image file into it (uint8
+    ``[C, H, W]``): for a run on tensor data the file in that data's mode and size; for a run
+    that decoded images the run's own evaluation transform (:mod:`trainkit.data.transforms`)."""
+    inputs = model_inputs(run)
+    if not inputs.fused:  # tensor data: normalised as its in-memory loaders do
+        return inputs, lambda path: read_image(path, inputs.image_size)
     from trainkit.data.transforms import load_image
 
-    inputs, transform, _ = eval_transform(run)
-    return inputs, lambda path: transform(load_image(path, channels=data.channels))
+    _, transform, _ = eval_transform(run)
+    channels = run.settings.data.channels
+    return inputs, lambda path: transform(load_image(path, channels=channels))
+
+
+def model_inputs(run: Rebuilt) -> Inputs:
+    """What the run's model takes, as its training recorded it (``<run>/inputs.json``), so that
+    export and predict need neither its data nor its ``dataset._target_``'s module; a run from
+    before that record: derived from its data again (:func:`data_inputs`)."""
+    return read_inputs(run.run_dir) or data_inputs(run.cfg, run.settings, run_classes(run))
+
+
+def data_inputs(cfg: DictConfig, settings: TrainConfig, classes: Sequence[str] | None) -> Inputs:
+    """What a run's image model takes: for a run on tensor data (MNIST, CIFAR-10, a
+    ``TensorData`` of yours) the mean/std, image size and classes of its evaluation split (read
+    here); for a run that decoded images (an image folder, shards, your own ``Dataset``) its
+    config's mean/std, size and evaluation transform, with ``classes`` (its loader's names)."""
+    data = settings.data
+    if cfg.get("dataset") is not None or data.name not in ("image_folder", "webdataset"):
+        split = read_split(cfg, settings, train=False)
+        if isinstance(split, TensorData):
+            return inputs_of(split)
+    return decoded_inputs(cfg, settings, classes)
+
+
+def decoded_inputs(cfg: DictConfig, settings: TrainConfig, classes: Sequence[str] | None
+                   ) -> Inputs:
+    """What a model trained on decoded images takes, from its config alone: ``data.mean`` /
+    ``std``, channels, image size, evaluation transform, and ``classes`` (else ``0..N-1``)."""
+    from trainkit.data.transforms import stats_for
+
+    data = settings.data
+    nodes = cfg.data.get("eval_transforms")
+    described = ({"eval_transforms": OmegaConf.to_container(nodes, resolve=True)} if nodes
+                 else {"resize_short_side": int(data.image_size / data.crop_pct),
+                       "center_crop": data.image_size})
+    mean, std = stats_for(data)
+    names = list(classes or [str(i) for i in range(cfg.data.get("num_classes") or 0)])
+    return Inputs(mean, std, (data.channels, data.image_size, data.image_size), names,
+                  fused=True, transform=described)
+
+
+def write_inputs(run_dir: str | Path, inputs: Inputs) -> Path:
+    """``inputs`` as ``<run_dir>/inputs.json`` (written whole: beside it, then renamed)."""
+    path = Path(run_dir) / INPUTS_FILE
+    partial = path.with_name(f".{INPUTS_FILE}.{os.getpid()}")
+    partial.write_text(json.dumps(asdict(inputs), indent=1) + "\n")
+    os.replace(partial, path)
+    return path
+
+
+def read_inputs(run_dir: str | Path) -> Inputs | None:
+    """The :class:`Inputs` a run's training recorded; None for a run from before the record."""
+    path = Path(run_dir) / INPUTS_FILE
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    return Inputs(tuple(saved["mean"]), tuple(saved["std"]), tuple(saved["image_size"]),
+                  list(saved["classes"]), fused=saved["fused"], transform=saved["transform"])
+
+
+def run_classes(run: Rebuilt) -> list[str] | None:
+    """The run's class names: its checkpoint's, else its ``classes.json``; None if neither."""
+    from trainkit.data.classes import read_classes
+
+    return read_classes(run.state) or read_classes(run.run_dir)
 
 
 def eval_transform(run: Rebuilt) -> tuple[Inputs, Callable[[torch.Tensor], torch.Tensor], bool]:
     """For a run that decoded images: what its model takes, the transform its evaluation gave a
     decoded uint8 image, and whether that is the run's own ``data.eval_transforms``."""
-    from trainkit.data.classes import read_classes
-    from trainkit.data.transforms import stats_for, transform_for
+    from trainkit.data.transforms import transform_for
     from trainkit.entry.own_data import build_transforms
 
-    data = run.settings.data
-    classes = (read_classes(run.state) or read_classes(run.run_dir)
-               or [str(i) for i in range(data.num_classes or 0)])
-    nodes = run.cfg.data.get("eval_transforms")
-    custom = build_transforms(nodes, "data.eval_transforms")
-    transform = transform_for(data, training=False, custom=custom)
-    described = ({"eval_transforms": OmegaConf.to_container(nodes, resolve=True)} if nodes
-                 else {"resize_short_side": int(data.image_size / data.crop_pct),
-                       "center_crop": data.image_size})
-    mean, std = stats_for(data)
-    inputs = Inputs(mean, std, (data.channels, data.image_size, data.image_size), classes,
-                    fused=True, transform=described)
+    custom = build_transforms(run.cfg.data.get("eval_transforms"), "data.eval_transforms")
+    transform = transform_for(run.settings.data, training=False, custom=custom)
+    inputs = decoded_inputs(run.cfg, run.settings, run_classes(run))
     return inputs, transform, custom is not None
 
 

@@ -31,7 +31,7 @@ from trainkit.distributed.slurm_requeue import requeue_after_stop
 from trainkit.entry.config_dir import config_dir, schema
 from trainkit.entry.errors import errors_as_one_line, set_resume_hint
 from trainkit.entry.keys import check_known_keys
-from trainkit.entry.own_data import build_data, save_classes
+from trainkit.entry.own_data import build_data, save_classes, save_inputs
 from trainkit.entry.ranks import join_ranks
 from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
 from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused, resume_command
@@ -90,6 +90,9 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
 
     metrics = build_metrics(cfg, parts.num_classes)  # checked against the data's classes
     preemption = Preemption()  # which signal stopped the run: SLURM's warning requeues it
+    # <run_dir>/inputs.json for export and predict: once the config has passed every check (a
+    # run stopped by bad input leaves no folder)
+    save_inputs(run_dir, cfg, settings, parts.train_data, runtime)
     summary = trainer.fit(
         parts.model, parts.optimizer, parts.train_data, criterion=parts.criterion,
         scheduler=scheduler, val_data=parts.val_data, metrics=metrics, stop_at_step=stop_at_step,
