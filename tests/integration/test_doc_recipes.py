@@ -263,11 +263,12 @@ def test_every_readme_command_is_run_by_a_test() -> None:
 
 def test_the_readmes_own_data_commands_start_from_the_recipe_made_for_them() -> None:
     """`data=image_folder` alone keeps MNIST's recipe (one-cycle lr 0.01, fp32): a newcomer's
-    ResNet on photos ended its first epoch at val/loss 242,503, against 1.36 with +exp=folder."""
+    ResNet on photos ended its first epoch at val/loss 242,503, against 1.36 with +exp=folder.
+    The recipes made for own images: +exp=folder, and +exp=finetune_image from weights."""
     own = [c for c in readme_commands()
            if "trainkit.train" in c and re.search(r"data\.root=/data/\S+(\s|$)", c)]
     assert own, "no command of the README trains on data of one's own"
-    assert all("+exp=folder" in command for command in own), own
+    assert all(re.search(r"\+exp=(folder|finetune_image)(\s|$)", command) for command in own), own
 
 
 def test_make_targets_run_what_the_readme_says() -> None:

@@ -181,7 +181,7 @@ def _predict_text(run: Any, options: dict[str, str], runtime: Runtime) -> dict[s
         return None
     ordered = sorted((pair for part in gathered for pair in part), key=lambda pair: pair[0])
     return {"inputs": [texts[i] for i, _ in ordered], "rows": [row for _, row in ordered],
-            "raw": False}
+            "raw": False, "skipped": []}  # a line of text is always readable
 
 
 def _source(spec: str, run: Any) -> Source:

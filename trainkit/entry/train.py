@@ -143,7 +143,7 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
         cfg.model = for_channels(cfg.model, settings.data.channels)
     # model.pretrained's weights (before DDP/FSDP and compile; a resumed run's checkpoint wins),
     # then model.lora's adapters
-    model = make_model(OmegaConf.to_container(cfg.model, resolve=True), pretrained=True)
+    model = make_model(cfg.model, pretrained=True)
     if settings.checkpoint.adapters_only:  # refused now, not once the run has begun
         check_adapters_only(model, sharded=settings.trainer.strategy == "fsdp")
     # optim.param_groups, layer_decay, decay_norm_and_bias: the groups; the rest its _target_'s

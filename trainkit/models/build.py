@@ -9,6 +9,8 @@ node a checkpoint stores, so a LoRA run's checkpoints load into the same wrappin
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,9 +25,13 @@ def make_model(node: Mapping[str, Any], *, pretrained: bool = False) -> nn.Modul
     model; a rebuilt one takes its checkpoint's weights) ``model.pretrained``'s weights loaded,
     then LoRA applied where ``model.lora`` is set (the adapters wrap the loaded weights)."""
     from hydra.utils import instantiate  # the config's own way to build it; only when called
+    from omegaconf import DictConfig, OmegaConf, open_dict
 
-    node = dict(node)
-    lora, weights = node.pop("lora", None), node.pop("pretrained", None)
+    node = copy.deepcopy(node)  # a config's node keeps its place: errors name model.<key>
+    with open_dict(node) if isinstance(node, DictConfig) else contextlib.nullcontext():
+        lora, weights = node.pop("lora", None), node.pop("pretrained", None)
+    if isinstance(lora, DictConfig):
+        lora = OmegaConf.to_container(lora, resolve=True)
     model = instantiate(node, _convert_="all")
     if pretrained and weights:
         load_pretrained(model, weights)
