@@ -337,8 +337,8 @@ class JpegDecoder:
         image = orient(image, plan.orientation)
         if tuple(image.shape[-2:]) != (plan.height, plan.width):
             return self._reject(path, f"an image file decodes to another size than its header "
-                                      f"says: {path}; replace or delete it, or set "
-                                      "data.skip_corrupt=true to skip such files")
+                                      f"says; replace or delete it, or set "
+                                      f"data.skip_corrupt=true to skip such files: {path}")
         if plan.box is None:
             return self.transform(image)  # ResizeCenterCrop: the CPU path's own code
         top, left, h, w = plan.box

@@ -97,9 +97,9 @@ def decode_image(data: bytes | bytearray | memoryview, *, channels: int = 3,
     except Exception as err:  # Pillow raises many types for bad files
         why = ("not an image format Pillow reads" if isinstance(err, UnidentifiedImageError)
                else one_line(err, 60))
-        # the fix last: a shortened error line keeps its end (the file's name, then the fix)
-        raise UnreadableImage(f"cannot decode an image file ({why}): {name}; replace or delete "
-                              "it, or set data.skip_corrupt=true to skip such files") from None
+        # the path last: a shortened error line keeps its end
+        raise UnreadableImage(f"cannot decode an image file ({why}); replace or delete it, or "
+                              f"set data.skip_corrupt=true to skip such files: {name}") from None
 
 
 def _decode_jpeg(data: bytes | bytearray | memoryview, channels: int) -> torch.Tensor | None:

@@ -269,9 +269,9 @@ def read_image(path: Path, size: Sequence[int]) -> torch.Tensor:
             image = functional.pil_to_tensor(file.convert("L" if size[0] == 1 else "RGB"))
     except (UnidentifiedImageError, OSError) as err:
         why = ("not an image format Pillow reads" if isinstance(err, UnidentifiedImageError)
-               else one_line(err, 60))  # the fix last: a shortened line keeps its end
-        raise UnreadableImage(f"cannot read an image file ({why}): {path}; replace or delete "
-                              "it, or set data.skip_corrupt=true to skip such files") from None
+               else one_line(err, 60))  # the path last: a shortened line keeps its end
+        raise UnreadableImage(f"cannot read an image file ({why}); replace or delete it, or "
+                              f"set data.skip_corrupt=true to skip such files: {path}") from None
     if tuple(image.shape[-2:]) != tuple(size[-2:]):
         image = functional.resize(image, list(size[-2:]), antialias=True)
     return image
