@@ -140,24 +140,8 @@ class RemoteCheckpoints:
             target = self.step_path(step)
             for old in self.layout.stale():
                 self.fs.rm(str(old))
-        self._remove_unnamed()
+        remove_unnamed(self.fs, self.layout)  # one save is in flight at a time: none now
         return target
-
-    def _remove_unnamed(self) -> None:
-        """Remove the objects no record names: rotated ones, and uploads a kill left
-        uncommitted (one save is in flight at a time: none is being written now)."""
-        root = str(self.layout.directory)
-        records = [self.layout.last, self.layout.best, *self.layout.steps()]
-        named = {_record(self.fs, str(path)).get("object") for path in records}
-        objects = join(root, OBJECTS)
-        self.fs.invalidate_cache(objects)
-        try:
-            present = self.fs.ls(objects, detail=False)
-        except FileNotFoundError:
-            return
-        for path in present:
-            if f"{OBJECTS}/{path.rsplit('/', 1)[-1]}" not in named:
-                self.fs.rm(path)
 
     def candidates(self) -> list[str]:
         """Records to try when resuming, newest first: ``last.json``, then the periodic ones."""
@@ -168,7 +152,23 @@ class RemoteCheckpoints:
         return newest_readable(self.candidates(), read_checkpoint)
 
 
-def _record(fs: Any, path: str) -> dict[str, Any]:
+def remove_unnamed(fs: Any, layout: RemoteLayout, *, recursive: bool = False) -> None:
+    """Remove the objects (``recursive``: object folders) no commit record names: rotated ones,
+    and uploads a kill left uncommitted. Only while no save is being written."""
+    records = [layout.last, layout.best, *layout.steps()]
+    named = {read_record(fs, str(path)).get("object") for path in records}
+    objects = join(str(layout.directory), OBJECTS)
+    fs.invalidate_cache(objects)
+    try:
+        present = fs.ls(objects, detail=False)
+    except FileNotFoundError:
+        return
+    for path in present:
+        if f"{OBJECTS}/{path.rstrip('/').rsplit('/', 1)[-1]}" not in named:
+            fs.rm(path, recursive=recursive)
+
+
+def read_record(fs: Any, path: str) -> dict[str, Any]:
     """The commit record at ``path``; {} where there is none or it is not one."""
     try:
         record = json.loads(fs.cat(path))

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from trainkit.checkpoint import sharded
 from trainkit.checkpoint.files import save_atomic
 from trainkit.checkpoint.layout import missing, write_failed
-from trainkit.checkpoint.remote import OBJECTS, RemoteLayout
+from trainkit.checkpoint.remote import OBJECTS, RemoteLayout, read_record, remove_unnamed
 from trainkit.core.errors import TrainkitError
 from trainkit.core.objectstore import filesystem, join, store_error
 from trainkit.distributed.group import barrier
@@ -60,6 +60,10 @@ class RemoteShardedCheckpoints:
     @property
     def last(self) -> str:
         return join(self.url, self.layout.last.name)
+
+    @property
+    def best(self) -> str:
+        return join(self.url, self.layout.best.name)
 
     def step_path(self, step: int) -> str:
         return join(self.url, self.layout.step_path(step).name)
@@ -101,7 +105,7 @@ class RemoteShardedCheckpoints:
         self._guard(lambda: self._replace_meta(meta or {}, step, best))
 
     def _replace_meta(self, meta: dict[str, Any], step: int, best: bool) -> None:
-        record = _record(self.fs, str(self.layout.last))
+        record = read_record(self.fs, str(self.layout.last))
         base = join(str(self.layout.directory), record["object"])
         new = f"trainkit-{uuid.uuid4().hex[:8]}.pt"
         with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX) as staging:
@@ -160,23 +164,8 @@ class RemoteShardedCheckpoints:
             self.fs.pipe(str(self.layout.step_path(step)), data)
             for old in self.layout.stale():
                 self.fs.rm(str(old))
-        self._remove_unnamed()
-
-    def _remove_unnamed(self) -> None:
-        """Remove the object folders no record names: rotated ones, and uploads a kill left
-        uncommitted (every rank is past its upload: none is being written now)."""
-        root = str(self.layout.directory)
-        records = [self.layout.last, self.layout.best, *self.layout.steps()]
-        named = {_record(self.fs, str(path)).get("object") for path in records}
-        objects = join(root, OBJECTS)
-        self.fs.invalidate_cache(objects)
-        try:
-            present = self.fs.ls(objects, detail=False)
-        except FileNotFoundError:
-            return
-        for path in present:
-            if f"{OBJECTS}/{path.rstrip('/').rsplit('/', 1)[-1]}" not in named:
-                self.fs.rm(path, recursive=True)
+        # every rank is past its upload: none is being written now
+        remove_unnamed(self.fs, self.layout, recursive=True)
 
     def _guard(self, write: Any) -> Any:
         try:
@@ -186,20 +175,11 @@ class RemoteShardedCheckpoints:
                    or write_failed(err, self.url)) from None
 
 
-def _record(fs: Any, path: str) -> dict[str, Any]:
-    """The commit record at ``path``; {} where there is none or it is not one."""
-    try:
-        record = json.loads(fs.cat(path))
-    except (FileNotFoundError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
 def is_sharded_record(url: str) -> bool:
     """Whether ``url`` is a commit record of a sharded checkpoint (False where none reads)."""
     try:
         fs, path = filesystem(url, "checkpoint")
-        return _record(fs, path).get("format") == FORMAT
+        return read_record(fs, path).get("format") == FORMAT
     except Exception:  # the reader of the other format says what is wrong
         return False
 
