@@ -19,10 +19,10 @@ COMPILE = $(PY) -m compileall -q trainkit benchmarks
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_PIN) || $(PY) -m pip install --quiet torch torchvision
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev]'
 	$(COMPILE)
 	touch $(STAMP)
 
