@@ -29,7 +29,7 @@ _BAD_INPUT = (TrainkitError, HydraException, OmegaConfBaseException)
 def removed_if_unused(run_dir: str | Path) -> Iterator[None]:
     """On an error, remove ``run_dir`` if it holds nothing but Hydra's ``.hydra/`` -- or, after
     bad input (a :class:`TrainkitError`, or a config Hydra could not build), also this run's own
-    ``train.log`` and empty folders.
+    ``train.log``, its ``inputs.json`` and empty folders.
 
     A config error is found inside the job, after Hydra has made ``outputs/<date>/<time>/``:
     without this each mistyped value left an empty-looking folder behind; so did an error found
@@ -41,7 +41,8 @@ def removed_if_unused(run_dir: str | Path) -> Iterator[None]:
     an error that wrote no summary gets one that says ``failed`` and why (:func:`_mark_failed`).
     """
     run_dir = Path(run_dir).absolute()
-    log_is_ours = not (run_dir / "train.log").exists()  # not an earlier attempt's
+    # this attempt's own files (not an earlier attempt's): gone with its bad input
+    ours = {name for name in ("train.log", "inputs.json") if not (run_dir / name).exists()}
     summary = read_summary(run_dir)
     try:
         yield
@@ -49,8 +50,7 @@ def removed_if_unused(run_dir: str | Path) -> Iterator[None]:
         # rank 0 alone: it writes the folder, and another rank's early error must not take it
         # away while rank 0 is about to use it
         if Runtime.from_env("cpu").is_main:
-            log = log_is_ours and isinstance(err, _BAD_INPUT)
-            _remove_unused(run_dir, _HYDRA_ONLY | ({"train.log"} if log else set()))
+            _remove_unused(run_dir, _HYDRA_ONLY | (ours if isinstance(err, _BAD_INPUT) else set()))
             if (run_dir.is_dir() and summary is None and read_summary(run_dir) is None
                     and isinstance(err, Exception)):  # not a stop, an abort or an exit
                 _mark_failed(run_dir, err)
