@@ -4,27 +4,21 @@ memory, both move to the same micro-batch, and the step is the DDP step of the w
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import REPO, offline_env
 from tests.dist.micro_batch_fit import batches
+from tests.dist.test_torchrun import torchrun
 from tests.unit.loop.test_micro_batch import Fits
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def test_both_ranks_move_to_the_size_one_rank_needs(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", "--monitor-interval=0.1", "-m", "tests.dist.micro_batch_fit",
-               str(tmp_path)]
-    proc = subprocess.run(command, cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"),
-                          capture_output=True, text=True, timeout=240)
+    proc = torchrun(str(tmp_path), module="tests.dist.micro_batch_fit")
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert [r["micro_batch_size"] for r in ranks] == [4, 4]
@@ -60,11 +54,7 @@ def test_missing_gradients_an_oom_in_one_ranks_step_and_a_clean_exit(tmp_path: P
 
     for run in range(EXIT_RUNS):
         out = tmp_path / str(run)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", "--monitor-interval=0.1", "-m",
-                   "tests.dist.auto_oom_fit", str(out)]
-        proc = subprocess.run(command, cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"),
-                              capture_output=True, text=True, timeout=240)
+        proc = torchrun(str(out), module="tests.dist.auto_oom_fit")
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert [(out / f"exit_rank{r}.txt").read_text() for r in (0, 1)] == ["False"] * 2
     ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]

@@ -25,8 +25,8 @@ from tests.conftest import REPO, error_report, offline_env, run_train
 from tests.dist.nets import FlatNet
 from tests.dist.test_torchrun import torchrun_command
 from tests.helpers.fakes import write_fake_mnist
-from trainkit.checkpoint.sharded import KILL_IN_WRITE_ENV, latest_meta
 from trainkit.checkpoint.consolidate import load_full
+from trainkit.checkpoint.sharded import KILL_IN_WRITE_ENV, latest_meta
 
 pytestmark = pytest.mark.dist
 
@@ -70,6 +70,16 @@ def assert_equal_trees(a: dict, b: dict) -> None:
             assert a[key] == b[key], key
 
 
+def assert_same_checkpoint(got: dict, expected: dict) -> None:
+    """Two consolidated checkpoints hold the same run state, part by part (per-rank lists too)."""
+    for part in ("model", "optimizer", "ema", "rng_per_rank", "trainer", "scheduler"):
+        if isinstance(expected[part], list):
+            for x, y in zip(got[part], expected[part], strict=True):
+                assert_equal_trees(x, y)
+        else:
+            assert_equal_trees(got[part], expected[part])
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory, data_root: Path) -> Path:
     """An uninterrupted 2-rank fsdp run with synchronous saves every 2 steps, keeping 2."""
@@ -108,13 +118,7 @@ def test_sigterm_then_resume_gives_bitwise_the_uninterrupted_run_with_async_save
     for name in ("step_000000006", "step_000000008"):  # async writes what sync writes
         assert sorted(os.listdir(run / "checkpoints" / name)) == sorted(
             os.listdir(straight / "checkpoints" / name))
-        got, expected = (load_full(r / "checkpoints" / name) for r in (run, straight))
-        for part in ("model", "optimizer", "ema", "rng_per_rank", "trainer", "scheduler"):
-            if isinstance(expected[part], list):
-                for x, y in zip(got[part], expected[part], strict=True):
-                    assert_equal_trees(x, y)
-            else:
-                assert_equal_trees(got[part], expected[part])
+        assert_same_checkpoint(*(load_full(r / "checkpoints" / name) for r in (run, straight)))
 
 
 def test_a_rank_killed_mid_write_leaves_the_previous_checkpoint_which_resumes_on_one_process(

@@ -4,24 +4,19 @@ both back, at the same step, to the same state."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, assert_same_weights, offline_env
+from tests.conftest import assert_same_weights
+from tests.dist.test_torchrun import torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def test_a_spike_on_one_rank_rolls_both_back_together(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", "--monitor-interval=0.1", "-m", "tests.dist.spike_fit",
-               str(tmp_path)]
-    proc = subprocess.run(command, cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"),
-                          capture_output=True, text=True, timeout=300)
+    proc = torchrun(str(tmp_path), module="tests.dist.spike_fit", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     clean = ranks[0]["clean"]["summary"]["metrics"]["val/loss"]

@@ -57,15 +57,17 @@ def overrides(outputs: Path, data_root: Path, *extra: str, batch: int = 16,
     ]
 
 
-def torchrun_command(*args: str, nproc: int = 2, max_restarts: int = 0) -> list[str]:
+def torchrun_command(*args: str, nproc: int = 2, max_restarts: int = 0,
+                     module: str = "trainkit.train") -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.1", "-m", "trainkit.train", *args]
+            "--monitor-interval=0.1", "-m", module, *args]
 
 
-def torchrun(*args: str, nproc: int = 2, max_restarts: int = 0,
-             timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    command = torchrun_command(*args, nproc=nproc, max_restarts=max_restarts)
+def torchrun(*args: str, nproc: int = 2, max_restarts: int = 0, timeout: float = 240,
+             module: str = "trainkit.train") -> subprocess.CompletedProcess[str]:
+    """``python -m module *args`` under torchrun (``trainkit.train``, or a test's own script)."""
+    command = torchrun_command(*args, nproc=nproc, max_restarts=max_restarts, module=module)
     # A short collective timeout: a hang would fail the test in a minute, not in 30.
     return subprocess.run(command, cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60"),
                           capture_output=True, text=True, timeout=timeout)
