@@ -310,6 +310,9 @@ def test_image_folder_resnet_run_predicts_and_exports_what_its_own_loader_evalua
     info = json.loads((out / "model.json").read_text())
     assert info["classes"] == names and info["image_size"] == [3, 32, 32]
     assert info["eval_transform"] == {"resize_short_side": 36, "center_crop": 32}
+    # a data key given to export wins over what the run recorded (never silently ignored)
+    larger = export_run([str(run_dir), "data.image_size=48"], fmt="pt2", out=tmp_path / "at48")
+    assert json.loads((larger / "model.json").read_text())["image_size"] == [3, 48, 48]
     _, read = image_source(run)
     files = sorted(p for p in (folder / "val").rglob("*") if p.is_file())
     with torch.no_grad():

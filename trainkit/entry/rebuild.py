@@ -35,6 +35,8 @@ from trainkit.data.datasets import TensorData
 from trainkit.loop.step import default_forward
 
 INPUTS_FILE = "inputs.json"  # what the model takes, recorded when the run trains
+# data keys that say where the data is and how to read it, not what the model takes
+LOCATION_KEYS = ("data.root", "data.skip_corrupt", "data.num_workers", "data.eval_batch_size")
 
 
 @dataclass
@@ -48,6 +50,8 @@ class Rebuilt:
     settings: TrainConfig
     model: nn.Module
     weights: str  # "ema" or "raw"
+    # the command line set a data.* key that may change the inputs (it wins over the record)
+    data_overridden: bool = False
 
     @property
     def step(self) -> int:
@@ -100,7 +104,10 @@ def rebuild(run_dir: Path, ckpt: str, weights: str, overrides: Sequence[str]) ->
                         adapters_only=settings.checkpoint.adapters_only and which == "raw")
     name = path.name.removesuffix(".pt") if not ckpt or path == Path(ckpt) else ckpt
     name = re.sub(r"^step_0+(?=\d)", "step_", name)  # step_000000008 -> step_8, as ckpt= says
-    return Rebuilt(Path(run_dir), name, state, cfg, settings, model.eval(), which)
+    data_overridden = any(o.lstrip("+~").startswith("data.") and o.lstrip("+~").split("=")[0]
+                          not in LOCATION_KEYS for o in overrides)
+    return Rebuilt(Path(run_dir), name, state, cfg, settings, model.eval(), which,
+                   data_overridden)
 
 
 def on_device(model: nn.Module, settings: TrainConfig, device: torch.device) -> nn.Module:
@@ -185,8 +192,10 @@ def image_source(run: Rebuilt) -> tuple[Inputs, Callable[[Path], torch.Tensor]]:
 def model_inputs(run: Rebuilt) -> Inputs:
     """What the run's model takes, as its training recorded it (``<run>/inputs.json``), so that
     export and predict need neither its data nor its ``dataset._target_``'s module; a run from
-    before that record: derived from its data again (:func:`data_inputs`)."""
-    return read_inputs(run.run_dir) or data_inputs(run.cfg, run.settings, run_classes(run))
+    before that record, or ``data.*`` keys given on the command line: derived from its data
+    and config (:func:`data_inputs`), so an override is never silently ignored."""
+    recorded = None if run.data_overridden else read_inputs(run.run_dir)
+    return recorded or data_inputs(run.cfg, run.settings, run_classes(run))
 
 
 def data_inputs(cfg: DictConfig, settings: TrainConfig, classes: Sequence[str] | None) -> Inputs:
