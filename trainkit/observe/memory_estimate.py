@@ -1,0 +1,256 @@
+"""Peak memory of a training step, measured on meta tensors: no weights allocated, no GPU.
+
+One step (forward, backward, optimizer step) runs on a model built on the ``meta`` device,
+under :class:`LiveBytes`, a dispatch mode that adds up the bytes of every tensor storage alive
+after each operator. The same mode around a real step (on the CPU, say) measures the live tensor
+memory that step had, so the two are measured alike (tests compare them). Mixed precision is
+followed by :class:`MixedPrecisionCasts`: autocast does not act on meta tensors, so the casts it
+would make (matmuls and convolutions in the low precision, losses and norms in float32) are
+made at the function level, where autograd records them as autocast's own. Attention runs as a
+fused kernel would store it (its output and log-sum-exp), not as the meta device's math path.
+
+Public torch APIs only, but for ``torch.utils._python_dispatch.TorchDispatchMode`` (the one way
+to see every operator's outputs, documented in torch's "Extending PyTorch" notes).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+GIB = 2**30
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of every tensor storage alive, after each operator, and their peak.
+
+    Tensors made before the mode (weights, optimizer state, the batch) count once
+    :meth:`track` is given them; each storage counts once, whatever views share it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = self.peak = 0
+        self._alive: dict[int, weakref.ref[Any]] = {}
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        """Count these tensors' storages (``None`` and non-tensors are skipped)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self.peak = max(self.peak, self.current)
+
+    def _add(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._alive:
+            return
+        size = storage.nbytes()
+
+        def freed(_: Any, key: int = key, size: int = size) -> None:
+            if self._alive.pop(key, None) is not None:
+                self.current -= size
+
+        self._alive[key] = weakref.ref(storage, freed)
+        self.current += size
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+# What autocast runs in the low precision, and in float32, by device type (torch's amp docs,
+# "Autocast Op Reference"): the functions a model calls for those operators.
+_LOW = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+        F.conv_transpose3d, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
+        torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.baddbmm,
+        torch.addbmm, F.scaled_dot_product_attention}
+_LOSSES = {F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
+           F.kl_div, F.binary_cross_entropy_with_logits}
+_FLOAT32 = {"cpu": _LOSSES,
+            "cuda": _LOSSES | {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax,
+                               torch.Tensor.softmax, torch.Tensor.log_softmax, F.layer_norm,
+                               F.group_norm, torch.logsumexp, torch.Tensor.logsumexp}}
+
+
+class MixedPrecisionCasts(TorchFunctionMode):
+    """Autocast's casts at the function level, for tensors autocast does not see (meta).
+
+    Low-precision functions get their floating inputs cast to ``dtype``, float32 ones to
+    float32 (``dtype`` None: no casts); a weight (a leaf that requires grad) is cast once while the mode is entered, as
+    autocast caches it. Attention is run as fused kernels keep it (:class:`_FusedAttention`).
+    """
+
+    def __init__(self, dtype: torch.dtype | None, device_type: str) -> None:
+        super().__init__()
+        self.dtype, self.float32 = dtype, _FLOAT32.get(device_type, _LOSSES)
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def __exit__(self, *exc: Any) -> None:
+        self._cache.clear()
+        super().__exit__(*exc)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        if self.dtype is None:  # float32: attention alone is changed
+            pass
+        elif func in _LOW:
+            args, kwargs = tree_map(lambda t: self._cast(t, self.dtype), (args, kwargs))
+        elif func in self.float32:
+            args, kwargs = tree_map(lambda t: self._cast(t, torch.float32), (args, kwargs))
+        if func is F.scaled_dot_product_attention:
+            return fused_attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _cast(self, t: Any, dtype: torch.dtype) -> Any:
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()) or t.dtype in (
+                dtype, torch.float64):
+            return t
+        if not (t.is_leaf and t.requires_grad):
+            return t.to(dtype)
+        if id(t) not in self._cache:
+            self._cache[id(t)] = t.to(dtype)
+        return self._cache[id(t)]
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Attention as flash/memory-efficient kernels keep it: the output and a float32
+    log-sum-exp per query saved for backward, no ``[T, S]`` matrix (the meta device's
+    math path would make one)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+                    *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on meta tensors as a fused kernel would store it; with
+    a mask (a path that materialises scores on some devices): torch's own."""
+    if attn_mask is not None or q.device.type != "meta":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, *args, **kwargs)
+    return _FusedAttention.apply(q, k, v)
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct storages among ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            seen[id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every tensor in the optimizer's state (moments, momentum buffers, step counts)."""
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+@dataclass
+class StepMemory:
+    """One step's memory, in bytes: its peak, and what was alive throughout it."""
+
+    peak: int
+    params: int
+    grads: int  # the gradients of the parameters that train
+    optimizer_state: int
+    extra: int = 0  # other tensors alive the whole step (an EMA copy, the batch)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def activations(self) -> int:
+        """The rest of the peak: activations saved for backward, temporaries, casts."""
+        return max(0, self.peak - self.params - self.grads - self.optimizer_state - self.extra)
+
+
+@dataclass
+class StepSpec:
+    """How one step runs: what the model gets, in what precision, in how many micro-batches."""
+
+    forward: Callable[[nn.Module, Any], Sequence[Any]]
+    criterion: Callable[[Any, Any], torch.Tensor]
+    micro_batches: int = 1  # per optimizer step (accumulation x split batches)
+    precision: str = "32"  # 32, bf16-mixed, 16-mixed
+    device_type: str = "cuda"  # whose autocast the casts follow
+    clip: bool = False
+    extra: Sequence[torch.Tensor] = ()  # tensors alive the whole step (an EMA copy)
+
+
+def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Any],
+             spec: StepSpec, casts: bool) -> None:
+    """One optimizer step over ``batches`` (the micro-batches), losses weighted equally;
+    ``casts``: mixed precision by :class:`MixedPrecisionCasts` (meta), else by autocast."""
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(spec.precision)
+    for batch in batches:
+        with _precision(dtype, spec.device_type, casts):
+            result = spec.forward(model, batch)
+            loss = spec.criterion(result[0], result[1]) / len(batches)
+        with _precision(dtype, spec.device_type, casts) if casts else _nothing():
+            loss.backward()  # a checkpointed block's recomputation casts as its forward did
+        del result, loss
+    if spec.clip:
+        nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _precision(dtype: torch.dtype | None, device_type: str, casts: bool) -> Any:
+    if casts:
+        return MixedPrecisionCasts(dtype, device_type)
+    if dtype is None:
+        return _nothing()
+    return torch.autocast(device_type, dtype=dtype)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 make_batch: Callable[[], Any], spec: StepSpec, *, casts: bool) -> StepMemory:
+    """The peak live tensor memory of a steady-state step: one step first (the optimizer's
+    state is made), then one under :class:`LiveBytes`, with the weights, their state, the
+    ``spec.extra`` tensors and the batches counted from its start."""
+    run_step(model, optimizer, [make_batch() for _ in range(spec.micro_batches)], spec, casts)
+    batches = [make_batch() for _ in range(spec.micro_batches)]
+    params = [p for p in model.parameters()] + [b for b in model.buffers()]
+    state = list(optimizer_tensors(optimizer))
+    tracker = LiveBytes()
+    tracker.track([*params, *state, *spec.extra, *tree_flatten(batches)[0]])
+    with tracker:
+        run_step(model, optimizer, batches, spec, casts)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return StepMemory(peak=tracker.peak, params=tensor_bytes(params),
+                      grads=tensor_bytes(trained), optimizer_state=tensor_bytes(state),
+                      extra=tensor_bytes([*spec.extra, *tree_flatten(batches)[0]]))
