@@ -15,6 +15,8 @@ to see every operator's outputs, documented in torch's "Extending PyTorch" notes
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,8 +28,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.checkpoint import checkpoint
 
 GIB = 2**30
+_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -207,13 +211,12 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequen
              spec: StepSpec, casts: bool) -> None:
     """One optimizer step over ``batches`` (the micro-batches), losses weighted equally;
     ``casts``: mixed precision by :class:`MixedPrecisionCasts` (meta), else by autocast."""
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(spec.precision)
+    dtype = _DTYPES.get(spec.precision)
     for batch in batches:
         with _precision(dtype, spec.device_type, casts):
             result = spec.forward(model, batch)
             loss = spec.criterion(result[0], result[1]) / len(batches)
-        with _precision(dtype, spec.device_type, casts) if casts else _nothing():
-            loss.backward()  # a checkpointed block's recomputation casts as its forward did
+        loss.backward()
         del result, loss
     if spec.clip:
         nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
@@ -221,20 +224,32 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequen
     optimizer.zero_grad(set_to_none=True)
 
 
+def checkpoint_blocks(model: nn.Module, names: Sequence[str], precision: str,
+                      device_type: str) -> None:
+    """Activation checkpointing of the modules ``names`` (non-reentrant, as training's) for a
+    traced step: their recomputation in backward casts as their forward did (the backward runs
+    outside :class:`MixedPrecisionCasts`, so it is entered again around each recomputation)."""
+    dtype = _DTYPES.get(precision)
+    modules = dict(model.named_modules())
+    for name in names:
+        module = modules[name]
+        module.forward = functools.partial(_checkpointed, module.forward, dtype, device_type)
+
+
+def _checkpointed(forward: Any, dtype: torch.dtype | None, device_type: str, *args: Any,
+                  **kwargs: Any) -> Any:
+    def contexts() -> tuple[Any, Any]:
+        return contextlib.nullcontext(), MixedPrecisionCasts(dtype, device_type)
+
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
 def _precision(dtype: torch.dtype | None, device_type: str, casts: bool) -> Any:
     if casts:
         return MixedPrecisionCasts(dtype, device_type)
     if dtype is None:
-        return _nothing()
+        return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=dtype)
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer,
