@@ -25,6 +25,8 @@ COMMANDS = {
                 "label images or a data split with a run's model, one row per input"),
     "export": ("trainkit.entry.export",
                "a run's model as safetensors, pt or a torch.export program, with model.json"),
+    "estimate": ("trainkit.entry.estimate",
+                 "peak memory per rank of a run, and what makes it fit a GPU, without one"),
     "probe": ("trainkit.probe", "measure loader, step and both; say what holds a run back"),
     "verify-resume": ("trainkit.verify_resume", "check that stopping and resuming is bit-exact"),
     "sweep": ("trainkit.entry.sweep",

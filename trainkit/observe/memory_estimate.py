@@ -186,6 +186,8 @@ class StepMemory:
     grads: int  # the gradients of the parameters that train
     optimizer_state: int
     extra: int = 0  # other tensors alive the whole step (an EMA copy, the batch)
+    # bytes of the parameters outside the model's repeated blocks, and of its largest block
+    blocks: tuple[int, int] = (0, 0)
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -1,0 +1,339 @@
+"""``trainkit estimate +exp=lm [overrides] [--device H100] [--world-size N]``: the peak memory
+per rank of the run a config describes, before launching it, in seconds, without a GPU.
+
+The model is built from the config as training builds it, on the ``meta`` device (no weights
+allocated), with the optimizer, freezing, activation checkpointing, memory layout, precision,
+accumulation and micro-batches the config sets; one steady-state step is traced
+(:mod:`trainkit.observe.memory_estimate`). DDP adds its gradient buckets; FSDP's sharding over
+``--world-size`` ranks is worked out from the traced figures (each rank a 1/N share of the
+weights, gradients and optimizer state, plus the gathered units). It prints the parts, the peak
+against the device's memory, the largest micro-batch that fits, and, when the run does not fit,
+the settings that would make it fit. Exit status 0, or 2 on bad input (one line).
+Guide: docs/memory.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from trainkit.config import TrainConfig
+from trainkit.core.errors import ConfigError, TrainkitError
+from trainkit.core.submodules import match_modules
+from trainkit.distributed.fsdp import default_blocks, resolve_strategy
+from trainkit.entry.errors import errors_as_one_line
+from trainkit.entry.keys import check_known_keys
+from trainkit.entry.rebuild import build_criterion, build_forward
+from trainkit.entry.train import CONFIG_DIR
+from trainkit.loop.precision import Hardware, choose_precision
+from trainkit.models.build import make_model
+from trainkit.models.param_groups import apply_freeze, build_optimizer
+from trainkit.models.vision import for_channels
+from trainkit.observe.memory_estimate import (GIB, StepMemory, StepSpec, checkpoint_blocks,
+                                              measure_step)
+
+MIB = 2**20
+# Total memory as nvidia-smi reports it (MiB), and whether the GPU has native bf16 (what
+# trainer.precision=auto picks there: bf16-mixed, else 16-mixed).
+DEVICES: dict[str, tuple[int, bool]] = {
+    "h200": (143771, True), "h100": (81559, True), "h100-94gb": (95830, True),
+    "a100-80gb": (81920, True), "a100-40gb": (40960, True), "a100": (81920, True),
+    "l40s": (46068, True), "l40": (46068, True), "l4": (23034, True), "a10g": (23028, True),
+    "a6000": (49140, True), "rtx4090": (24564, True), "rtx3090": (24576, True),
+    "v100-32gb": (32768, False), "v100-16gb": (16384, False), "t4": (15360, False),
+}
+HEADROOM = 0.9  # of a GPU's memory a run may plan on: CUDA context, allocator, workspaces
+TRACED_MICRO_BATCHES = 2  # a step's peak is reached by its second micro-batch at the latest
+
+
+@dataclass(frozen=True)
+class Target:
+    """The device the estimate is for: its name, memory (bytes) and autocast's device type."""
+
+    name: str
+    total: int
+    device_type: str
+    bf16: bool
+
+    @property
+    def usable(self) -> int:
+        return int(self.total * (HEADROOM if self.device_type == "cuda" else 1.0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``trainkit estimate``; return its exit status."""
+    parser = argparse.ArgumentParser(
+        prog="trainkit estimate", description="The peak memory per rank of a configured run, "
+        "and what would make it fit a device, without a GPU. Guide: docs/memory.md")
+    parser.add_argument("--device", default=None, help="the GPU to size for "
+                        f"({', '.join(DEVICES)}), or cpu; default: this machine's GPU, else cpu")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks the run trains on (default: WORLD_SIZE, else 1)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("overrides", nargs="*", help="the overrides you pass to trainkit train")
+    args = parser.parse_intermixed_args(argv)
+    with errors_as_one_line():
+        target = find_target(args.device)
+        world = args.world_size if args.world_size is not None else int(
+            os.environ.get("WORLD_SIZE", "1"))
+        if world < 1:
+            raise TrainkitError(f"--world-size must be >= 1, got {world}")
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose("train", overrides=args.overrides)
+        report = estimate(cfg, target, world)
+        print(render(report))
+        if args.json is not None:
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def find_target(name: str | None) -> Target:
+    """The device ``--device`` names (case and spaces ignored), or this machine's."""
+    if name is None:
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            major = torch.cuda.get_device_capability(0)[0]
+            return Target(props.name, props.total_memory, "cuda", major >= 8)
+        name = "cpu"
+    key = name.lower().replace(" ", "").replace("_", "-")
+    if key == "cpu":
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return Target("cpu", pages, "cpu", False)
+    if key not in DEVICES:
+        raise TrainkitError(f"--device {name}: not a device this table knows; use one of "
+                            f"{', '.join(DEVICES)} or cpu")
+    mib, bf16 = DEVICES[key]
+    return Target(key, mib * MIB, "cuda", bf16)
+
+
+def estimate(cfg: DictConfig, target: Target, world: int) -> dict[str, Any]:
+    """The run's memory per rank on ``target`` over ``world`` ranks, and what fits."""
+    check_known_keys(cfg)
+    settings = _settings(cfg)
+    plan = Plan.of(cfg, settings, target, world)
+    memory = plan.trace(plan.micro_batch)
+    peak = plan.per_rank(memory)
+    report = {"device": target.name, "device_gib": target.total / GIB, "world_size": world,
+              "strategy": plan.strategy if world > 1 or plan.strategy == "fsdp" else "one process", "precision": plan.precision,
+              "batch_size": plan.batch, "micro_batch_size": plan.micro_batch,
+              "micro_batches_per_step": plan.steps, "parts_gib": plan.parts(memory),
+              "peak_gib": peak / GIB, "usable_gib": target.usable / GIB,
+              "fits": peak <= target.usable}
+    report["largest_micro_batch"] = plan.largest_micro_batch(memory)
+    report["suggestions"] = [] if report["fits"] else plan.suggestions(
+        memory, report["largest_micro_batch"])
+    return report
+
+
+def _settings(cfg: DictConfig) -> TrainConfig:
+    """The typed settings, ``data.num_classes`` set first where the data's name tells it."""
+    data = cfg.data
+    if data.get("num_classes") is None:
+        known = {"mnist": 10, "cifar10": 10}.get(data.name) or _classes_on_disk(cfg)
+        if known is None:
+            raise ConfigError(f"data={data.name}: the estimate does not read the data; set "
+                              "data.num_classes (its classes, or a token corpus's vocabulary)")
+        with open_dict(cfg):
+            cfg.data.num_classes = known
+    return OmegaConf.to_object(cfg)
+
+
+def _classes_on_disk(cfg: DictConfig) -> int | None:
+    """The class count the data on disk says cheaply: a token corpus's meta.json, an image
+    folder's class folders; None where neither is there."""
+    root = Path(str(cfg.data.get("root") or "."))
+    meta = root / "meta.json"
+    if cfg.data.name == "tokens" and meta.is_file():
+        return json.loads(meta.read_text()).get("vocab_size")
+    train = root / "train"
+    if cfg.data.name == "image_folder" and train.is_dir():
+        return sum(1 for p in train.iterdir() if p.is_dir()) or None
+    return None
+
+
+def sample_batch(settings: TrainConfig, size: int, device: str = "meta") -> Callable[[], Any]:
+    """A maker of batches of ``size`` samples as the configured data gives them to the step."""
+    data = settings.data
+    if data.name == "tokens":
+        return lambda: {"tokens": torch.zeros(size, data.seq_len + 1, dtype=torch.long,
+                                              device=device)}
+    shapes = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
+    shape = shapes.get(data.name) or (data.channels, data.image_size, data.image_size)
+    if data.name not in shapes and data.name not in ("image_folder", "webdataset"):
+        raise ConfigError(f"data={data.name}: the estimate knows the built-in image and token "
+                          "data (mnist, cifar10, image_folder, webdataset, tokens)")
+    layout = (torch.channels_last if settings.trainer.channels_last
+              else torch.contiguous_format)
+
+    def make() -> Any:
+        images = torch.zeros(size, *shape, device=device).contiguous(memory_format=layout)
+        return images, torch.zeros(size, dtype=torch.long, device=device)
+
+    return make
+
+
+class Plan:
+    """A run's config turned into what the trace needs, and the sums over ranks."""
+
+    def __init__(self, cfg: DictConfig, settings: TrainConfig, target: Target, world: int,
+                 precision: str) -> None:
+        self.cfg, self.settings, self.target, self.world = cfg, settings, target, world
+        trainer = settings.trainer
+        self.precision, self.batch = precision, settings.data.batch_size
+        self.strategy = resolve_strategy(trainer.strategy, world)
+        size = trainer.micro_batch_size
+        self.micro_batch = size if isinstance(size, int) and size < self.batch else self.batch
+        self.steps = trainer.accumulate_grad_batches * math.ceil(self.batch / self.micro_batch)
+        self.checkpointed: list[str] = list(trainer.activation_checkpointing or [])
+
+    @classmethod
+    def of(cls, cfg: DictConfig, settings: TrainConfig, target: Target, world: int) -> Plan:
+        precision = settings.trainer.precision
+        if precision == "auto":
+            precision = (("bf16-mixed" if target.bf16 else "16-mixed") if target.device_type
+                         == "cuda" else choose_precision(Hardware.of("cpu"))[0])
+        with open_dict(cfg):  # a torchvision classifier's stem for grayscale data
+            cfg.model = for_channels(cfg.model, settings.data.channels)
+        return cls(cfg, settings, target, world, precision)
+
+    def build(self, checkpointed: list[str]) -> tuple[torch.nn.Module, Any, list[str]]:
+        """The model (on meta), its optimizer, and the checkpointed modules' names."""
+        with torch.device("meta"):
+            model = make_model(self.cfg.model, pretrained=False)
+        node = OmegaConf.to_container(self.cfg.optim, resolve=True)
+        fused = node.get("fused")
+        node["fused"] = None  # no fused kernels on meta: the per-tensor loop, or foreach
+        if "foreach" in node or node.get("_target_", "").startswith("torch.optim."):
+            # torch's default on CUDA (foreach) makes temporaries a fused kernel does not
+            node["foreach"] = self.target.device_type == "cuda" and not fused and node.get(
+                "foreach") is not False
+        optimizer = build_optimizer(model, node, lambda n, groups: instantiate(
+            n, params=groups, _convert_="all"))
+        apply_freeze(model, self.settings.trainer, 0)
+        names = (match_modules(model, checkpointed, "trainer.activation_checkpointing")
+                 if checkpointed else [])
+        checkpoint_blocks(model, names, self.precision, self.target.device_type)
+        if self.settings.trainer.channels_last and self.strategy != "fsdp":
+            model = model.to(memory_format=torch.channels_last)
+        return model.train(), optimizer, names
+
+    def trace(self, micro_batch: int, checkpointed: list[str] | None = None) -> StepMemory:
+        """One steady-state step at ``micro_batch`` samples a micro-batch."""
+        model, optimizer, _ = self.build(self.checkpointed if checkpointed is None
+                                         else checkpointed)
+        extra = ([t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+                 if self.settings.trainer.ema_decay else [])
+        spec = StepSpec(build_forward(self.cfg), build_criterion(self.cfg),
+                        micro_batches=min(self.steps, TRACED_MICRO_BATCHES),
+                        precision=self.precision, device_type=self.target.device_type,
+                        clip=self.settings.trainer.gradient_clip_val is not None, extra=extra)
+        memory = measure_step(model, optimizer, sample_batch(self.settings, micro_batch),
+                              spec, casts=True)
+        memory.blocks = _block_bytes(model)
+        return memory
+
+    def per_rank(self, memory: StepMemory, world: int | None = None,
+                 strategy: str | None = None) -> int:
+        """The peak on each rank: the traced one, DDP's buckets added, or FSDP's shares."""
+        world, strategy = world or self.world, strategy or self.strategy
+        if strategy == "ddp" and world > 1:
+            return memory.peak + memory.grads  # gradient buckets (a copy of the gradients)
+        if strategy != "fsdp":
+            return memory.peak
+        shard = memory.params + memory.grads + memory.optimizer_state + memory.extra
+        root, largest = memory.blocks
+        scale = 0.5 if self.precision != "32" else 1.0  # gathered in the low precision
+        gathered = int((root + 2 * largest) * scale) + largest  # + one unit's full gradients
+        return memory.activations + shard // world + gathered
+
+    def parts(self, memory: StepMemory) -> dict[str, float]:
+        share = self.world if self.strategy == "fsdp" else 1
+        parts = {"parameters": memory.params / share, "gradients": memory.grads / share,
+                 "optimizer_state": memory.optimizer_state / share,
+                 "activations_and_temporaries": memory.activations,
+                 "batch_and_ema": memory.extra / share}
+        return {k: v / GIB for k, v in parts.items()}
+
+    def largest_micro_batch(self, memory: StepMemory) -> int | None:
+        """The most samples a micro-batch can have within the usable memory (a linear fit of
+        two traces, checked by a third); None if not even one sample fits."""
+        low = max(1, self.micro_batch // 2) if self.micro_batch > 1 else 2
+        other = self.trace(low)
+        slope = (self.per_rank(memory) - self.per_rank(other)) / (self.micro_batch - low)
+        base = self.per_rank(memory) - slope * self.micro_batch
+        guess = int((self.target.usable - base) / slope) if slope > 0 else 2**20
+        for _ in range(4):
+            if guess < 1:
+                return None
+            if self.per_rank(self.trace(guess)) <= self.target.usable:
+                return guess
+            guess = int(guess * 0.9)
+        return None
+
+    def suggestions(self, memory: StepMemory, largest: int | None) -> list[str]:
+        """Settings that make a run fit that does not: each checked by its own figures."""
+        found = []
+        if largest:
+            found.append(f"trainer.micro_batch_size={largest}")
+        if not self.checkpointed:
+            model, _, _ = self.build([])
+            blocks = default_blocks(model)
+            if blocks:
+                kinds = sorted({type(dict(model.named_modules())[b]).__name__ for b in blocks})
+                traced = self.trace(self.micro_batch, kinds)
+                if self.per_rank(traced) <= self.target.usable:
+                    found.append(f"trainer.activation_checkpointing=[{','.join(kinds)}]")
+        for ranks in (2, 4, 8, 16, 32, 64):
+            if self.per_rank(memory, ranks, "fsdp") <= self.target.usable:
+                found.append(f"trainer.strategy=fsdp over {ranks} ranks")
+                break
+        return found
+
+
+def _block_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """Bytes of the parameters outside FSDP's blocks (the root unit) and of the largest block."""
+    modules = dict(model.named_modules())
+    sizes = [sum(p.numel() * p.element_size() for p in modules[name].parameters())
+             for name in default_blocks(model)]
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total - sum(sizes), max(sizes, default=0)
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as lines: the setting, the parts, the peak, the verdict."""
+    gib = report["device_gib"]
+    lines = [f"trainkit estimate: {report['device']} ({gib:.1f} GiB), {report['world_size']} "
+             f"rank(s), {report['strategy']}, precision {report['precision']}, batch "
+             f"{report['batch_size']} a rank in micro-batches of {report['micro_batch_size']} "
+             f"({report['micro_batches_per_step']} a step)"]
+    for name, value in report["parts_gib"].items():
+        lines.append(f"  {name.replace('_', ' '):<30}{value:>10.3f} GiB")
+    lines.append(f"  {'peak per rank':<30}{report['peak_gib']:>10.3f} GiB "
+                 f"({report['peak_gib'] / gib:.0%} of the device)")
+    largest = report["largest_micro_batch"]
+    most = (f"micro-batches of up to {largest} samples fit" if largest
+            else "not even a micro-batch of one sample fits")
+    if report["fits"]:
+        lines.append(f"verdict: fits ({report['peak_gib']:.2f} of {report['usable_gib']:.1f} "
+                     f"GiB usable); {most}")
+    else:
+        ways = "; ".join(report["suggestions"]) or "none of micro-batches, activation " \
+            "checkpointing or FSDP up to 64 ranks"
+        lines.append(f"verdict: does not fit ({report['peak_gib']:.2f} GiB > "
+                     f"{report['usable_gib']:.1f} GiB usable); {most}; fits with: {ways}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
