@@ -139,6 +139,9 @@ def estimate(cfg: DictConfig, target: Target, world: int) -> dict[str, Any]:
 def _settings(cfg: DictConfig) -> TrainConfig:
     """The typed settings, ``data.num_classes`` set first where the data's name tells it."""
     data = cfg.data
+    if OmegaConf.is_missing(data, "root"):  # not read here: an image folder's is required
+        with open_dict(cfg):
+            cfg.data.root = "."
     if data.get("num_classes") is None:
         known = {"mnist": 10, "cifar10": 10}.get(data.name) or _classes_on_disk(cfg)
         if known is None:
@@ -194,8 +197,13 @@ class Plan:
         self.strategy = resolve_strategy(trainer.strategy, world)
         size = trainer.micro_batch_size
         self.micro_batch = size if isinstance(size, int) and size < self.batch else self.batch
-        self.steps = trainer.accumulate_grad_batches * math.ceil(self.batch / self.micro_batch)
+        self.steps = self.micro_batches(self.micro_batch)
         self.checkpointed: list[str] = list(trainer.activation_checkpointing or [])
+
+    def micro_batches(self, size: int) -> int:
+        """Micro-batches an optimizer step takes at ``size`` samples each."""
+        accumulate = self.settings.trainer.accumulate_grad_batches
+        return accumulate * math.ceil(self.batch / min(size, self.batch))
 
     @classmethod
     def of(cls, cfg: DictConfig, settings: TrainConfig, target: Target, world: int) -> Plan:
@@ -235,7 +243,7 @@ class Plan:
         extra = ([t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
                  if self.settings.trainer.ema_decay else [])
         spec = StepSpec(build_forward(self.cfg), build_criterion(self.cfg),
-                        micro_batches=min(self.steps, TRACED_MICRO_BATCHES),
+                        micro_batches=min(self.micro_batches(micro_batch), TRACED_MICRO_BATCHES),
                         precision=self.precision, device_type=self.target.device_type,
                         clip=self.settings.trainer.gradient_clip_val is not None, extra=extra)
         memory = measure_step(model, optimizer, sample_batch(self.settings, micro_batch),
