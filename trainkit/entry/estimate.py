@@ -40,8 +40,13 @@ from trainkit.loop.precision import Hardware, choose_precision
 from trainkit.models.build import make_model
 from trainkit.models.param_groups import apply_freeze, build_optimizer
 from trainkit.models.vision import for_channels
-from trainkit.observe.memory_estimate import (GIB, StepMemory, StepSpec, checkpoint_blocks,
-                                              measure_step)
+from trainkit.observe.memory_estimate import (
+    GIB,
+    StepMemory,
+    StepSpec,
+    checkpoint_blocks,
+    measure_step,
+)
 
 MIB = 2**20
 # Total memory as nvidia-smi reports it (MiB), and whether the GPU has native bf16 (what
@@ -124,8 +129,9 @@ def estimate(cfg: DictConfig, target: Target, world: int) -> dict[str, Any]:
     plan = Plan.of(cfg, settings, target, world)
     memory = plan.trace(plan.micro_batch)
     peak = plan.per_rank(memory)
+    strategy = plan.strategy if world > 1 or plan.strategy == "fsdp" else "one process"
     report = {"device": target.name, "device_gib": target.total / GIB, "world_size": world,
-              "strategy": plan.strategy if world > 1 or plan.strategy == "fsdp" else "one process", "precision": plan.precision,
+              "strategy": strategy, "precision": plan.precision,
               "batch_size": plan.batch, "micro_batch_size": plan.micro_batch,
               "micro_batches_per_step": plan.steps, "parts_gib": plan.parts(memory),
               "peak_gib": peak / GIB, "usable_gib": target.usable / GIB,

@@ -95,8 +95,9 @@ class MixedPrecisionCasts(TorchFunctionMode):
     """Autocast's casts at the function level, for tensors autocast does not see (meta).
 
     Low-precision functions get their floating inputs cast to ``dtype``, float32 ones to
-    float32 (``dtype`` None: no casts); a weight (a leaf that requires grad) is cast once while the mode is entered, as
-    autocast caches it. Attention is run as fused kernels keep it (:class:`_FusedAttention`).
+    float32 (``dtype`` None: no casts); a weight (a leaf that requires grad) is cast once while
+    the mode is entered, as autocast caches it. Attention is run as fused kernels keep it
+    (:class:`_FusedAttention`).
     """
 
     def __init__(self, dtype: torch.dtype | None, device_type: str) -> None:
