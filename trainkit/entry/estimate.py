@@ -27,6 +27,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
+from torch import nn
 
 from trainkit.config import TrainConfig
 from trainkit.core.errors import ConfigError, TrainkitError
@@ -59,6 +60,7 @@ DEVICES: dict[str, tuple[int, bool]] = {
     "v100-32gb": (32768, False), "v100-16gb": (16384, False), "t4": (15360, False),
 }
 HEADROOM = 0.9  # of a GPU's memory a run may plan on: CUDA context, allocator, workspaces
+MOST = 65536  # the largest micro-batch the search tries
 TRACED_MICRO_BATCHES = 2  # a step's peak is reached by its second micro-batch at the latest
 
 
@@ -221,7 +223,7 @@ class Plan:
             cfg.model = for_channels(cfg.model, settings.data.channels)
         return cls(cfg, settings, target, world, precision)
 
-    def build(self, checkpointed: list[str]) -> tuple[torch.nn.Module, Any, list[str]]:
+    def build(self, checkpointed: list[str]) -> tuple[nn.Module, Any, list[str]]:
         """The model (on meta), its optimizer, and the checkpointed modules' names."""
         with torch.device("meta"):
             model = make_model(self.cfg.model, pretrained=False)
@@ -286,7 +288,7 @@ class Plan:
         other = self.trace(low)
         slope = (self.per_rank(memory) - self.per_rank(other)) / (self.micro_batch - low)
         base = self.per_rank(memory) - slope * self.micro_batch
-        guess = int((self.target.usable - base) / slope) if slope > 0 else 2**20
+        guess = min(int((self.target.usable - base) / slope) if slope > 0 else MOST, MOST)
         for _ in range(4):
             if guess < 1:
                 return None
@@ -297,25 +299,48 @@ class Plan:
 
     def suggestions(self, memory: StepMemory, largest: int | None) -> list[str]:
         """Settings that make a run fit that does not: each checked by its own figures."""
-        found = []
+        found, usable = [], self.target.usable
         if largest:
             found.append(f"trainer.micro_batch_size={largest}")
         if not self.checkpointed:
             model, _, _ = self.build([])
-            blocks = default_blocks(model)
-            if blocks:
-                kinds = sorted({type(dict(model.named_modules())[b]).__name__ for b in blocks})
-                traced = self.trace(self.micro_batch, kinds)
-                if self.per_rank(traced) <= self.target.usable:
-                    found.append(f"trainer.activation_checkpointing=[{','.join(kinds)}]")
-        for ranks in (2, 4, 8, 16, 32, 64):
-            if self.per_rank(memory, ranks, "fsdp") <= self.target.usable:
+            block = repeated_block(model)
+            if block and self.per_rank(self.trace(self.micro_batch, [block])) <= usable:
+                found.append(f"trainer.activation_checkpointing=[{block}]")
+        for ranks in (r for r in (2, 4, 8, 16, 32, 64) if r > self.world):
+            if self.per_rank(memory, ranks, "fsdp") <= usable:
                 found.append(f"trainer.strategy=fsdp over {ranks} ranks")
                 break
         return found
 
 
-def _block_bytes(model: torch.nn.Module) -> tuple[int, int]:
+CONTAINERS = (torch.nn.Sequential, nn.ModuleList, nn.ModuleDict)
+LAYERS = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
+          nn.ConvTranspose2d, nn.ConvTranspose3d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+          nn.LayerNorm, nn.GroupNorm)
+
+
+def repeated_block(model: nn.Module) -> str | None:
+    """The class name of the model's repeated block worth checkpointing: of the classes with
+    parameters (not containers or single layers) that occur at least twice, outermost instances
+    of each, the one holding the most parameters in all (a transformer's layer, a ResNet's
+    bottleneck)."""
+    paths: dict[str, list[str]] = {}
+    totals: dict[str, int] = {}
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if not name or isinstance(module, (*CONTAINERS, *LAYERS)) or any(
+                name.startswith(p + ".") for p in paths.get(cls, [])):
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size:
+            paths.setdefault(cls, []).append(name)
+            totals[cls] = totals.get(cls, 0) + size
+    repeated = [cls for cls, found in paths.items() if len(found) >= 2]
+    return max(repeated, key=lambda cls: totals[cls]) if repeated else None
+
+
+def _block_bytes(model: nn.Module) -> tuple[int, int]:
     """Bytes of the parameters outside FSDP's blocks (the root unit) and of the largest block."""
     modules = dict(model.named_modules())
     sizes = [sum(p.numel() * p.element_size() for p in modules[name].parameters())
@@ -336,8 +361,9 @@ def render(report: dict[str, Any]) -> str:
     lines.append(f"  {'peak per rank':<30}{report['peak_gib']:>10.3f} GiB "
                  f"({report['peak_gib'] / gib:.0%} of the device)")
     largest = report["largest_micro_batch"]
-    most = (f"micro-batches of up to {largest} samples fit" if largest
-            else "not even a micro-batch of one sample fits")
+    most = ("not even a micro-batch of one sample fits" if not largest else
+            f"micro-batches of {MOST} samples (the most tried) fit" if largest >= MOST else
+            f"micro-batches of up to {largest} samples fit")
     if report["fits"]:
         lines.append(f"verdict: fits ({report['peak_gib']:.2f} of {report['usable_gib']:.1f} "
                      f"GiB usable); {most}")

@@ -121,6 +121,20 @@ def test_a_run_that_does_not_fit_gets_settings_that_do(capsys) -> None:
     assert plan.per_rank(plan.trace(plan.micro_batch)) <= plan.target.usable
 
 
+def test_the_command_line_names_the_block_to_checkpoint_and_runs_from_trainkit(capsys) -> None:
+    import torchvision
+
+    from trainkit.entry import cli
+    from trainkit.models.gpt import GPT
+
+    with torch.device("meta"):
+        models = [torchvision.models.resnet50(), torchvision.models.vit_b_16(), GPT()]
+    assert [estimate.repeated_block(m) for m in models] == ["Bottleneck", "EncoderBlock", "Block"]
+    assert cli.main(["estimate", "--device", "H100", "+exp=mnist"]) == 0
+    out = capsys.readouterr().out
+    assert "trainkit estimate: h100 (79.6 GiB)" in out and "verdict: fits" in out
+
+
 def test_sharding_and_replicas_change_the_share_per_rank() -> None:
     cfg = _compose(["+exp=lm", "data.num_classes=256", "data.batch_size=4"])
     plan = estimate.Plan.of(cfg, estimate._settings(cfg), estimate.find_target("h100"), 1)
