@@ -8,12 +8,13 @@ Writes ``<out_dir>/gpu_check.json`` (every case: ok, seconds, what it measured o
 the sync counts; the throughput figures) and prints everything else, ending with every case and
 its PASS/FAIL and the torch/CUDA versions (``gpu_check.sh`` keeps it as
 ``<out_dir>/gpu_check.log``). ``gpu_tests`` runs ``pytest -m gpu`` over tests/: every GPU-marked
-test, wherever it lives; one skipped fails the case. On CUDA a case that is not run fails (the
-``nccl`` case on one GPU where NCCL refuses two ranks on it, say). Runs go to a temporary
-folder, deleted at the end. Independent cases run four at a time; the timing ones
-(``gpu_decode``, ``syncs``, ``throughput``) run alone at the end. Without CUDA (and no
-``--device cpu``): one line, exit 0 on a machine without a GPU, exit 1 when ``nvidia-smi`` lists
-one that torch cannot use. Exit status 1 when a case failed.
+test, wherever it lives (``trainkit estimate`` against ``torch.cuda.max_memory_allocated``
+within 10% among them: tests/unit/entry/test_estimate.py); one skipped fails the case. On CUDA a
+case that is not run fails (the ``nccl`` case on one GPU where NCCL refuses two ranks on it,
+say). Runs go to a temporary folder, deleted at the end. Independent cases run four at a time;
+the timing ones (``gpu_decode``, ``syncs``, ``throughput``) run alone at the end. Without CUDA
+(and no ``--device cpu``): one line, exit 0 on a machine without a GPU, exit 1 when
+``nvidia-smi`` lists one that torch cannot use. Exit status 1 when a case failed.
 
 Comparisons between runs are bitwise: those runs go through
 :mod:`benchmarks.deterministic_train` (deterministic cuDNN/cuBLAS/torch kernels), so a

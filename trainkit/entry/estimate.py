@@ -64,6 +64,11 @@ MOST = 65536  # the largest micro-batch the search tries
 TRACED_MICRO_BATCHES = 2  # a step's peak is reached by its second micro-batch at the latest
 
 
+# bytes of the built-in in-memory datasets' splits (uint8 images, int64 labels), train + test
+RESIDENT = {"mnist": (60000 + 10000) * (28 * 28 + 8),
+            "cifar10": (50000 + 10000) * (3 * 32 * 32 + 8)}
+
+
 @dataclass(frozen=True)
 class Target:
     """The device the estimate is for: its name, memory (bytes) and autocast's device type."""
@@ -101,7 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         report = estimate(cfg, target, world)
         print(render(report))
         if args.json is not None:
-            args.json.write_text(json.dumps(report, indent=2) + "\n")
+            try:
+                args.json.write_text(json.dumps(report, indent=2) + "\n")
+            except OSError as err:
+                raise TrainkitError(f"--json {args.json}: cannot write there "
+                                    f"({err.strerror}); give a path in a folder you can "
+                                    "write to") from None
     return 0
 
 
@@ -206,7 +216,10 @@ class Plan:
         size = trainer.micro_batch_size
         self.micro_batch = size if isinstance(size, int) and size < self.batch else self.batch
         self.steps = self.micro_batches(self.micro_batch)
-        self.checkpointed: list[str] = list(trainer.activation_checkpointing or [])
+        self.checkpointed = _selectors(trainer.activation_checkpointing)
+        # data.loader=memory on a GPU: the uint8 splits live there (trainkit.data.memory)
+        self.resident = (RESIDENT.get(settings.data.name, 0) if target.device_type == "cuda"
+                         and settings.data.loader == "memory" else 0)
 
     def micro_batches(self, size: int) -> int:
         """Micro-batches an optimizer step takes at ``size`` samples each."""
@@ -237,6 +250,8 @@ class Plan:
         optimizer = build_optimizer(model, node, lambda n, groups: instantiate(
             n, params=groups, _convert_="all"))
         apply_freeze(model, self.settings.trainer, 0)
+        if checkpointed == ["*"]:
+            checkpointed = [block] if (block := repeated_block(model)) else []
         names = (match_modules(model, checkpointed, "trainer.activation_checkpointing")
                  if checkpointed else [])
         checkpoint_blocks(model, names, self.precision, self.target.device_type)
@@ -263,22 +278,22 @@ class Plan:
                  strategy: str | None = None) -> int:
         """The peak on each rank: the traced one, DDP's buckets added, or FSDP's shares."""
         world, strategy = world or self.world, strategy or self.strategy
-        if strategy == "ddp" and world > 1:
-            return memory.peak + memory.grads  # gradient buckets (a copy of the gradients)
+        if strategy == "ddp" and world > 1:  # gradient buckets (a copy of the gradients)
+            return memory.peak + memory.grads + self.resident
         if strategy != "fsdp":
-            return memory.peak
+            return memory.peak + self.resident
         shard = memory.params + memory.grads + memory.optimizer_state + memory.extra
         root, largest = memory.blocks
         scale = 0.5 if self.precision != "32" else 1.0  # gathered in the low precision
         gathered = int((root + 2 * largest) * scale) + largest  # + one unit's full gradients
-        return memory.activations + shard // world + gathered
+        return memory.activations + shard // world + gathered + self.resident
 
     def parts(self, memory: StepMemory) -> dict[str, float]:
         share = self.world if self.strategy == "fsdp" else 1
         parts = {"parameters": memory.params / share, "gradients": memory.grads / share,
                  "optimizer_state": memory.optimizer_state / share,
                  "activations_and_temporaries": memory.activations,
-                 "batch_and_ema": memory.extra / share}
+                 "batch_and_ema": memory.extra / share, "data_on_the_device": self.resident}
         return {k: v / GIB for k, v in parts.items()}
 
     def largest_micro_batch(self, memory: StepMemory) -> int | None:
@@ -338,6 +353,16 @@ def repeated_block(model: nn.Module) -> str | None:
             totals[cls] = totals.get(cls, 0) + size
     repeated = [cls for cls, found in paths.items() if len(found) >= 2]
     return max(repeated, key=lambda cls: totals[cls]) if repeated else None
+
+
+def _selectors(value: Any) -> list[str]:
+    """``trainer.activation_checkpointing`` as module selectors: a list as it is; a word
+    (``full``, ``selective``): the model's repeated block (:func:`repeated_block`), marked
+    ``*``; ``off``/empty: none. A selective policy saves some of what full recomputes: its
+    estimate is full's, a lower bound."""
+    if isinstance(value, str):
+        return [] if value.lower() in ("", "off", "none", "false") else ["*"]
+    return list(value or [])
 
 
 def _block_bytes(model: nn.Module) -> tuple[int, int]:
