@@ -8,10 +8,13 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from trainkit.core.runtime import Runtime
+from trainkit.distributed import fsdp
 from trainkit.entry import estimate
 from trainkit.entry.rebuild import build_criterion, build_forward
 from trainkit.entry.train import CONFIG_DIR
@@ -133,6 +136,46 @@ def test_the_command_line_names_the_block_to_checkpoint_and_runs_from_trainkit(c
     assert cli.main(["estimate", "--device", "H100", "+exp=mnist"]) == 0
     out = capsys.readouterr().out
     assert "trainkit estimate: h100 (79.6 GiB)" in out and "verdict: fits" in out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
+def test_ddp_and_fsdp_per_rank_within_10_percent_of_a_real_step(strategy, precision) -> None:
+    """DDP's buckets and FSDP's shares as the estimate works them out, against a real step of
+    a GPT wrapped by DDP / sharded by trainkit's FSDP2 on a 1-rank gloo group, tracked from
+    the wrapping on (DDP's buckets, FSDP's shards and gathered units all counted)."""
+    cfg = _compose([*RUNS["gpt"][:-2], f"trainer.precision={precision}", "optim.fused=null"])
+    plan = estimate.Plan.of(cfg, estimate._settings(cfg), CPU, 1)
+    estimated = plan.per_rank(plan.trace(plan.micro_batch), 2 if strategy == "ddp" else 1,
+                              strategy)
+    torch.manual_seed(0)
+    model = make_model(cfg.model, pretrained=False)
+    optimizer = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True),
+                                lambda n, g: instantiate(n, params=g, _convert_="all"))
+    tracker = LiveBytes()
+    tracker.track([*model.parameters(), *model.buffers()])
+    try:
+        with tracker:
+            if strategy == "ddp":
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                wrapped = torch.nn.parallel.DistributedDataParallel(model)
+            else:
+                wrapped = fsdp.shard_model(model, optimizer, Runtime.from_env("cpu"),
+                                           precision=plan.precision)
+            step = WindowStep(wrapped, optimizer=optimizer,
+                              precision=Precision(plan.precision, "cpu"),
+                              criterion=build_criterion(cfg), forward=build_forward(cfg),
+                              device=torch.device("cpu"), clip_val=1.0)
+            make = estimate.sample_batch(plan.settings, plan.micro_batch, "cpu")
+            step([make()])  # the optimizer's state is made
+            window = [make()]
+            tracker.track(window[0].values())
+            tracker.peak = tracker.current  # the steady-state step's own peak
+            step(window)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert abs(estimated - tracker.peak) <= 0.1 * tracker.peak, (estimated, tracker.peak)
 
 
 def test_sharding_and_replicas_change_the_share_per_rank() -> None:
