@@ -217,6 +217,7 @@ class Plan:
         self.micro_batch = size if isinstance(size, int) and size < self.batch else self.batch
         self.steps = self.micro_batches(self.micro_batch)
         self.checkpointed = _selectors(trainer.activation_checkpointing)
+        self.fused = False  # the optimizer's config asks for a fused kernel (set by build)
         # data.loader=memory on a GPU: the uint8 splits live there (trainkit.data.memory)
         self.resident = (RESIDENT.get(settings.data.name, 0) if target.device_type == "cuda"
                          and settings.data.loader == "memory" else 0)
@@ -241,7 +242,7 @@ class Plan:
         with torch.device("meta"):
             model = make_model(self.cfg.model, pretrained=False)
         node = OmegaConf.to_container(self.cfg.optim, resolve=True)
-        fused = node.get("fused")
+        fused = self.fused = bool(node.get("fused"))
         node["fused"] = None  # no fused kernels on meta: the per-tensor loop, or foreach
         if "foreach" in node or node.get("_target_", "").startswith("torch.optim."):
             # torch's default on CUDA (foreach) makes temporaries a fused kernel does not
@@ -268,7 +269,8 @@ class Plan:
         spec = StepSpec(build_forward(self.cfg), build_criterion(self.cfg),
                         micro_batches=min(self.micro_batches(micro_batch), TRACED_MICRO_BATCHES),
                         precision=self.precision, device_type=self.target.device_type,
-                        clip=self.settings.trainer.gradient_clip_val is not None, extra=extra)
+                        clip=self.settings.trainer.gradient_clip_val is not None, extra=extra,
+                        fused=self.fused)
         memory = measure_step(model, optimizer, sample_batch(self.settings, micro_batch),
                               spec, casts=True)
         memory.blocks = _block_bytes(model)

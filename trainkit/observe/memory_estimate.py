@@ -208,12 +208,16 @@ class StepSpec:
     device_type: str = "cuda"  # whose autocast the casts follow
     clip: bool = False
     extra: Sequence[torch.Tensor] = ()  # tensors alive the whole step (an EMA copy)
+    # the run's optimizer is a fused kernel: in place, no temporaries (meta has none: its
+    # per-tensor loop made the state in the first step and is left out of the traced one)
+    fused: bool = False
 
 
 def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Any],
-             spec: StepSpec, casts: bool) -> None:
+             spec: StepSpec, casts: bool, update: bool = True) -> None:
     """One optimizer step over ``batches`` (the micro-batches), losses weighted equally;
-    ``casts``: mixed precision by :class:`MixedPrecisionCasts` (meta), else by autocast."""
+    ``casts``: mixed precision by :class:`MixedPrecisionCasts` (meta), else by autocast;
+    ``update``: False leaves ``optimizer.step`` out (a fused kernel's allocates nothing)."""
     dtype = _DTYPES.get(spec.precision)
     for batch in batches:
         with _precision(dtype, spec.device_type, casts):
@@ -223,7 +227,8 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequen
         del result, loss
     if spec.clip:
         nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
-    optimizer.step()
+    if update:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
@@ -267,7 +272,7 @@ def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     tracker = LiveBytes()
     tracker.track([*params, *state, *spec.extra, *tree_flatten(batches)[0]])
     with tracker:
-        run_step(model, optimizer, batches, spec, casts)
+        run_step(model, optimizer, batches, spec, casts, update=not spec.fused)
     trained = [p for p in model.parameters() if p.requires_grad]
     return StepMemory(peak=tracker.peak, params=tensor_bytes(params),
                       grads=tensor_bytes(trained), optimizer_state=tensor_bytes(state),

@@ -30,7 +30,7 @@ CPU = estimate.Target("cpu", 64 * 2**30, "cpu", False)
 TINY_IMAGES = ["data.num_classes=10", "data.image_size=32", "data.batch_size=4"]
 RUNS = {  # small batches and images: the tracked real step stays cheap on 2 cores
     "mnist": ["+exp=mnist", "data.batch_size=64", "trainer.precision=bf16-mixed"],
-    "cifar": ["+exp=cifar", "data.batch_size=32", "trainer.precision=32",
+    "cifar": ["+exp=cifar", "data.batch_size=16", "trainer.precision=32",
               "trainer.accumulate_grad_batches=2"],
     "lm": ["+exp=lm", "data.num_classes=256", "data.seq_len=64", "data.batch_size=8",
            "trainer.precision=bf16-mixed"],
@@ -38,7 +38,7 @@ RUNS = {  # small batches and images: the tracked real step stays cheap on 2 cor
     "finetune_image": ["+exp=finetune_image", *TINY_IMAGES, "trainer.precision=bf16-mixed",
                        "trainer.activation_checkpointing=[BasicBlock]"],
     "resnet50": ["model=resnet50", "data=image_folder", "data.num_classes=10",
-                 "data.image_size=64", "data.batch_size=4", "trainer.micro_batch_size=2",
+                 "data.image_size=32", "data.batch_size=4", "trainer.micro_batch_size=2",
                  "trainer.precision=bf16-mixed"],
     "gpt": ["+exp=lm", "data.num_classes=512", "data.seq_len=128", "data.batch_size=4",
             "model.dim=192", "model.layers=3", "model.heads=6",
