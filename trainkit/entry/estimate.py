@@ -324,6 +324,11 @@ class Plan:
             block = repeated_block(model)
             if block and self.per_rank(self.trace(self.micro_batch, [block])) <= usable:
                 found.append(f"trainer.activation_checkpointing=[{block}]")
+        if self.precision == "32" and self.target.device_type == "cuda":
+            mixed = "bf16-mixed" if self.target.bf16 else "16-mixed"
+            lower = Plan(self.cfg, self.settings, self.target, self.world, mixed)
+            if lower.per_rank(lower.trace(self.micro_batch)) <= usable:
+                found.append(f"trainer.precision={mixed}")
         for ranks in (r for r in (2, 4, 8, 16, 32, 64) if r > self.world):
             if self.per_rank(memory, ranks, "fsdp") <= usable:
                 found.append(f"trainer.strategy=fsdp over {ranks} ranks")
@@ -384,6 +389,8 @@ def render(report: dict[str, Any]) -> str:
              f"{report['batch_size']} a rank in micro-batches of {report['micro_batch_size']} "
              f"({report['micro_batches_per_step']} a step)"]
     for name, value in report["parts_gib"].items():
+        if name == "data_on_the_device" and not value:
+            continue
         lines.append(f"  {name.replace('_', ' '):<30}{value:>10.3f} GiB")
     lines.append(f"  {'peak per rank':<30}{report['peak_gib']:>10.3f} GiB "
                  f"({report['peak_gib'] / gib:.0%} of the device)")
