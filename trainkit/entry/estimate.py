@@ -69,6 +69,10 @@ RESIDENT = {"mnist": (60000 + 10000) * (28 * 28 + 8),
             "cifar10": (50000 + 10000) * (3 * 32 * 32 + 8)}
 
 
+# the image data the estimate makes batches of: a fixed shape, or data.channels/image_size's
+IMAGES = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32), "image_folder": None, "webdataset": None}
+
+
 @dataclass(frozen=True)
 class Target:
     """The device the estimate is for: its name, memory (bytes) and autocast's device type."""
@@ -157,6 +161,13 @@ def estimate(cfg: DictConfig, target: Target, world: int) -> dict[str, Any]:
 def _settings(cfg: DictConfig) -> TrainConfig:
     """The typed settings, ``data.num_classes`` set first where the data's name tells it."""
     data = cfg.data
+    if cfg.get("dataset") is not None:
+        raise ConfigError("dataset._target_: the estimate makes batches of the built-in data "
+                          "only; give data=image_folder (or tokens) with your data's "
+                          "data.image_size, data.channels and data.num_classes instead")
+    if data.name not in IMAGES and data.name != "tokens":
+        raise ConfigError(f"data={data.name}: the estimate knows the built-in image and token "
+                          f"data ({', '.join([*IMAGES, 'tokens'])})")
     if OmegaConf.is_missing(data, "root"):  # not read here: an image folder's is required
         with open_dict(cfg):
             cfg.data.root = "."
@@ -189,11 +200,7 @@ def sample_batch(settings: TrainConfig, size: int, device: str = "meta") -> Call
     if data.name == "tokens":
         return lambda: {"tokens": torch.zeros(size, data.seq_len + 1, dtype=torch.long,
                                               device=device)}
-    shapes = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
-    shape = shapes.get(data.name) or (data.channels, data.image_size, data.image_size)
-    if data.name not in shapes and data.name not in ("image_folder", "webdataset"):
-        raise ConfigError(f"data={data.name}: the estimate knows the built-in image and token "
-                          "data (mnist, cifar10, image_folder, webdataset, tokens)")
+    shape = IMAGES[data.name] or (data.channels, data.image_size, data.image_size)
     layout = (torch.channels_last if settings.trainer.channels_last
               else torch.contiguous_format)
 

@@ -191,6 +191,7 @@ def test_sharding_and_replicas_change_the_share_per_rank() -> None:
                                          "one of h200, h100"),
     (["--world-size", "0", "+exp=mnist"], "--world-size must be >= 1, got 0"),
     (["+exp=lm"], "set data.num_classes"),
+    (["data=hf_text", "data.num_classes=2"], "data=hf_text: the estimate knows the built-in"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, words, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
