@@ -152,6 +152,7 @@ def estimate(cfg: DictConfig, target: Target, world: int) -> dict[str, Any]:
               "micro_batches_per_step": plan.steps, "parts_gib": plan.parts(memory),
               "peak_gib": peak / GIB, "usable_gib": target.usable / GIB,
               "fits": peak <= target.usable}
+    report["notes"] = plan.notes()
     report["largest_micro_batch"] = plan.largest_micro_batch(memory)
     report["suggestions"] = [] if report["fits"] else plan.suggestions(
         memory, report["largest_micro_batch"])
@@ -291,18 +292,35 @@ class Plan:
             return memory.peak + memory.grads + self.resident
         if strategy != "fsdp":
             return memory.peak + self.resident
-        shard = memory.params + memory.grads + memory.optimizer_state + memory.extra
+        ema = memory.params if self.settings.trainer.ema_decay else 0  # a copy, sharded alike
+        shard = memory.params + memory.grads + memory.optimizer_state + ema
+        shard += (memory.extra - ema) * world  # the batch: each rank's whole
         root, largest = memory.blocks
         scale = 0.5 if self.precision != "32" else 1.0  # gathered in the low precision
         gathered = int((root + 2 * largest) * scale) + largest  # + one unit's full gradients
         return memory.activations + shard // world + gathered + self.resident
 
+    def notes(self) -> list[str]:
+        """What the figures stand for where they are not a traced step's."""
+        trainer, notes = self.settings.trainer, []
+        if self.strategy == "fsdp":
+            notes.append("FSDP's shares are worked out from the traced single-rank step")
+        if trainer.compile:
+            notes.append("trainer.compile: the eager step's memory (a compiled one often "
+                         "needs less)")
+        if isinstance(trainer.activation_checkpointing, str) and self.checkpointed:
+            notes.append(f"activation_checkpointing={trainer.activation_checkpointing}: "
+                         "estimated as full checkpointing of the repeated block")
+        return notes
+
     def parts(self, memory: StepMemory) -> dict[str, float]:
         share = self.world if self.strategy == "fsdp" else 1
+        ema = memory.params if self.settings.trainer.ema_decay else 0
         parts = {"parameters": memory.params / share, "gradients": memory.grads / share,
                  "optimizer_state": memory.optimizer_state / share,
                  "activations_and_temporaries": memory.activations,
-                 "batch_and_ema": memory.extra / share, "data_on_the_device": self.resident}
+                 "batch_and_ema": memory.extra - ema + ema / share,
+                 "data_on_the_device": self.resident}
         return {k: v / GIB for k, v in parts.items()}
 
     def largest_micro_batch(self, memory: StepMemory) -> int | None:
@@ -401,6 +419,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  {name.replace('_', ' '):<30}{value:>10.3f} GiB")
     lines.append(f"  {'peak per rank':<30}{report['peak_gib']:>10.3f} GiB "
                  f"({report['peak_gib'] / gib:.0%} of the device)")
+    lines += [f"note: {note}" for note in report["notes"]]
     largest = report["largest_micro_batch"]
     most = ("not even a micro-batch of one sample fits" if not largest else
             f"micro-batches of {MOST} samples (the most tried) fit" if largest >= MOST else
