@@ -10,7 +10,8 @@ made at the function level, where autograd records them as autocast's own. Atten
 fused kernel would store it (its output and log-sum-exp), not as the meta device's math path.
 
 Public torch APIs only, but for ``torch.utils._python_dispatch.TorchDispatchMode`` (the one way
-to see every operator's outputs, documented in torch's "Extending PyTorch" notes).
+to see every operator's outputs; its documented home, torch's "Extending PyTorch" notes, names
+it there).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint
+
+from trainkit.core.tree import tensors, tree_map
 
 GIB = 2**30
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -54,7 +56,10 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.current)
 
     def _add(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a wrapper subclass)
+            return
         key = id(storage)
         if key in self._alive:
             return
@@ -70,9 +75,8 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._add(t)
+        for t in tensors(out):
+            self._add(t)
         self.peak = max(self.peak, self.current)
         return out
 
@@ -270,10 +274,10 @@ def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     params = [p for p in model.parameters()] + [b for b in model.buffers()]
     state = list(optimizer_tensors(optimizer))
     tracker = LiveBytes()
-    tracker.track([*params, *state, *spec.extra, *tree_flatten(batches)[0]])
+    tracker.track([*params, *state, *spec.extra, *tensors(batches)])
     with tracker:
         run_step(model, optimizer, batches, spec, casts, update=not spec.fused)
     trained = [p for p in model.parameters() if p.requires_grad]
     return StepMemory(peak=tracker.peak, params=tensor_bytes(params),
                       grads=tensor_bytes(trained), optimizer_state=tensor_bytes(state),
-                      extra=tensor_bytes([*spec.extra, *tree_flatten(batches)[0]]))
+                      extra=tensor_bytes([*spec.extra, *tensors(batches)]))
