@@ -113,8 +113,7 @@ def test_the_weights_are_never_allocated() -> None:
 
 
 def test_a_run_that_does_not_fit_gets_settings_that_do(capsys) -> None:
-    args = ["--device", "T4", "model=resnet18", "data=image_folder", "data.num_classes=1000",
-            "data.batch_size=2048", "trainer.precision=32"]
+    args = ["--device", "T4", "+exp=cifar", "data.batch_size=65536", "trainer.precision=32"]
     assert estimate.main(args) == 0
     out = capsys.readouterr().out
     assert "verdict: does not fit" in out and "trainer.micro_batch_size=" in out
