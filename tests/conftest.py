@@ -164,3 +164,24 @@ def wait_for_a_step(proc: subprocess.Popen, log: Path, timeout: float = 180,
         assert proc.poll() is None, f"training ended (status {proc.returncode}) too early"
         assert time.monotonic() < deadline, "no training step logged in time"
         time.sleep(0.02)  # paces the check; the deadline only ends a failing test
+
+
+def pause_at(step: int, marker: Path) -> tuple[str, ...]:
+    """Overrides that make a run wait at the end of step ``step`` for a signal, once it has
+    written ``marker`` (``{rank}`` in it becomes each rank's number): see tests/helpers/pause.py.
+    """
+    return ("+callbacks.pause._target_=tests.helpers.pause.PauseAt",
+            f"+callbacks.pause.step={step}", f"+callbacks.pause.marker='{marker}'")
+
+
+def wait_for_pause(proc: subprocess.Popen, marker: Path, ranks: int = 1,
+                   timeout: float = 240) -> list[int]:
+    """Block until every rank's ``marker`` exists (its process waits there for a signal);
+    their pids. The deadline only ends a failing test."""
+    paths = [Path(str(marker).replace("{rank}", str(rank))) for rank in range(ranks)]
+    deadline = time.monotonic() + timeout
+    while not all(path.is_file() for path in paths):
+        assert proc.poll() is None, f"the run ended (status {proc.returncode}) before the pause"
+        assert time.monotonic() < deadline, f"no pause at {marker} in time"
+        time.sleep(0.02)
+    return [int(path.read_text()) for path in paths]
