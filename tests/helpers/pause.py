@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
     """``python -m tests.helpers.pause MARKER STEP SCRIPT ARGS...``: run ``SCRIPT`` (a program
     that trains with its own loop or Trainer) pausing after its ``STEP``-th optimizer step,
     through torch's global optimizer hook."""
-    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     marker, step, script, *args = argv
     steps = 0
@@ -83,8 +83,9 @@ def main(argv: list[str]) -> None:
         if steps == int(step):
             wait_for_a_signal(marker)
 
-    torch.optim.optimizer.register_optimizer_step_post_hook(after_step)
+    register_optimizer_step_post_hook(after_step)
     sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would have it
     runpy.run_path(script, run_name="__main__")
 
 
