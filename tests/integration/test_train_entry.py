@@ -170,19 +170,39 @@ BAD_INPUTS = [
 WITH_DETAILS = ("trainer.device=cuda", "optim._target_=torch.optim.NoSuchOptimizer")
 
 
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path) -> Path:
+    """Each of BAD_INPUTS run by the entry point, all in one process (tests/helpers/entry_runs.py:
+    one interpreter, torch and Hydra start instead of ten); run ``i`` under ``<folder>/<i>``."""
+    folder = tmp_path_factory.mktemp("bad")
+    spec = [{"argv": [*tiny_run(folder / str(i) / "run", mnist_root, "trainer.max_steps=2"),
+                      override], "prefix": str(folder / str(i) / "result")}
+            for i, (override, _) in enumerate(BAD_INPUTS)]
+    for i in range(len(spec)):
+        (folder / str(i)).mkdir()
+    (folder / "runs.json").write_text(json.dumps(spec))
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.entry_runs",
+                           str(folder / "runs.json")], cwd=REPO, env=offline_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder
+
+
 @pytest.mark.parametrize(("override", "fragment"), BAD_INPUTS)
-def test_bad_input_is_one_line_and_nonzero(tmp_path: Path, mnist_root: Path, override: str,
+def test_bad_input_is_one_line_and_nonzero(bad_input_runs: Path, override: str,
                                             fragment: str) -> None:
     if override == "trainer.device=cuda" and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    result = run_train(*tiny_run(tmp_path / "run", mnist_root, "trainer.max_steps=2"), override)
-    assert result.returncode != 0
-    details, last = error_report(result.stderr)  # the last line: <= 200 characters
-    assert bool(details) == (override in WITH_DETAILS), result.stderr
+    here = bad_input_runs / str([o for o, _ in BAD_INPUTS].index(override))
+    status = int((here / "result.status").read_text())
+    stdout, stderr = (here / "result.out").read_text(), (here / "result.err").read_text()
+    assert status != 0
+    details, last = error_report(stderr)  # the last line: <= 200 characters
+    assert bool(details) == (override in WITH_DETAILS), stderr
     assert fragment in last, last
-    assert "Traceback" not in result.stdout + result.stderr
+    assert "Traceback" not in stdout + stderr
     # no folder of Hydra's files alone: either none, or one whose train.log says what failed
-    run_dir = tmp_path / "run"
+    run_dir = here / "run"
     assert not run_dir.exists() or last in (run_dir / "train.log").read_text()
 
 
