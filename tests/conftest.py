@@ -156,16 +156,6 @@ def start_in_own_group(command: list[str], out: Path) -> subprocess.Popen:
                                 preexec_fn=hear_preemption_signals, start_new_session=True)
 
 
-def wait_for_a_step(proc: subprocess.Popen, log: Path, timeout: float = 180,
-                    lines: int = 1) -> None:
-    """Block until ``log`` shows ``lines`` training step lines of its last run."""
-    deadline = time.monotonic() + timeout
-    while not (log.is_file() and log.read_text().split("training ")[-1].count(" step ") >= lines):
-        assert proc.poll() is None, f"training ended (status {proc.returncode}) too early"
-        assert time.monotonic() < deadline, "no training step logged in time"
-        time.sleep(0.02)  # paces the check; the deadline only ends a failing test
-
-
 def pause_at(step: int, marker: Path) -> tuple[str, ...]:
     """Overrides that make a run wait at the end of step ``step`` for a signal, once it has
     written ``marker`` (``{rank}`` in it becomes each rank's number): see tests/helpers/pause.py.
