@@ -34,14 +34,18 @@ train: install
 # tests start, gets one intra-op thread (PARALLEL_ENV): with torch's default of a thread per core,
 # the two workers' training processes spin-wait on each other's threads, which made a 188-step
 # MNIST run cost ~60 CPU s instead of ~3 on this 2-core machine (thread counts are the same
-# within a test, so what a test compares is unchanged). The tests marked serial measure time
-# (data waits, throughput, hang timeouts) and run alone after the rest, with torch's defaults.
+# within a test, so what a test compares is unchanged). `--dist loadfile` gives each test file to
+# one worker: a module's shared runs (its module-scoped fixtures: trained runs, torchrun jobs) are
+# made once, where the default scheduling split 12 of 48 files across both workers, and each
+# worker then made that file's runs again. The tests marked serial measure time (data waits,
+# throughput, hang timeouts) and run alone after the rest, with torch's defaults.
 # Exit 5 is "no test selected" (a PYTEST_ARGS that picks tests of one kind only).
 WORKERS ?= 2
 PARALLEL_ENV ?= OMP_NUM_THREADS=1
 test: install
 	$(PY) -m ruff check .
-	$(PARALLEL_ENV) $(PY) -m pytest -n $(WORKERS) -m "not serial" $(PYTEST_ARGS); rest=$$?; \
+	$(PARALLEL_ENV) $(PY) -m pytest -n $(WORKERS) -m "not serial" --dist loadfile $(PYTEST_ARGS); \
+	rest=$$?; \
 	$(PY) -m pytest -m serial $(PYTEST_ARGS); serial=$$?; \
 	for status in $$rest $$serial; do [ $$status = 0 ] || [ $$status = 5 ] || exit $$status; done
 	$(MAKE) test-floor
@@ -51,7 +55,7 @@ test-floor: install
 	.ci/floor_venv.sh $(PYTHON) $(PY) $(FLOOR_VENV) "$(FLOOR_TORCH)"
 	$(FLOOR_VENV)/bin/python -c "import torch; print('unit tests on torch', torch.__version__)"
 	$(PARALLEL_ENV) $(FLOOR_VENV)/bin/python -m pytest tests/unit -q -n $(WORKERS) -m "not serial" \
-	    $(PYTEST_ARGS)
+	    --dist loadfile $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check .

@@ -156,11 +156,22 @@ def start_in_own_group(command: list[str], out: Path) -> subprocess.Popen:
                                 preexec_fn=hear_preemption_signals, start_new_session=True)
 
 
-def wait_for_a_step(proc: subprocess.Popen, log: Path, timeout: float = 180,
-                    lines: int = 1) -> None:
-    """Block until ``log`` shows ``lines`` training step lines of its last run."""
+def pause_at(step: int, marker: Path) -> tuple[str, ...]:
+    """Overrides that make a run wait at the end of step ``step`` for a signal, once it has
+    written ``marker`` (``{rank}`` in it becomes each rank's number): see tests/helpers/pause.py.
+    """
+    return ("+callbacks.pause._target_=tests.helpers.pause.PauseAt",
+            f"+callbacks.pause.step={step}", f"+callbacks.pause.marker='{marker}'")
+
+
+def wait_for_pause(proc: subprocess.Popen, marker: Path, ranks: int = 1,
+                   timeout: float = 240) -> list[int]:
+    """Block until every rank's ``marker`` exists (its process waits there for a signal);
+    their pids. The deadline only ends a failing test."""
+    paths = [Path(str(marker).replace("{rank}", str(rank))) for rank in range(ranks)]
     deadline = time.monotonic() + timeout
-    while not (log.is_file() and log.read_text().split("training ")[-1].count(" step ") >= lines):
-        assert proc.poll() is None, f"training ended (status {proc.returncode}) too early"
-        assert time.monotonic() < deadline, "no training step logged in time"
-        time.sleep(0.02)  # paces the check; the deadline only ends a failing test
+    while not all(path.is_file() for path in paths):
+        assert proc.poll() is None, f"the run ended (status {proc.returncode}) before the pause"
+        assert time.monotonic() < deadline, f"no pause at {marker} in time"
+        time.sleep(0.02)
+    return [int(path.read_text()) for path in paths]

@@ -17,7 +17,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from tests.conftest import REPO, hear_preemption_signals, offline_env
+from tests.conftest import REPO, hear_preemption_signals, offline_env, pause_at, wait_for_pause
 from tests.dist.test_sharded_checkpoints import (
     STEPS,
     assert_same_checkpoint,
@@ -52,9 +52,8 @@ def _bucket() -> object:
 
 
 def _args(run_dir: Path, data_root: Path, url: str, *extra: str) -> list[str]:
-    # each step takes 0.3 s or more: a signal sent at a step lands before the epoch's end
     return overrides(run_dir, data_root, f"checkpoint.dir={url}", "checkpoint.monitor=val/acc",
-                     "+model.forward_delay_s=0.3", *extra)
+                     *extra)
 
 
 def _run(run_dir: Path, data_root: Path, url: str, s3: S3,
@@ -63,20 +62,21 @@ def _run(run_dir: Path, data_root: Path, url: str, s3: S3,
 
 
 def _stop_after_step(run_dir: Path, data_root: Path, url: str, s3: S3, step: int) -> int:
-    """Start the run, SIGTERM torchrun (which passes it to both ranks) once ``step`` is
-    logged; returns torchrun's exit status."""
+    """Start the run, SIGTERM torchrun (which passes it to both ranks) once both ranks wait
+    for it at the end of ``step``; returns torchrun's exit status."""
     run_dir.mkdir(parents=True)
+    marker = run_dir.parent / "paused{rank}"
     with open(run_dir.parent / "torchrun.out", "wb") as out:
-        proc = subprocess.Popen(torchrun_command(*_args(run_dir, data_root, url)), cwd=REPO,
-                                env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60", **s3.env),
-                                stdout=out, stderr=subprocess.STDOUT,
-                                preexec_fn=hear_preemption_signals)
-    log, deadline = run_dir / "train.log", time.monotonic() + 180
-    while f" step {step}/" not in (log.read_text() if log.is_file() else ""):
-        if proc.poll() is not None or time.monotonic() > deadline:
+        proc = subprocess.Popen(
+            torchrun_command(*_args(run_dir, data_root, url, *pause_at(step, marker))),
+            cwd=REPO, env=offline_env(TRAINKIT_DIST_TIMEOUT_S="60", **s3.env), stdout=out,
+            stderr=subprocess.STDOUT, preexec_fn=hear_preemption_signals)
+    try:
+        wait_for_pause(proc, marker, ranks=2)
+    finally:
+        if proc.poll() is None and not all(
+                Path(str(marker).replace("{rank}", str(r))).is_file() for r in (0, 1)):
             proc.kill()
-            pytest.fail(f"the run ended or hung before step {step}")
-        time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     return proc.wait(timeout=120)
 

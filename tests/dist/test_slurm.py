@@ -26,13 +26,14 @@ from tests.conftest import (
     hear_preemption_signals,
     last_checkpoint,
     offline_env,
-    wait_for_a_step,
+    pause_at,
+    wait_for_pause,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
-# 16 steps of at least 0.05 s each: a SIGUSR1 sent after the first logged step lands mid-run.
-SLOW = ("trainer.max_epochs=2", "+model.forward_delay_s=0.05")
+# 16 steps; a run stopped by SIGUSR1 waits for it at the end of step 2 (pause_at)
+SLOW = ("trainer.max_epochs=2",)
 
 
 def overrides(data_root: Path, *extra: str) -> list[str]:
@@ -93,10 +94,12 @@ def fake_scontrol(tmp_path: Path) -> tuple[dict[str, str], Path]:
 
 def stop_with_sigusr1(cwd: Path, env: dict[str, str], run_dir: Path, command: list[str]
                       ) -> int:
-    """Start ``command``, wait for its first step, send SLURM's warning; return the stop's
-    step."""
-    proc = start(cwd, env, command=command)
-    wait_for_a_step(proc, run_dir / "train.log")
+    """Start ``command`` (its overrides last) with its run waiting for a signal at the end of
+    step 2, send SLURM's warning once it waits; return the stop's step."""
+    marker = cwd / "paused"
+    marker.unlink(missing_ok=True)  # an earlier stop's
+    proc = start(cwd, env, command=[*command, *pause_at(2, marker)])
+    wait_for_pause(proc, marker)
     proc.send_signal(signal.SIGUSR1)  # as SLURM sends it (to the batch script: B:USR1)
     assert proc.wait(timeout=120) == 75, output(cwd)[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -26,8 +26,9 @@ from tests.conftest import (
     last_checkpoint,
     offline_env,
     run_train,
+    pause_at,
     start_in_own_group,
-    wait_for_a_step,
+    wait_for_pause,
 )
 from tests.dist.nets import FlatNet
 from tests.helpers.fakes import write_fake_mnist
@@ -187,15 +188,16 @@ def test_sigterm_to_the_whole_group_with_workers_stops_every_rank_at_one_step(
     """``kill -TERM -- -PGID`` of a torchrun job: torchrun, both ranks and their loader workers
     get it, and torchrun forwards its own copy to the ranks. One stop, one checkpoint, and the
     same command resumes to the weights of an uninterrupted run."""
-    # one epoch of 16 steps: the signal lands mid-run
+    # one epoch of 16 steps: the signal lands at step 4, where the ranks wait for it
     workers = ("data.loader=dataloader", "data.num_workers=2", "data.random_crop_padding=2",
                "checkpoint.every_n_steps=0", "trainer.max_steps=16")
     straight = torchrun(*overrides(tmp_path / "straight", data_root, *workers))
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
-    run = tmp_path / "run"
-    command = torchrun_command(*overrides(tmp_path, data_root, *workers, run_dir=run))
+    run, marker = tmp_path / "run", tmp_path / "paused{rank}"
+    command = torchrun_command(*overrides(tmp_path, data_root, *workers, *pause_at(4, marker),
+                                          run_dir=run))
     proc = start_in_own_group(command, tmp_path / "out.txt")
-    wait_for_a_step(proc, run / "train.log")
+    wait_for_pause(proc, marker, ranks=2)  # both ranks wait at step 4's end for the signal
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(timeout=240)
     output = (tmp_path / "out.txt").read_text()

@@ -37,20 +37,6 @@ class Boom:
         raise ValueError(f"boom at step {step}")
 
 
-class PauseAt:
-    """At the end of step ``step``, writes ``marker`` and waits for a signal (the test sends
-    SIGTERM to the whole process group once it sees the file): a preemption at a known step."""
-
-    def __init__(self, step: int, marker: str) -> None:
-        self.step, self.marker = step, marker
-
-    def on_step_end(self, trainer: Any, step: int) -> None:
-        if step == self.step:
-            with open(self.marker, "w") as file:
-                file.write(str(os.getpid()))
-            signal.pause()  # returns once the trainer's handler has seen the signal
-
-
 class CountBatches:
     """Counts this rank's training steps; writes ``<folder>/rank<R>.json`` when the fit ends."""
 

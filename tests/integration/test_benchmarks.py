@@ -113,7 +113,11 @@ def test_mnist_e2e_quick() -> None:
         (first, second) = result["runs"][side]  # one round: each side ran twice
         for run in (first, second):
             assert run["process_s"] > run["train_s"] > 0
-            assert 0.0 <= run["val_acc"] <= 1.0
+            # 5 steps learn the generated digits well above chance (0.1): both sides train
+            assert run["val_acc"] > 0.3, run
+        accs = [first["val_acc"], second["val_acc"]]
+        assert result["val_acc"][side] == sum(accs) / 2 and result["min_val_acc"][side] == min(
+            accs)
     assert all(r["process_s"] > r["startup_s"] > 0 for r in result["runs"]["trainkit"])
     assert result["precision"] in ("32", "bf16-mixed")
     assert _positive(result["ratio"])

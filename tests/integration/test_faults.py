@@ -22,15 +22,17 @@ from tests.conftest import (
     hear_preemption_signals,
     last_checkpoint,
     offline_env,
+    pause_at,
     run_train,
     tiny_run,
+    wait_for_pause,
 )
 
 pytestmark = pytest.mark.slow
 
 # Shuffled data, a one-cycle schedule, AdamW and accumulation windows of 2: everything with
-# state. The experiment's 188 steps (40 epochs of 8 would be 320) give the signals time to land
-# mid-run.
+# state. The experiment's 188 steps (40 epochs of 8 would be 320) leave 90+ steps after a random
+# SIGKILL's moment.
 COMMON = ("trainer.max_epochs=40", "trainer.accumulate_grad_batches=2",
           "trainer.eval_every_n_epochs=40")
 
@@ -83,10 +85,11 @@ def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, lines: int = 1, *,
 def test_signal_saves_stops_and_the_same_command_resumes_bit_exactly(
         tmp_path: Path, mnist_root: Path, straight_run: Path, signum: int,
         extra: tuple[str, ...]) -> None:
-    run_dir = tmp_path / "run"
-    proc = _start(run_dir, mnist_root, *extra)
-    # a step line out of the first 40 (steps 2-80, of more than 180), the same every time
-    logged = _wait_for_steps(proc, run_dir, random.Random(signum).randint(1, 40))
+    run_dir, marker = tmp_path / "run", tmp_path / "paused"
+    # at one of steps 2-80 (of more than 180), the same every time, where the run waits for it
+    logged = 2 * random.Random(signum).randint(1, 40)
+    proc = _start(run_dir, mnist_root, *extra, *pause_at(logged, marker))
+    wait_for_pause(proc, marker)
     proc.send_signal(signum)
     assert proc.wait(timeout=120) == 75  # EXIT_PREEMPTED
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -16,21 +16,21 @@ import pytest
 from tests.conftest import (
     assert_same_weights,
     last_checkpoint,
+    pause_at,
     run_train,
     start_in_own_group,
     tiny_run,
-    wait_for_a_step,
+    wait_for_pause,
 )
 
 pytestmark = pytest.mark.slow
 
 # The standard path with 2 workers and a random per-sample crop: what the workers draw must
-# resume exactly. 2 epochs of 16 batches in windows of 2: 16 steps of a small model, each at least
-# 0.1 s, so that the signal sent after the second step always comes before the last.
+# resume exactly. 2 epochs of 16 batches in windows of 2: 16 steps of a small model; the
+# signalled run waits for its signal at a step end (pause_at), so it never races the last step.
 WORKERS = ("data.loader=dataloader", "data.num_workers=2", "data.random_crop_padding=2",
            "trainer.max_epochs=2", "trainer.accumulate_grad_batches=2",
-           "model._target_=tests.dist.nets.FlatNet", "~model.widths",
-           "+model.forward_delay_s=0.05")
+           "model._target_=tests.dist.nets.FlatNet", "~model.widths")
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +45,13 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path) -> 
 def test_a_signal_to_the_group_with_workers_saves_stops_and_resumes_bit_exactly(
         tmp_path: Path, mnist_root: Path, straight_run: Path, signum: int) -> None:
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "trainkit.train", *tiny_run(run_dir, mnist_root, *WORKERS)]
-    proc = start_in_own_group(command, tmp_path / "out.txt")
-    # after 1-3 step lines (steps 2-6 of 16): a moment inside the run however fast the machine
+    # at the end of step 2, 4 or 6 of 16, where the run waits for the signal
     lines = random.Random(signum).randint(1, 3)
-    wait_for_a_step(proc, run_dir / "train.log", lines=lines)
+    marker = tmp_path / "paused"
+    command = [sys.executable, "-m", "trainkit.train",
+               *tiny_run(run_dir, mnist_root, *WORKERS, *pause_at(2 * lines, marker))]
+    proc = start_in_own_group(command, tmp_path / "out.txt")
+    wait_for_pause(proc, marker)
     os.killpg(proc.pid, signum)  # the main process and both workers
     assert proc.wait(timeout=120) == 75, (tmp_path / "out.txt").read_text()[-3000:]
     output = (tmp_path / "out.txt").read_text()

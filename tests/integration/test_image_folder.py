@@ -70,7 +70,7 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
     run_dir, marker = tmp_path / "preempted", tmp_path / "at-step-3"
     command = [sys.executable, "-m", "trainkit.train",
                *folder_run(run_dir, folder, *common, "+callbacks.pause._target_="
-                           "tests.helpers.callbacks.PauseAt", "+callbacks.pause.step=3",
+                           "tests.helpers.pause.PauseAt", "+callbacks.pause.step=3",
                            f"+callbacks.pause.marker={marker}")]
     proc = start_in_own_group(command, tmp_path / "out.txt")
     try:

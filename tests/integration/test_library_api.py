@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import REPO, start_in_own_group, wait_for_a_step
+from tests.conftest import REPO, start_in_own_group, wait_for_pause
 from trainkit import CheckpointConfig, Trainer, TrainerConfig, seed_everything
 
 
@@ -36,8 +36,11 @@ def test_example_script_trains_and_resumes(tmp_path: Path) -> None:
 def test_example_stopped_in_its_first_epoch_exits_75_and_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "examples/library_api.py", "--run-dir", str(run_dir), "--epochs", "1"]
-    proc = start_in_own_group(cmd, tmp_path / "out.txt")
-    wait_for_a_step(proc, run_dir / "train.log")  # step 16 of the first epoch's 32
+    # the example as it is, waiting for the signal after its 16th optimizer step of 32
+    marker = tmp_path / "paused"
+    proc = start_in_own_group([sys.executable, "-m", "tests.helpers.pause", str(marker), "16",
+                               *cmd[1:]], tmp_path / "out.txt")
+    wait_for_pause(proc, marker)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 75  # EXIT_PREEMPTED, no KeyError: no evaluation ran yet
     output = (tmp_path / "out.txt").read_text()

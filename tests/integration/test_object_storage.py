@@ -25,8 +25,10 @@ from tests.conftest import (
     error_report,
     hear_preemption_signals,
     offline_env,
+    pause_at,
     run_train,
     tiny_run,
+    wait_for_pause,
 )
 from tests.helpers.s3 import S3, SECRET, s3_server
 from trainkit.checkpoint.remote import UPLOAD_DELAY_ENV, read_checkpoint
@@ -127,8 +129,11 @@ def _wait_for_step(proc: subprocess.Popen, run_dir: Path, past: int, timeout: fl
 def test_sigterm_then_the_same_command_on_a_fresh_folder_resumes_bitwise_from_the_bucket(
         tmp_path: Path, mnist_root: Path, s3: S3, straight: Path) -> None:
     url, env = "s3://runs/term", offline_env(**s3.env)
-    proc = _start(tmp_path / "a", _command(tmp_path / "a", mnist_root, url), env)
-    _wait_for_step(proc, tmp_path / "a", 10)
+    # the run waits at the end of step 12 of 48 for the signal: no race to its last step
+    marker = tmp_path / "paused"
+    proc = _start(tmp_path / "a", [*_command(tmp_path / "a", mnist_root, url),
+                                   *pause_at(12, marker)], env)
+    wait_for_pause(proc, marker)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 75  # EXIT_PREEMPTED
     stopped_at = read_checkpoint(f"{url}/last.json")["global_step"]

@@ -19,15 +19,17 @@ from tests.conftest import (
     hear_preemption_signals,
     last_checkpoint,
     offline_env,
+    pause_at,
     run_train,
     tiny_run,
+    wait_for_pause,
 )
 
 pytestmark = pytest.mark.slow
 mlflow = pytest.importorskip("mlflow")  # installed by `make test` (the dev extras)
 pytest.importorskip("wandb")
 
-# 48 steps (16 an epoch), logged every 2: time for a signal to land mid-run
+# 48 steps (16 an epoch), logged every 2: a run that goes on after its stop at step 6
 LONG = ("trainer.max_steps=48",)
 
 
@@ -65,20 +67,16 @@ def _start(run_dir: Path, mnist_root: Path, *extra: str) -> subprocess.Popen:
 
 
 def _preempt(run_dir: Path, mnist_root: Path, *extra: str) -> int:
-    """Start a run, SIGTERM its whole process group after some logged steps, as SLURM or
-    systemd would (a tracker's own process must not die before it has sent the run's end);
-    the step it stopped at."""
-    proc = _start(run_dir, mnist_root, *extra)
-    deadline = time.monotonic() + 120
-    jsonl = run_dir / "metrics.jsonl"
-    while not (jsonl.is_file() and len(jsonl.read_text().splitlines()) >= 3):
-        assert proc.poll() is None, f"the run ended (status {proc.returncode}) too early"
-        assert time.monotonic() < deadline, "no logging steps in time"
-        time.sleep(0.02)
+    """Start a run, SIGTERM its whole process group as step 6 (its third logging step) ends, as
+    SLURM or systemd would (a tracker's own process must not die before it has sent the run's
+    end); the step it stopped at. The run waits at step 6 for the signal: no race to its end."""
+    marker = run_dir.parent / f"{run_dir.name}.paused"
+    proc = _start(run_dir, mnist_root, *extra, *pause_at(6, marker))
+    wait_for_pause(proc, marker)
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=120) == 75
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "preempted"
+    assert summary["status"] == "preempted" and summary["global_step"] == 6
     return summary["global_step"]
 
 

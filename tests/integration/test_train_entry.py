@@ -50,8 +50,11 @@ def test_summary_follows_the_contract(finished_run: Path) -> None:
     assert summary["epoch"] == 2
     assert summary["global_step"] == 2 * 16  # 512 samples / batch 32, two epochs
     assert summary["wall_time_s"] > 0 and summary["samples_per_s"] > 0
-    assert 0.0 <= summary["metrics"]["val/acc"] <= 1.0
-    assert summary["metrics"]["val/loss"] > 0
+    # the final figures are the last evaluation's, as logged
+    last_eval = [r for r in map(json.loads, (finished_run / "metrics.jsonl").read_text()
+                                .splitlines()) if "val/acc" in r][-1]
+    assert summary["metrics"]["val/acc"] == last_eval["val/acc"]
+    assert summary["metrics"]["val/loss"] == last_eval["val/loss"] > 0
     # the generated digits are easy: a working loop learns them in two short epochs
     assert summary["metrics"]["val/acc"] > 0.5
 
@@ -167,19 +170,56 @@ BAD_INPUTS = [
 WITH_DETAILS = ("trainer.device=cuda", "optim._target_=torch.optim.NoSuchOptimizer")
 
 
+def _bad_runs(folder: Path, mnist_root: Path) -> dict[str, list[str]]:
+    """The entry point's arguments for each bad-input run, by the name of its folder."""
+    runs = {str(i): [*tiny_run(folder / str(i) / "run", mnist_root, "trainer.max_steps=2"),
+                     override] for i, (override, _) in enumerate(BAD_INPUTS)}
+    runs["unknown_exp"] = ["+exp=nope", f"hydra.run.dir={folder / 'unknown_exp' / 'run'}"]
+    # download stays on (the default): offline it must fail fast with one line
+    (folder / "missing_data" / "empty").mkdir(parents=True)
+    runs["missing_data"] = ["+exp=mnist", f"hydra.run.dir={folder / 'missing_data' / 'run'}",
+                            f"data.root={folder / 'missing_data' / 'empty'}"]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path) -> Path:
+    """Each run of :func:`_bad_runs` by the entry point, all in one process
+    (tests/helpers/entry_runs.py: one interpreter, torch and Hydra start instead of one a run);
+    run ``name`` in ``<folder>/<name>``, its outputs as ``result.{status,out,err}`` there."""
+    folder = tmp_path_factory.mktemp("bad")
+    runs = _bad_runs(folder, mnist_root)
+    for name in runs:
+        (folder / name).mkdir(exist_ok=True)
+    spec = [{"argv": argv, "prefix": str(folder / name / "result")} for name, argv in runs.items()]
+    (folder / "runs.json").write_text(json.dumps(spec))
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.entry_runs",
+                           str(folder / "runs.json")], cwd=REPO, env=offline_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder
+
+
+def _result(here: Path) -> tuple[int, str, str]:
+    """A run's exit status, stdout and stderr, from ``bad_input_runs``."""
+    return (int((here / "result.status").read_text()), (here / "result.out").read_text(),
+            (here / "result.err").read_text())
+
+
 @pytest.mark.parametrize(("override", "fragment"), BAD_INPUTS)
-def test_bad_input_is_one_line_and_nonzero(tmp_path: Path, mnist_root: Path, override: str,
+def test_bad_input_is_one_line_and_nonzero(bad_input_runs: Path, override: str,
                                             fragment: str) -> None:
     if override == "trainer.device=cuda" and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    result = run_train(*tiny_run(tmp_path / "run", mnist_root, "trainer.max_steps=2"), override)
-    assert result.returncode != 0
-    details, last = error_report(result.stderr)  # the last line: <= 200 characters
-    assert bool(details) == (override in WITH_DETAILS), result.stderr
+    here = bad_input_runs / str([o for o, _ in BAD_INPUTS].index(override))
+    status, stdout, stderr = _result(here)
+    assert status != 0
+    details, last = error_report(stderr)  # the last line: <= 200 characters
+    assert bool(details) == (override in WITH_DETAILS), stderr
     assert fragment in last, last
-    assert "Traceback" not in result.stdout + result.stderr
+    assert "Traceback" not in stdout + stderr
     # no folder of Hydra's files alone: either none, or one whose train.log says what failed
-    run_dir = tmp_path / "run"
+    run_dir = here / "run"
     assert not run_dir.exists() or last in (run_dir / "train.log").read_text()
 
 
@@ -197,20 +237,19 @@ def test_config_error_leaves_no_outputs_folder(tmp_path: Path, mnist_root: Path)
         assert sorted(p.name for p in tmp_path.rglob("*")) == ["runs"]
 
 
-def test_unknown_experiment_lists_the_known_ones(tmp_path: Path) -> None:
-    result = run_train("+exp=nope", f"hydra.run.dir={tmp_path}")
-    assert result.returncode != 0
-    details, last = error_report(result.stderr)
-    assert not details and "exp/nope" in last and "mnist" in last, result.stderr
+def test_unknown_experiment_lists_the_known_ones(bad_input_runs: Path) -> None:
+    status, _, stderr = _result(bad_input_runs / "unknown_exp")
+    assert status != 0
+    details, last = error_report(stderr)
+    assert not details and "exp/nope" in last and "mnist" in last, stderr
 
 
-def test_missing_data_offline_names_the_files(tmp_path: Path) -> None:
+def test_missing_data_offline_names_the_files(bad_input_runs: Path) -> None:
+    tmp_path = bad_input_runs / "missing_data"
     empty = tmp_path / "empty"
-    empty.mkdir()
-    # download stays on (the default): offline it must fail fast with one line
-    result = run_train("+exp=mnist", f"hydra.run.dir={tmp_path / 'run'}", f"data.root={empty}")
-    assert result.returncode != 0
-    details, last = error_report(result.stderr)  # was one line of ~900 characters
+    status, _, stderr = _result(tmp_path)
+    assert status != 0
+    details, last = error_report(stderr)  # was one line of ~900 characters
     assert "download failed" in last and "python -m trainkit.data download mnist" in last
     # the details name the folder, the missing files and the download's exception chain
     assert f"{empty / 'MNIST' / 'raw'} lacks train-images-idx3-ubyte" in details[0]
