@@ -28,7 +28,7 @@ from tests.conftest import (
     run_train,
     tiny_run,
 )
-from tests.helpers.s3 import S3, SECRET, s3_server
+from tests.helpers.s3 import S3, SECRET, s3_environment
 from trainkit.checkpoint.remote import UPLOAD_DELAY_ENV, read_checkpoint
 from trainkit.core.runtime import Runtime
 
@@ -42,8 +42,8 @@ COMMON = ("trainer.max_epochs=3", "checkpoint.every_n_steps=4", "checkpoint.keep
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[S3]:
-    with s3_server() as server:
+def s3(moto_s3: S3) -> Iterator[S3]:
+    with s3_environment(moto_s3) as server:
         server.bucket("runs")
         yield server
 
