@@ -99,10 +99,11 @@ class RemoteCheckpoints:
 
     def check_writable(self) -> None:
         """Fail now, not hours into a run, when the store cannot be reached or written."""
+        fs, _ = filesystem(self.url, "checkpoint.dir", quick=True)  # an answer in seconds
         probe = join(str(self.layout.directory), f"{OBJECTS}/.probe-{uuid.uuid4().hex[:8]}")
         try:
-            self.fs.pipe(probe, b"")
-            self.fs.rm(probe)
+            fs.pipe(probe, b"")
+            fs.rm(probe)
         except Exception as err:
             raise (store_error(err, self.url, "checkpoint.dir")
                    or write_failed(err, self.url)) from None
