@@ -37,7 +37,8 @@ from trainkit.core.objectstore import filesystem, join, store_error
 FORMAT = "trainkit-object-1"
 OBJECTS = "objects"
 # Test-only: seconds to wait after a checkpoint's bytes are uploaded, before its commit record
-# (tests/integration/test_object_storage kills runs inside that window).
+# (here and in remote_sharded; tests/integration/test_object_storage and tests/dist/
+# test_fsdp_object_storage kill runs inside that window).
 UPLOAD_DELAY_ENV = "TRAINKIT_TEST_UPLOAD_DELAY_S"
 
 
