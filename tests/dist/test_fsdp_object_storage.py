@@ -145,6 +145,13 @@ def test_sigterm_then_8_sigkills_during_async_uploads_each_resume_from_the_bucke
     assert f"resumed from {url}/last.json at step {committed[-1]}" in (
         tmp_path / "attempt9" / "train.log").read_text()
     assert_same_checkpoint(load_full(f"{url}/last.json"), load_full("s3://fsdp/straight/last.json"))
+    # keep-last and best with async saves: the newest 2 step records, and only their objects
+    fs = _bucket()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("fsdp/killed")) == [
+        "best.json", "last.json", "objects", "step_000000015.json", "step_000000016.json"]
+    named = {json.loads(fs.cat(f"fsdp/killed/{n}"))["object"] for n in (
+        "best.json", "last.json", "step_000000015.json", "step_000000016.json")}
+    assert {f"objects/{p.rsplit('/', 1)[-1]}" for p in fs.ls("fsdp/killed/objects")} == named
 
 
 def _start(run_dir: Path, args: list[str], env: dict[str, str]) -> subprocess.Popen:
