@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -86,6 +87,16 @@ def sgd_without(model: torch.nn.Module, data: list, skipped: int, **sgd: float
 def mnist_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data root with small, learnable MNIST-format files (not the official ones)."""
     return write_fake_mnist(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[Any]:
+    """moto's S3 server over HTTP on a free port, one for the session, started by the first test
+    that needs it (tests/helpers/s3.py); each module makes its own bucket."""
+    from tests.helpers.s3 import moto_server
+
+    with moto_server() as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,9 @@
 """A real S3 API over HTTP on this machine: moto's server, as s3fs tests itself.
 
-:func:`s3_server` starts ``ThreadedMotoServer`` on a free port and yields the environment that
-points boto (and so s3fs, here and in the runs the tests start) at it, with fake credentials.
+:func:`moto_server` starts ``ThreadedMotoServer`` on a free port and yields the environment that
+points boto (and so s3fs, here and in the runs the tests start) at it, with fake credentials;
+:func:`s3_environment` sets it in this process while a test module runs. One server serves the
+session (``moto_s3`` in tests/conftest.py); each module makes a bucket of its own.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def s3_server() -> Iterator[S3]:
-    """moto's S3 server on a free port, with its environment set in this process meanwhile."""
+def moto_server() -> Iterator[S3]:
+    """moto's S3 server on a free port (tests/conftest.py's ``moto_s3``: one per session)."""
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
@@ -54,14 +56,30 @@ def s3_server() -> Iterator[S3]:
            "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull,
            "AWS_EC2_METADATA_DISABLED": "true",
            "no_proxy": "127.0.0.1", "NO_PROXY": "127.0.0.1"}
-    before = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
     try:
         yield S3(endpoint, env)
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def s3_environment(server: S3) -> Iterator[S3]:
+    """``server``'s environment set in this process for a block (a test module), then as it
+    was."""
+    before = {key: os.environ.get(key) for key in server.env}
+    os.environ.update(server.env)
+    try:
+        yield server
+    finally:
         for key, value in before.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[S3]:
+    """A server of its own with its environment set meanwhile (outside pytest's fixtures)."""
+    with moto_server() as server, s3_environment(server):
+        yield server

@@ -24,13 +24,14 @@ from tests.conftest import (
     assert_same_weights,
     error_report,
     hear_preemption_signals,
+    last_checkpoint,
     offline_env,
     pause_at,
     run_train,
     tiny_run,
     wait_for_pause,
 )
-from tests.helpers.s3 import S3, SECRET, s3_server
+from tests.helpers.s3 import S3, SECRET, s3_environment
 from trainkit.checkpoint.remote import UPLOAD_DELAY_ENV, read_checkpoint
 from trainkit.core.runtime import Runtime
 
@@ -44,8 +45,8 @@ COMMON = ("trainer.max_epochs=3", "checkpoint.every_n_steps=4", "checkpoint.keep
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[S3]:
-    with s3_server() as server:
+def s3(moto_s3: S3) -> Iterator[S3]:
+    with s3_environment(moto_s3) as server:
         server.bucket("runs")
         yield server
 
@@ -181,7 +182,7 @@ def _uncommitted(url: str) -> list[str]:
 
 
 @pytest.mark.parametrize(("url", "env", "says"), [
-    ("s3://runs/x", {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1"},
+    ("s3://runs/x", {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"},
      "the storage cannot be reached"),
     ("s3://runs/x", {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""},
      "no credentials for s3:// were found: set AWS_ACCESS_KEY_ID"),
@@ -313,3 +314,69 @@ def _shard_cache() -> Path:
     from trainkit.data.checksums import cache_dir
 
     return cache_dir() / "remote" / "shards"
+
+
+# -- training from the bucket through the entry point: the local batches, resumed mid-epoch ----
+
+SIGTERM_AT = "+callbacks.stop._target_=tests.helpers.callbacks.SigtermAt"
+# +exp=lm: a 1-layer GPT of width 32 on windows of 16 bytes, 10 steps
+TOKENS = ("+exp=lm", "data.seq_len=16", "data.batch_size=8", "data.eval_batch_size=8",
+          "model.dim=32", "model.layers=1", "trainer.max_steps=10", "trainer.max_epochs=1",
+          "trainer.eval_max_batches=2", "trainer.log_every_n_steps=1", "trainer.precision=32",
+          "checkpoint.every_n_steps=1000", "callbacks.sample.length=4")
+# data=webdataset: 12 training images of 16 px in shards of 3, batch 4: 3 steps an epoch, 2
+# epochs (the SIGTERM at step 4 lands mid-epoch), resnet18
+SHARDS = ("+exp=folder", "data=webdataset", "data.image_size=16", "data.batch_size=4",
+          "data.eval_batch_size=4", "data.num_workers=1", "trainer.max_epochs=2",
+          "trainer.precision=32", "trainer.channels_last=false", "trainer.log_every_n_steps=1",
+          "trainer.ema_decay=null")
+
+
+def _train(run_dir: Path, root: str, s3: S3, *keys: str, status: int = 0) -> None:
+    result = run_train(f"hydra.run.dir={run_dir}", f"data.root={root}", *keys,
+                       env=offline_env(OMP_NUM_THREADS="1", **s3.env))
+    assert result.returncode == status, result.stderr[-3000:]
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    lines = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {line["step"]: line["train/loss"] for line in lines if "train/loss" in line}
+
+
+def _from_the_bucket_like_local(tmp_path: Path, s3: S3, local: Path, url: str,
+                                keys: tuple[str, ...], cut: int) -> None:
+    """A run on the local files; the same run on ``url`` stopped by SIGTERM after step ``cut``
+    (mid-epoch) and re-run: the same losses step by step, and bitwise the same weights."""
+    _train(tmp_path / "local", str(local), s3, *keys)
+    _train(tmp_path / "bucket", url, s3, *keys, SIGTERM_AT, f"+callbacks.stop.step={cut}",
+           status=75)
+    assert last_checkpoint(tmp_path / "bucket")["global_step"] == cut
+    _train(tmp_path / "bucket", url, s3, *keys)
+    log = (tmp_path / "bucket" / "train.log").read_text()
+    assert re.search(rf"resumed from \S+ at step {cut} \(epoch \d+, batch [1-9]", log), log
+    ours, theirs = _losses(tmp_path / "local"), _losses(tmp_path / "bucket")
+    assert len(ours) > cut and ours == theirs  # the same batches, before and after the resume
+    assert_same_weights(last_checkpoint(tmp_path / "bucket")["model"],
+                        last_checkpoint(tmp_path / "local")["model"])
+
+
+def test_data_tokens_trains_from_the_bucket_as_from_local_files_and_resumes_mid_epoch(
+        tmp_path: Path, s3: S3) -> None:
+    from trainkit.data.tokenize import tokenize
+
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 300)
+    tokenize([tmp_path / "text.txt"], tmp_path / "corpus")
+    url = _upload(s3, tmp_path / "corpus", "s3://runs/lm-corpus")
+    _from_the_bucket_like_local(tmp_path, s3, tmp_path / "corpus", url, TOKENS, cut=4)
+
+
+def test_data_webdataset_trains_from_the_bucket_as_from_local_shards_and_resumes_mid_epoch(
+        tmp_path: Path, s3: S3) -> None:
+    from tests.image_files import make_folder
+    from trainkit.data.__main__ import main as data_main
+
+    make_folder(tmp_path / "images", classes=2, per_class=6, val_per_class=2, sizes=(12, 16))
+    assert data_main(["shards", str(tmp_path / "images"), str(tmp_path / "shards"),
+                      "--samples-per-shard", "3"]) == 0
+    url = _upload(s3, tmp_path / "shards", "s3://runs/image-shards")
+    _from_the_bucket_like_local(tmp_path, s3, tmp_path / "shards", url, SHARDS, cut=4)

@@ -37,7 +37,8 @@ from trainkit.core.objectstore import filesystem, join, store_error
 FORMAT = "trainkit-object-1"
 OBJECTS = "objects"
 # Test-only: seconds to wait after a checkpoint's bytes are uploaded, before its commit record
-# (tests/integration/test_object_storage kills runs inside that window).
+# (here and in remote_sharded; tests/integration/test_object_storage and tests/dist/
+# test_fsdp_object_storage kill runs inside that window).
 UPLOAD_DELAY_ENV = "TRAINKIT_TEST_UPLOAD_DELAY_S"
 
 
@@ -99,10 +100,11 @@ class RemoteCheckpoints:
 
     def check_writable(self) -> None:
         """Fail now, not hours into a run, when the store cannot be reached or written."""
+        fs, _ = filesystem(self.url, "checkpoint.dir", quick=True)  # an answer in seconds
         probe = join(str(self.layout.directory), f"{OBJECTS}/.probe-{uuid.uuid4().hex[:8]}")
         try:
-            self.fs.pipe(probe, b"")
-            self.fs.rm(probe)
+            fs.pipe(probe, b"")
+            fs.rm(probe)
         except Exception as err:
             raise (store_error(err, self.url, "checkpoint.dir")
                    or write_failed(err, self.url)) from None

@@ -17,45 +17,67 @@ Staging locally rather than a StorageWriter over fsspec keeps DCP's writer, plan
 as they are on a disk (torch exports no fsspec writer); the price is one local copy per rank.
 Reading downloads a checkpoint's files whole into a local folder and reads it there (any number
 of ranks, as on a disk): each rank fetches every file, since a resharded load may need any.
+
+With ``async_save`` the same steps run in the background: DCP's ``async_save`` copies the
+tensors and writes the staging folder on its thread (collectives on a gloo group of the
+checkpoint's own), then a thread of each rank uploads its files and joins a vote on that group
+(every rank uploaded whole), after which rank 0 writes the records. The loop waits only for the
+copy; the next save, :meth:`~RemoteShardedCheckpoints.wait` or the run's end waits for the
+rest and raises a failure there. A kill at any moment still leaves the last commit whole.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import tempfile
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from trainkit.checkpoint import sharded
 from trainkit.checkpoint.files import save_atomic
 from trainkit.checkpoint.layout import missing, write_failed
-from trainkit.checkpoint.remote import OBJECTS, RemoteLayout, read_record, remove_unnamed
-from trainkit.core.errors import TrainkitError
+from trainkit.checkpoint.remote import (
+    OBJECTS,
+    UPLOAD_DELAY_ENV,
+    RemoteLayout,
+    read_record,
+    remove_unnamed,
+)
+from trainkit.core.errors import TrainkitError, one_line
 from trainkit.core.objectstore import filesystem, join, store_error
-from trainkit.distributed.group import barrier
 
+log = logging.getLogger("trainkit")
 FORMAT = "trainkit-sharded-object-1"
 STAGING_PREFIX = "trainkit-dcp-"  # local folders (the system's temp dir, $TMPDIR)
 
 
 class RemoteShardedCheckpoints:
-    """The interface of :class:`~trainkit.checkpoint.sharded.ShardedCheckpoints` (sync saves
-    only) over a URL. Every rank makes one at the same point and calls :meth:`save` together."""
+    """The interface of :class:`~trainkit.checkpoint.sharded.ShardedCheckpoints` over a URL.
+    Every rank makes one at the same point (with ``async_save``, a collective: it makes a gloo
+    group for the background saves) and calls :meth:`save` together."""
 
-    def __init__(self, url: str, keep_last: int = 3) -> None:
+    def __init__(self, url: str, keep_last: int = 3, *, async_save: bool = False) -> None:
         self.url = url.rstrip("/")
         self.fs, root = filesystem(self.url, "checkpoint.dir")
         self.layout = RemoteLayout(self.fs, root, keep_last)
         self.distributed = sharded._distributed()
         self.is_main = not self.distributed or dist.get_rank() == 0
-        self.group = sharded._group(self.distributed, False)
+        self.async_save = async_save and self.distributed  # one process: DCP saves in place
+        self.group = sharded._group(self.distributed, self.async_save)
         self.written_step = -1
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
-    in_flight = False  # saves are synchronous
+    in_flight = False  # a background save commits itself: nothing waits for poll()
 
     @property
     def last(self) -> str:
@@ -75,31 +97,107 @@ class RemoteShardedCheckpoints:
     def save(self, tensors: dict[str, Any], meta: dict[str, Any] | None, step: int, *,
              best: bool = False) -> None:
         """Write this rank's part of step ``step``; rank 0 commits it once every rank's part
-        and DCP's metadata are uploaded (every rank calls this; ``meta`` matters on rank 0)."""
+        and DCP's metadata are uploaded (every rank calls this; ``meta`` matters on rank 0).
+        With ``async_save`` it returns once DCP has copied the tensors.
+
+        Raises:
+            TrainkitError: this (or the previous background) save failed; every committed
+                checkpoint is as it was.
+        """
         import torch.distributed.checkpoint as dcp
 
+        self.wait()  # the previous save is committed: its objects are named, ours are not
         self.written_step = step
         staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX))
         try:
             name = self._same_on_every_rank(f"{OBJECTS}/{step:09d}-{uuid.uuid4().hex[:12]}")
             if self.is_main:
                 save_atomic(meta or {}, staging / sharded.META_FILE)
+            kwargs = {"storage_writer": sharded._writer(staging, step),
+                      "process_group": self.group}
             with sharded._quiet_single_process():
-                dcp.save(tensors, storage_writer=sharded._writer(staging, step),
-                         process_group=self.group, no_dist=not self.distributed)
-            self._guard(lambda: self._upload(staging, name))
-            if self.distributed:  # every rank's files are in the store before the commit
-                barrier(self.group)
-            if self.is_main:
-                self._guard(lambda: self._commit(name, step, best))
+                if self.async_save:
+                    future = dcp.async_save(tensors, **kwargs)
+                    self._thread = threading.Thread(
+                        target=self._in_background, args=(future, staging, name, step, best),
+                        name=f"trainkit-checkpoint-{step}")
+                    self._thread.start()
+                    return
+                dcp.save(tensors, no_dist=not self.distributed, **kwargs)
+            self._publish(staging, name, step, best)
         except (OSError, dcp.CheckpointException) as err:
+            shutil.rmtree(staging, ignore_errors=True)
             raise write_failed(err, self.url) from None
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def _in_background(self, future: Any, staging: Path, name: str, step: int,
+                       best: bool) -> None:
+        """The rest of an async save, on its thread: DCP's write, then the upload and the
+        commit; an error is kept for :meth:`wait`."""
+        try:
+            try:
+                future.result()
+            except Exception as err:
+                raise write_failed(err, self.url) from None
+            self._publish(staging, name, step, best)
+        except BaseException as err:  # handed to the training thread by wait()
+            self._error = err
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _publish(self, staging: Path, name: str, step: int, best: bool) -> None:
+        """Upload this rank's files; once every rank's are in the store, rank 0 commits."""
+        try:
+            uploaded = self._attempt(lambda: self._upload(staging, name))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+        if delay := float(os.environ.get(UPLOAD_DELAY_ENV, 0) or 0):
+            time.sleep(delay)  # test-only: a window between the upload and the commit
+        if not self._every_rank(uploaded is None):
+            raise uploaded or TrainkitError(
+                f"cannot write a checkpoint to {self.url}: another rank's upload failed; "
+                "existing checkpoints are intact")
+        if self.is_main:
+            self._guard(lambda: self._commit(name, step, best))
+
+    def _attempt(self, write: Any) -> TrainkitError | None:
+        """``write``'s error as one line, or None: returned, not raised, so that a rank whose
+        upload failed still joins the vote and no rank waits for it."""
+        try:
+            self._guard(write)
+        except TrainkitError as err:
+            return err
+        return None
+
+    def _every_rank(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (a collective on the checkpoint's group)."""
+        if not self.distributed:
+            return ok
+        flag = torch.tensor([int(ok)], dtype=torch.uint8)  # on the CPU: a gloo group
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def wait(self) -> None:
+        """Block until a background save is committed; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Like :meth:`wait`, but an error is logged, not raised (the exit already fails)."""
+        try:
+            self.wait()
+        except Exception as err:  # the error already being raised matters more
+            log.error("the last checkpoint write failed too: %s", one_line(err))
 
     def update_meta(self, meta: dict[str, Any] | None, step: int, *, best: bool) -> None:
         """Give step ``step``'s checkpoint (this run's newest) a new ``trainkit.pt``: uploaded
         under a new name, then the records naming the checkpoint rewritten to name it."""
+        self.wait()  # the checkpoint is committed before its records are rewritten
         if not self.is_main:
             return
         self._guard(lambda: self._replace_meta(meta or {}, step, best))
@@ -120,12 +218,6 @@ class RemoteShardedCheckpoints:
         self.fs.rm(join(base, old))  # no record names it now
 
     def poll(self) -> None:
-        pass
-
-    def wait(self) -> None:
-        pass
-
-    def close(self) -> None:
         pass
 
     def _same_on_every_rank(self, name: str) -> str:

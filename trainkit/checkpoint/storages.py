@@ -37,7 +37,7 @@ from trainkit.checkpoint.files import CheckpointManager, read_checkpoint
 from trainkit.checkpoint.layout import Layout
 from trainkit.config import CheckpointConfig
 from trainkit.core import rng
-from trainkit.core.errors import ConfigError, TrainkitError
+from trainkit.core.errors import TrainkitError
 from trainkit.core.objectstore import is_url
 from trainkit.core.runtime import Runtime
 from trainkit.distributed import fsdp
@@ -117,9 +117,6 @@ def storages_for(model: nn.Module, directory: Path | str | None, config: Checkpo
     """This run's storages, the one it writes with first: directories for a model sharded by
     ``fully_shard`` (FSDP2), else files (``directory`` a URL: objects and commit records). A
     collective: every rank calls it at the same point."""
-    if is_url(directory) and fsdp.is_sharded(model) and config.async_save:
-        raise ConfigError(f"checkpoint.dir={directory}: a sharded (fsdp) run saves to a URL "
-                          "synchronously only; set checkpoint.async_save=false or give a path")
     if is_url(directory) and not fsdp.is_sharded(model):
         return (FileStorage(directory, config, runtime, writes=True),
                 ShardedStorage(None, config, runtime, writes=False))
@@ -243,7 +240,8 @@ class ShardedStorage:
         # a collective with async_save (a gloo group of its own): made by every rank at once
         self._dirs: sharded.ShardedCheckpoints | remote_sharded.RemoteShardedCheckpoints | None
         self._dirs = (None if not writes or directory is None
-                      else remote_sharded.RemoteShardedCheckpoints(directory, config.keep_last)
+                      else remote_sharded.RemoteShardedCheckpoints(
+                          directory, config.keep_last, async_save=config.async_save)
                       if is_url(directory)
                       else sharded.ShardedCheckpoints(directory, config.keep_last,
                                                       async_save=config.async_save))

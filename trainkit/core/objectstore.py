@@ -31,6 +31,11 @@ _CREDENTIALS = {"s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFI
                 "az": "AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME and "
                       "AZURE_STORAGE_ACCOUNT_KEY)"}
 _ENDPOINTS = {"s3": "AWS_ENDPOINT_URL"}
+# The first contact (quick=True): one try of a few seconds, so that an endpoint that does not
+# answer is said at once -- the package's defaults retry for a minute or more, which is what
+# the hours of saves afterwards want, from the filesystem made without ``quick``.
+_QUICK = {"s3": {"config_kwargs": {"connect_timeout": 5, "read_timeout": 10,
+                                   "retries": {"total_max_attempts": 1}}}}
 
 
 def is_url(location: object) -> bool:
@@ -44,8 +49,9 @@ def protocol(url: str) -> str:
     return {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az"}.get(name, name)
 
 
-def filesystem(url: str, key: str) -> tuple[Any, str]:
-    """The fsspec filesystem that serves ``url`` and the path in it (no slash at its end).
+def filesystem(url: str, key: str, *, quick: bool = False) -> tuple[Any, str]:
+    """The fsspec filesystem that serves ``url`` and the path in it (no slash at its end);
+    ``quick``: one of its own that tries each request once, briefly (a first contact).
 
     Raises:
         ConfigError: an unknown protocol, or one whose package is not installed (``key``
@@ -59,7 +65,10 @@ def filesystem(url: str, key: str) -> tuple[Any, str]:
             logging.getLogger(noisy).setLevel(logging.WARNING)
     name = url.split("://", 1)[0].lower()
     try:
-        fs, path = fsspec.core.url_to_fs(url)
+        options = {"skip_instance_cache": True, **_QUICK.get(protocol(url), {})} if quick else {}
+        fs, path = fsspec.core.url_to_fs(url, **options)
+        if quick and isinstance(getattr(fs, "retries", None), int):
+            fs.retries = 1  # s3fs's own retries, over botocore's (this instance is ours alone)
     except ImportError:
         package, extra = _PACKAGES.get(name, (f"the fsspec package for {name}://", None))
         how = f"pip install 'trainkit[{extra}]' (or {package})" if extra else "install it"
@@ -86,7 +95,8 @@ def store_error(err: BaseException, url: str, key: str) -> TrainkitError | None:
         where = _CREDENTIALS.get(family, f"the credentials your {family}:// package reads")
         return TrainkitError(f"{key}={url}: no credentials for {family}:// were found: set "
                              f"{where}")
-    if names & {"ConnectionError", "ProxyConnectionError", "ConnectTimeoutError",
+    if names & {"ConnectionError", "ConnectionClosedError", "ProxyConnectionError",
+                "ConnectTimeoutError",
                 "ClientConnectorError", "ServiceRequestError", "TimeoutError"}:
         endpoint = _ENDPOINTS.get(family)
         fix = f", or set {endpoint} to its endpoint" if endpoint else ""

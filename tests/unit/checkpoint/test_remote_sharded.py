@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,3 +74,31 @@ def test_an_uncommitted_folder_is_never_read_and_a_damaged_one_is_refused(url: s
     fs.pipe(shard, fs.cat(shard)[:-10])  # truncated after its commit
     with pytest.raises(TrainkitError, match=f"checkpoint {url}/last.json is incomplete"):
         read_meta(f"{url}/last.json")
+
+
+
+def test_an_async_save_returns_before_its_commit_and_commits_its_own_copy(
+        url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from trainkit.checkpoint.remote import UPLOAD_DELAY_ENV
+
+    # a group of one rank, in this process: the async path is taken under a process group only
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        ckpts = RemoteShardedCheckpoints(url, keep_last=2, async_save=True)
+        save(ckpts, 1)
+        monkeypatch.setenv(UPLOAD_DELAY_ENV, "0.5")  # a window between upload and commit
+        live = {"model": {"w": torch.full((3,), 2.0)}, "optimizer": {"m": torch.ones(2)}}
+        ckpts.save(live, {"format": sharded.FORMAT, "global_step": 2, "epoch": 0}, 2)
+        live["model"]["w"].add_(5)  # the loop goes on: the save has its own copy
+        meta = read_meta(f"{url}/last.json")
+        forget(meta)
+        assert meta["global_step"] == 1  # step 2 is not committed yet
+        ckpts.wait()
+        assert load_full(f"{url}/last.json")["model"]["w"].tolist() == [2.0] * 3
+        assert [c.rsplit("/", 1)[-1] for c in ckpts.candidates()] == [
+            "last.json", "step_000000002.json", "step_000000001.json"]
+    finally:
+        dist.destroy_process_group()
