@@ -64,6 +64,8 @@ def windows(batches: Iterable[Batch], k: int) -> Iterator[Sequence[Batch]]:
 
 
 class StepResult(NamedTuple):
+    """What one optimizer step did, read by name (the loop, the NaN/inf guard, the meter)."""
+
     loss: torch.Tensor  # the window's mean loss, detached, on the device (reading it syncs)
     grad_norm: torch.Tensor | None  # total norm before clipping; None without norm clipping
     stepped: bool  # False when the step was skipped (fp16 overflow or a non-finite loss)
@@ -72,6 +74,19 @@ class StepResult(NamedTuple):
     value: float | None = None  # the loss as a number, when the check read it
     # guard_finite: whether the loss was finite (all ranks agreed), on the device and unread
     finite_flag: torch.Tensor | None = None
+
+    @property
+    def logged_loss(self) -> torch.Tensor | float | None:
+        """The loss for the meter: the number when the check read it (no second sync), None
+        when it was NaN/inf."""
+        if not self.finite:
+            return None
+        return self.loss if self.value is None else self.value
+
+    @property
+    def logged_grad_norm(self) -> torch.Tensor | None:
+        """The norm for the meter; None for a skipped step (an fp16 overflow's norm is inf)."""
+        return self.grad_norm if self.stepped else None
 
 
 def train_window(
@@ -161,59 +176,75 @@ class WindowStep:
     def __call__(self, window: Sequence[Batch], check_finite: bool = False,
                  guard_finite: bool = False) -> StepResult:
         """One optimizer step over ``window`` (see :func:`train_window` for the checks)."""
-        model, optimizer, precision = self.model, self.optimizer, self.precision
         if len(window) == 1:  # the common case: no weighting, no no_sync, nothing to add up
-            batch = window[0]
-            if type(batch) in _FLAT and batch and type(batch[0]) is torch.Tensor:  # (x, y)
-                total = batch[0].shape[0]
-                for item in batch:  # already on the device (a CPU run's, a prefetcher's)?
-                    if not isinstance(item, torch.Tensor) or item.device != self.device:
-                        batch = move_to_device(batch, self.device)
-                        break
-            else:
-                total = batch_size(batch)
-                batch = move_to_device(batch, self.device)
-            if self._plain:
-                result = self.forward(model, batch)
-                # inline, not self._forward: the common path pays one len(), not a call
-                outputs, targets = result if len(result) == 2 else self._forward.split(result)
-                loss = self.criterion(outputs, targets)
-                loss.backward()
-            else:
-                loss = _loss(model, batch, precision, self.criterion, self._forward)
-                precision.backward(loss)
-            # in place when allowed (a view cannot be): no new tensor a step
-            loss = loss.detach_() if loss._base is None else loss.detach()
-            if self.after_backward is not None:
-                self.after_backward(True)
+            loss, total = self._backward_one(window[0])
         else:
-            loss, total = _accumulate(model, window, precision, self.criterion, self._forward,
-                                      self.device, self.after_backward)
-        value = None
+            loss, total = _accumulate(self.model, window, self.precision, self.criterion,
+                                      self._forward, self.device, self.after_backward)
         if check_finite:
-            value = loss.item()  # host sync (see train_window)
-            nonfinite = not math.isfinite(value)
-            if self.agree is not None:
-                nonfinite = self.agree(nonfinite)
-            if nonfinite:
-                drop_gradients(optimizer)
-                return StepResult(loss, None, False, total, False, value)
-        finite_flag = None
-        found_inf = guard_finite and not check_finite and self._fused
-        if guard_finite and not check_finite:
-            finite_flag = _drop_nonfinite_gradients(optimizer, loss, self.agree, found_inf)
-        grad_norm = None
-        if self.clip_val is not None:
-            grad_norm = self._clip()
-        if found_inf:
-            _found_inf_step(optimizer, finite_flag)
-            stepped = True
-        elif self._plain:
-            optimizer.step()
+            return self._checked_on_host(loss, total)
+        if guard_finite:
+            return self._checked_on_device(loss, total)
+        return self._update(loss, total)
+
+    def _backward_one(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """Forward and backward of a window of one batch: its loss (detached) and samples."""
+        if type(batch) in _FLAT and batch and type(batch[0]) is torch.Tensor:  # (x, y)
+            total = batch[0].shape[0]
+            for item in batch:  # already on the device (a CPU run's, a prefetcher's)?
+                if not isinstance(item, torch.Tensor) or item.device != self.device:
+                    batch = move_to_device(batch, self.device)
+                    break
+        else:
+            total = batch_size(batch)
+            batch = move_to_device(batch, self.device)
+        if self._plain:
+            result = self.forward(self.model, batch)
+            # inline, not self._forward: the common path pays one len(), not a call
+            outputs, targets = result if len(result) == 2 else self._forward.split(result)
+            loss = self.criterion(outputs, targets)
+            loss.backward()
+        else:
+            loss = _loss(self.model, batch, self.precision, self.criterion, self._forward)
+            self.precision.backward(loss)
+        # in place when allowed (a view cannot be): no new tensor a step
+        loss = loss.detach_() if loss._base is None else loss.detach()
+        if self.after_backward is not None:
+            self.after_backward(True)
+        return loss, total
+
+    def _checked_on_host(self, loss: torch.Tensor, total: int) -> StepResult:
+        """The step, skipped when the loss read on the host (a sync) is NaN/inf on any rank."""
+        value = loss.item()  # host sync (see train_window)
+        nonfinite = not math.isfinite(value)
+        if self.agree is not None:
+            nonfinite = self.agree(nonfinite)
+        if nonfinite:
+            drop_gradients(self.optimizer)
+            return StepResult(loss, None, False, total, False, value)
+        return self._update(loss, total, value)
+
+    def _checked_on_device(self, loss: torch.Tensor, total: int) -> StepResult:
+        """The step with a NaN/inf loss's gradients dropped on the device (no host read): a
+        fused optimizer skips its update on the flag; others step on zeroed gradients."""
+        flag = _drop_nonfinite_gradients(self.optimizer, loss, self.agree, self._fused)
+        if not self._fused:
+            return self._update(loss, total, finite_flag=flag)
+        grad_norm = self._clip() if self.clip_val is not None else None
+        _found_inf_step(self.optimizer, flag)
+        drop_gradients(self.optimizer)
+        return StepResult(loss, grad_norm, True, total, True, None, flag)
+
+    def _update(self, loss: torch.Tensor, total: int, value: float | None = None,
+                finite_flag: torch.Tensor | None = None) -> StepResult:
+        """Clip, step the optimizer (through the loss scaler, which may skip), drop gradients."""
+        grad_norm = self._clip() if self.clip_val is not None else None
+        if self._plain:
+            self.optimizer.step()
             stepped = True
         else:
-            stepped = precision.step(optimizer)
-        drop_gradients(optimizer)
+            stepped = self.precision.step(self.optimizer)
+        drop_gradients(self.optimizer)
         return StepResult(loss, grad_norm, stepped, total, True, value, finite_flag)
 
     def wrap_forward_once(self, wrap: Callable[[Forward], Forward]) -> None:
