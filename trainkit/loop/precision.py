@@ -214,7 +214,7 @@ def choose_precision(hardware: Hardware) -> tuple[str, str]:
 
     ``bf16-mixed`` on CUDA GPUs with native bf16 (compute capability 8.0+, ROCm), ``16-mixed``
     on older ones; ``32`` on MPS; on a CPU ``bf16-mixed`` only with native bf16 (:func:`cpu_bf16`):
-    elsewhere autocast emulates it, several times slower than ``32``.
+    elsewhere autocast emulates it, slower than ``32``.
 
     Example:
         >>> choose_precision(Hardware("cuda", (7, 5)))

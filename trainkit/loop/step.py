@@ -286,8 +286,8 @@ def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer.zero_grad(set_to_none=True)``: each parameter's ``.grad`` set to None.
 
     By hand, as torch's does it without its profiler range and dynamo wrapper: kept because
-    ``benchmarks/overhead.py`` shows it pays (~6% of a tiny model's step; benchmarks/README.md).
-    An optimizer class with a ``zero_grad`` of its own has it called.
+    ``python -m benchmarks.overhead`` shows it pays (benchmarks/README.md). An optimizer class
+    with a ``zero_grad`` of its own has it called.
     """
     if type(optimizer).zero_grad is not _TORCH_ZERO_GRAD:
         optimizer.zero_grad(set_to_none=True)

@@ -50,11 +50,9 @@ def seconds_since_process_start() -> float:
     """Seconds since this process started: interpreter, imports and set-up included, as ``time``
     would count them.
 
-    On Linux from the kernel's own record, 10 ms resolution: the process's start in clock ticks
-    since boot (``/proc/self/stat``) against ``CLOCK_BOOTTIME``. psutil's ``create_time()`` adds
-    that to the boot time, which the kernel gives in whole seconds, so the difference with
-    ``time.time()`` is up to 1 s too large (measured 1.04 s for 0.05 s on this project's machine).
-    Elsewhere psutil's figure.
+    On Linux the process's start in clock ticks since boot (``/proc/self/stat``) against
+    ``CLOCK_BOOTTIME``: psutil's ``create_time()`` adds a boot time in whole seconds, so its
+    difference with ``time.time()`` can be off by up to a second. Elsewhere psutil's figure.
     """
     try:
         with open("/proc/self/stat") as stat:  # field 22, starttime: after "pid (comm)", 20th
@@ -68,9 +66,9 @@ def seconds_since_process_start() -> float:
 def rss_bytes() -> int:
     """This process's resident memory, the figure psutil's ``memory_info().rss`` gives.
 
-    On Linux one ``pread`` of ``/proc/<pid>/statm``, kept open (a fork opens its own): at a log
-    step psutil's Python code is cold in the CPU caches, and this is ~5x quicker
-    (benchmarks/README.md). psutil elsewhere.
+    On Linux one ``pread`` of ``/proc/<pid>/statm``, kept open (a fork opens its own), quicker
+    than psutil's code, cold in the CPU caches at a log step (benchmarks/README.md). psutil
+    elsewhere.
     """
     pid = os.getpid()
     fd = _statm.get(pid)
