@@ -1,16 +1,12 @@
 """Checkpoints written on a background thread: the loop waits only for a copy of the state.
 
-A save first copies every tensor of the state to CPU memory of its own (the snapshot: the loop
-may change the weights the moment it goes on), then a thread writes the copy through
-:class:`~trainkit.checkpoint.files.CheckpointManager`, with the same atomic, fsynced steps as a
-synchronous save (or :class:`~trainkit.checkpoint.remote.RemoteCheckpoints`: the same upload
-and commit record). One write is in flight at a time: the next save waits for the previous one.
-A failed write is reported by the next :meth:`AsyncCheckpointWriter.save` or
-:meth:`~AsyncCheckpointWriter.wait`, and, like a failed synchronous save, leaves every earlier
-checkpoint as it was.
-
-The price is host memory for one more copy of the state (pinned when the state is on a GPU),
-kept for the run so that each save copies into it instead of allocating.
+A save copies every tensor to CPU memory of its own (the loop may change the weights the moment
+it goes on), then a thread writes the copy with the same atomic steps as a synchronous save
+(:class:`~trainkit.checkpoint.files.CheckpointManager` or
+:class:`~trainkit.checkpoint.remote.RemoteCheckpoints`), one write in flight at a time. A failed
+write is raised by the next :meth:`~AsyncCheckpointWriter.save` or
+:meth:`~AsyncCheckpointWriter.wait` and leaves every earlier checkpoint as it was. The price:
+host memory for one more copy.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """The Checkpointer: what a checkpoint holds, when one is written, and what a run starts from.
 
-The loop registers the stateful parts once (:meth:`Checkpointer.register`); each is asked for
-its ``state_dict()`` at every save. Afterwards the loop only says what happened -- a step
-was done (:meth:`~Checkpointer.step_done`), an evaluation gave results
-(:meth:`~Checkpointer.evaluated`), the run stops or ends (:meth:`~Checkpointer.save`) -- and
-the Checkpointer decides whether to write. How and where is its storage's business
-(:mod:`~trainkit.checkpoint.storages`), chosen when the parts are registered: ``.pt`` files
-(atomic, rotated, with ``checkpoint.async_save`` written on a background thread), or for a
-model sharded by FSDP2 directories written by every rank and read onto any number of ranks.
-
-Where a run starts (:meth:`~Checkpointer.start`):
-
-* ``checkpoint.resume`` (``auto``: the newest valid checkpoint of this run dir; or a path)
-  restores everything. When the run now takes more steps than the checkpoint's run was planned
-  for (a larger ``trainer.max_steps``/``max_epochs``: an extended run), the LR schedule is
-  re-planned over the new length and continues from the step it had reached, with a warning.
-* Otherwise ``checkpoint.init_from`` (a checkpoint file) loads its model weights (and its EMA
-  weights when this run keeps an EMA) into a fresh run: new optimizer, schedule and counters.
+The loop registers the stateful parts once (:meth:`Checkpointer.register`) and then only says
+what happened -- a step was done (:meth:`~Checkpointer.step_done`), an evaluation gave results
+(:meth:`~Checkpointer.evaluated`), the run stops or ends (:meth:`~Checkpointer.save`); the
+Checkpointer decides whether to write, and its storage (:mod:`~trainkit.checkpoint.storages`)
+how and where. :meth:`~Checkpointer.start` decides where a run starts: ``checkpoint.resume``
+restores everything (an extended run re-plans its LR schedule over the new length, with a
+warning), else ``checkpoint.init_from`` loads a checkpoint's weights into a fresh run.
 """
 
 from __future__ import annotations

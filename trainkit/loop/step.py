@@ -106,23 +106,13 @@ def train_window(
 ) -> StepResult:
     """Forward/backward every micro-batch of ``window``, then one (possibly skipped) step.
 
-    Each micro-batch's mean loss is weighted by its share of the window's samples, so k batches
-    of b give the same gradient as one batch of k*b, and a short last window (end of epoch) is
-    the mean over the samples it has, not divided by the full window size.
-
-    With ``check_finite``, a NaN or inf loss skips the optimizer step (``finite=False``). The check
-    reads the loss on the host: free on the CPU, one sync per step on a GPU (fp16 syncs on its
-    overflow flag every step anyway). Under DDP pass ``agree``: given this rank's "loss is NaN/inf",
-    it returns whether any rank's is, so all ranks skip together (the all-reduce already mixed the
-    bad gradients into every rank's); :class:`~trainkit.distributed.group.StepVote` provides one.
-
-    ``guard_finite`` is the same check without the host read: on a NaN or inf loss the window's
-    gradients are set to zero on the device and the optimizer step runs on them (plain SGD: no
-    change; momentum, Adam's moments and weight decay still move the weights about as far as a
-    normal step, never by a bad gradient). ``finite_flag`` says which it was, unread; ``agree``
-    then takes and returns a tensor.
-
-    A loop that steps many times binds these arguments once in a :class:`WindowStep`.
+    Each micro-batch's loss is weighted by its share of the window's samples: k batches of b give
+    the gradient of one batch of k*b, and a short last window the mean over what it has.
+    ``check_finite`` reads the loss on the host (a sync on a GPU) and skips a NaN/inf step
+    (``finite=False``); ``guard_finite`` checks on the device instead: a bad window's gradients
+    are zeroed (or a fused optimizer skips on the flag) and ``finite_flag`` says which, unread.
+    Under DDP ``agree`` turns this rank's verdict into "any rank's" (a
+    :class:`~trainkit.distributed.group.StepVote`), so all ranks skip together.
     """
     return WindowStep(model, optimizer=optimizer, precision=precision, criterion=criterion,
                       forward=forward, device=device, clip_val=clip_val,
@@ -133,14 +123,10 @@ def train_window(
 class WindowStep:
     """:func:`train_window` with the arguments that hold for a whole fit bound once.
 
-    A ``forward`` may return a third item, ``{name: scalar}`` (0-d tensors or numbers): each
-    is added, unread, to the mean of that name in :attr:`scalars` (a
-    :class:`~trainkit.observe.metrics.DeviceMean` per name; the Trainer logs them as
+    What cannot change during a fit (autocast, loss scaling, clipping) is decided here, not per
+    step. A ``forward`` may return a third item, ``{name: scalar}``: each is added, unread, to
+    that name's :class:`~trainkit.observe.metrics.DeviceMean` in :attr:`scalars` (logged as
     ``train/<name>``).
-
-    A loop calls it every step with the window and the checks that step needs. What cannot change
-    during a fit (whether the precision autocasts or scales the loss, the gradient clipping) is
-    decided here, so a small model's step does not spend its microseconds on it.
 
     Example:
         >>> step = WindowStep(model, optimizer=optimizer, precision=Precision("32"),

@@ -1,20 +1,12 @@
 """The training loop, assembled from trainkit's parts.
 
-``global_step`` counts optimizer steps attempted: one per accumulation window, including the
-rare steps that are skipped -- fp16 steps whose gradients overflowed and steps whose loss was NaN
-or inf. Skipped steps are counted in ``skipped_steps`` and do not advance the LR scheduler or the
-EMA. ``trainer.max_steps`` therefore bounds the data consumed, and a checkpoint's step number
-always names the same position in the data.
-
-The loop runs the steps and says what happened; its parts decide: the
-:class:`~trainkit.checkpoint.checkpointer.Checkpointer` about checkpoints (and where the run
-starts), the :class:`~trainkit.loop.evaluation.EvalSchedule` and the
-:class:`~trainkit.observe.schedule.LogSchedule` which steps evaluate and log, the
-:class:`~trainkit.distributed.group.StepVote` what the ranks agree on, the
-:class:`~trainkit.loop.nonfinite.NonFiniteGuard` about NaN/inf losses, the
-:class:`~trainkit.loop.spike.SpikeGuard` about loss spikes (``trainer.spike``), the strategy
-(:mod:`trainkit.distributed.strategy`) how the model is placed, and the
-:class:`~trainkit.loop.run_report.RunReport` how the run ends.
+``global_step`` counts optimizer steps attempted, skipped ones (fp16 overflow, NaN/inf loss)
+included: they count in ``skipped_steps`` and advance neither the LR scheduler nor the EMA, so a
+step number always names the same position in the data. The loop runs the steps and says what
+happened; its parts decide: the Checkpointer about checkpoints and where the run starts, the
+EvalSchedule and LogSchedule which steps evaluate and log, the StepVote what the ranks agree on,
+the NonFiniteGuard and SpikeGuard about bad losses, the strategy how the model is placed, the
+RunReport how the run ends (docs/architecture.md, "The path of one step").
 """
 
 from __future__ import annotations
