@@ -99,14 +99,9 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, runti
                 precision: str = "32") -> nn.Module:
     """``fully_shard`` the named blocks (or :func:`default_blocks`), then the root.
 
-    Every rank starts from rank 0's weights (broadcast first, as DDP does). ``fully_shard``
-    replaces the parameters by sharded ones, so the ``optimizer`` (built on the model's
-    parameters, with no state yet) is pointed at them. Joins a 1-rank process group when none is
-    up (one process). The model is sharded in place and returned.
-
-    Under mixed precision the norm layers that keep running statistics (batch-norm) are units of
-    their own that stay in float32 (:func:`float32_norms`), as FSDP1's ``MixedPrecision`` and
-    the common recipes keep them.
+    Every rank starts from rank 0's weights (broadcast first, as DDP does); the ``optimizer`` is
+    pointed at the sharded parameters; a 1-rank group is joined when none is up. Under mixed
+    precision batch-norm layers are float32 units of their own (:func:`float32_norms`).
 
     Args:
         model: the model, on ``runtime.device``, its parameters contiguous (``fully_shard``
@@ -177,13 +172,10 @@ def float32_norms(model: nn.Module, blocks: Sequence[str] = ()) -> list[str]:
 def compile_units(model: nn.Module) -> tuple[list[str], list[str]]:
     """``torch.compile`` each FSDP unit's forward in place: ``(compiled, left eager)`` paths.
 
-    Compiling the sharded model as a whole compiles nothing: FSDP2's all-gather hooks are
-    excluded from tracing (``torch._dynamo.disable``), and the graph break they leave in
-    ``Module.__call__`` leaves every forward behind it eager. Compiled per unit (as torchtitan
-    compiles each block), the hooks run eagerly around each compiled forward; a unit's forward
-    breaks its graph where it calls an inner unit. A unit that is one layer (no submodules:
-    a Conv2d block, a float32 norm) is left eager: there is nothing to fuse in one op. The
-    forward is patched (as activation checkpointing patches it): parameter names do not change.
+    Compiling the sharded model whole compiles nothing (FSDP2's hooks are excluded from tracing and
+    the graph break leaves every forward eager); per unit, as torchtitan does, the hooks run around
+    each compiled forward. One-layer units have nothing to fuse and stay eager. The forward is
+    patched, so parameter names do not change.
     """
     compiled: dict[Any, Any] = {}
     done, eager = [], []

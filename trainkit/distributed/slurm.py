@@ -33,11 +33,9 @@ def export_torch_env(environ: MutableMapping[str, str] | None = None) -> bool:
     """Under ``srun`` (or a submitit job) without torchrun, set torchrun's variables from
     SLURM's (submitit's); True when set.
 
-    Variables already set (``MASTER_ADDR`` or ``MASTER_PORT`` of your own) are kept. A no-op
-    outside SLURM and under torchrun. Call it before :meth:`Runtime.from_env` (the entry point
-    does, first thing). In a job of Hydra's submitit launcher (``SUBMITIT_EXECUTOR`` set, local
-    or SLURM), the ranks are submitit's ``JobEnvironment``'s: ``tasks_per_node`` tasks on
-    ``nodes`` nodes make one DDP group.
+    Variables already set are kept; a no-op outside SLURM and under torchrun. Call it before
+    :meth:`Runtime.from_env` (the entry point does). Under Hydra's submitit launcher the ranks are
+    submitit's ``JobEnvironment``'s.
 
     Raises:
         TrainkitError: a node list or task count that cannot be read.

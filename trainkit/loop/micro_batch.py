@@ -63,12 +63,9 @@ def micro_batched(step: WindowStep, config: Any, state: Any, model: Any,
 class MicroBatching:
     """A :class:`WindowStep` whose batches are split into micro-batches, retried on OOM in auto.
 
-    In auto, an out-of-memory error in a forward or backward retries the step with half the
-    micro-batch, as does one in clipping in a single process (the loss scaler's state of the
-    step is reset with the gradients). One inside ``optimizer.step`` is not retried: the
-    optimizer may have updated part of its state, and a smaller micro-batch does not shrink a
-    step's memory; nor, under DDP, one after the last backward (the other ranks may have
-    stepped): a vote at the step's end ends the run on every rank with the out-of-memory report.
+    In auto, an out-of-memory error in a forward, a backward or (in one process) clipping retries
+    the step with half the micro-batch. One in ``optimizer.step``, or under DDP after the last
+    backward, is not retried (the optimizer or other ranks may have moved on): it ends the run.
 
     Args:
         step: the step to run on the split windows.

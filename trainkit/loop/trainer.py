@@ -126,12 +126,10 @@ class Trainer:
         """Train until ``max_epochs`` or ``max_steps`` (or a stop), evaluating on ``val_data``
         with the torchmetrics ``metrics`` (as ``val/<name>``); return the run's summary.
 
-        ``train_data``: batches with a length; a :class:`~trainkit.data.ResumableData` resumes
-        mid-epoch. ``forward(model, batch)`` returns ``(outputs, targets)``, optionally with a
-        third item ``{name: scalar}`` logged as ``train/<name>``. A signal stops the run after
-        the current step with a checkpoint (``status: "preempted"``), as ``stop_at_step`` does;
-        a re-run of a completed run returns its summary and trains nothing. docs/training.md
-        has the details (seeding, signals, resuming).
+        ``train_data`` has a length (a :class:`~trainkit.data.ResumableData` resumes mid-epoch);
+        ``forward(model, batch)`` returns ``(outputs, targets)``, optionally with ``{name: scalar}``
+        logged as ``train/<name>``. A signal, like ``stop_at_step``, stops the run after the current
+        step with a checkpoint; a re-run of a completed run trains nothing (docs/training.md).
 
         Raises:
             NonFiniteLossError: ``trainer.nonfinite_patience`` NaN/inf losses in a row.
