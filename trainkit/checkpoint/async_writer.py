@@ -53,12 +53,10 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
 def wait_for_copies(devices: set[torch.device]) -> None:
     """Block until the copies queued on each of ``devices`` so far have landed.
 
-    A device-to-host copy runs on the current stream of the tensor's own GPU, whichever device
-    is current (ATen's copy_kernel_cuda guards to the source device), so an event recorded on
-    that stream after the copies covers them. Not ``torch.cuda.synchronize()``: without a
-    device it waits for the *current* one, cuda:0 unless set, and a run on cuda:1 would hand
-    the writer thread a half-copied snapshot; and unlike a device-wide synchronise, the event
-    does not wait for other streams' work (the prefetcher's next batch).
+    An event recorded on each source GPU's current stream (where its device-to-host copies run)
+    covers them. Not ``torch.cuda.synchronize()``: without a device it waits for the current one
+    (cuda:0 unless set, so a run on cuda:1 would hand over a half-copied snapshot), and it would
+    wait for other streams' work too (the prefetcher's next batch).
     """
     for device in devices:
         done = torch.cuda.Event()

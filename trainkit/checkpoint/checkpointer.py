@@ -324,11 +324,9 @@ class Checkpointer:
              again: bool = False) -> None:
         """Write a checkpoint of step ``step`` (every rank calls this; rank 0 writes).
 
-        ``last_step``: the run completed (written when ``checkpoint.save_last``, as
-        ``step_<N>.pt`` too when saving every n steps); ``best``: ``best.pt`` too (and
-        ``step_<N>.pt`` when ``every_n_steps`` saves this step: the evaluation comes first). A
-        second save of the same step is skipped (a periodic save on the last step, say), unless
-        ``best`` or ``again`` (the state changed since: the run stops by request).
+        ``last_step``: the run completed (written when ``checkpoint.save_last``); ``best``:
+        ``best.pt`` too. A second save of the same step is skipped unless ``best`` or ``again`` (the
+        state changed since: the run stops by request).
         """
         if ((self.saved_step == step and not (best or again))
                 or (last_step and not self.config.save_last)):

@@ -1,14 +1,10 @@
 """Fully sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``) for training.
 
-Under ``trainer.strategy=fsdp`` each rank keeps only its shard (1/world_size) of every weight,
-gradient and optimizer state; a block's full weights exist only while it runs (all-gathered
-before its forward and backward, freed after). :func:`shard_model` applies ``fully_shard`` to the
-blocks ``trainer.fsdp_blocks`` names (or the default ones, :func:`default_blocks`), then to the
-root, and points the optimizer at the sharded parameters.
-
-Order of the wrappers (as torchtitan does): activation checkpointing first, then
-``fully_shard``, ``torch.compile`` last. FSDP2 keeps the parameter names, so
-``ddp.unwrap(model).state_dict()`` has the usual keys, as DTensors.
+Under ``trainer.strategy=fsdp`` each rank keeps 1/world_size of every weight, gradient and
+optimizer state; a block's full weights exist only while it runs. :func:`shard_model` shards the
+``trainer.fsdp_blocks`` (or :func:`default_blocks`), then the root. The wrappers go as in
+torchtitan: activation checkpointing, ``fully_shard``, ``torch.compile`` last; parameter names
+stay, so ``ddp.unwrap(model).state_dict()`` has the usual keys, as DTensors.
 """
 
 from __future__ import annotations
@@ -156,12 +152,9 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, runti
 def float32_norms(model: nn.Module, blocks: Sequence[str] = ()) -> list[str]:
     """Modules to shard as float32 units of their own under mixed precision: norm layers.
 
-    FSDP's ``MixedPrecisionPolicy`` casts parameters, never buffers, so a layer that feeds both
-    to one op -- batch-norm's bf16 weight and float32 running statistics -- fails ("expected
-    scalar type BFloat16 but found Float"). The rule: a module with parameters and
-    floating-point buffers of its own (batch-norm, instance-norm with running stats). In float32
-    it takes low-precision inputs as autocast hands them and returns them in that precision.
-    Named ``blocks`` are left to their own policy.
+    FSDP's ``MixedPrecisionPolicy`` casts parameters, never buffers, so batch-norm's bf16 weight
+    beside its float32 running statistics fails. The rule: a module with parameters and
+    floating-point buffers of its own; named ``blocks`` keep their own policy.
     """
     return [name for name, module in model.named_modules()
             if name and name not in blocks

@@ -50,10 +50,9 @@ def barrier(process_group: Any = None) -> None:
     """Wait for every rank (of ``process_group``, default all), on the CPU through gloo; nothing
     to wait for in a single process.
 
-    Not ``dist.barrier``: on a group bound to a GPU (``device_id``, as :func:`init_process_group`
-    binds it) torch runs its barrier through NCCL, an all-reduce queued behind the GPU's work
-    that the host then waits for -- a drain of the GPU's queue at every checkpoint barrier. A
-    one-byte all-reduce of a CPU tensor goes through gloo and waits for the ranks only.
+    Not ``dist.barrier``: on a group bound to a GPU it runs through NCCL, queued behind the GPU's
+    work, and drains the GPU's queue at every checkpoint barrier; a CPU all-reduce waits for the
+    ranks only.
     """
     if dist.is_available() and dist.is_initialized():
         on = process_group if process_group is not None else _cpu_group()
@@ -177,12 +176,9 @@ def leave_at_exit() -> None:
 def _store_barrier(store: dist.Store, wait_s: float | None = None) -> None:
     """Wait for every rank in the job's key-value store rather than with a gloo collective.
 
-    A gloo barrier holds the collectives still in flight when it starts (the last all-gather of
-    the run, say) and one of gloo's worker threads frees them after the barrier has returned.
-    Where the group outlives ``destroy_process_group`` (FSDP's device mesh keeps it, in torch's
-    DTensor caches), that thread can still be freeing tensors when the interpreter exits: it
-    then needs the GIL of a finalizing interpreter and the process aborts ("terminate called
-    without an active exception", exit -6) after a run that finished. The store holds nothing.
+    A gloo barrier leaves tensors of collectives in flight to a worker thread that frees them
+    later; where the group outlives ``destroy_process_group`` (FSDP's device mesh), that thread can
+    still run as the interpreter finalizes and abort a finished process (exit -6).
     """
     key = f"{_attempt_prefix()}/shutdown_{next(_shutdowns)}"
     if store.add(key, 1) == dist.get_world_size():

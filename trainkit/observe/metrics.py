@@ -31,10 +31,8 @@ def startup_seconds(fit_started: float) -> tuple[float | None, float]:
     """``(startup_s, setup_s)`` as a fit's first step is about to run.
 
     ``setup_s``: this fit's own set-up, from ``fit_started`` (a ``perf_counter`` reading).
-    ``startup_s``: seconds since the process started -- only for the first fit of a process that
-    runs a program (the entry point, a script, ``python -c``), where that is the user's wait for
-    the first step; None for a later fit in the same process or in an interactive session (a
-    notebook's kernel, IPython, the REPL), where it would count the whole session.
+    ``startup_s``: seconds since the process started, only for a program's first fit, where that is
+    the user's wait; None for a later fit or an interactive session (it would count the session).
     """
     setup_s = time.perf_counter() - fit_started
     pid = os.getpid()
@@ -89,11 +87,9 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 class DeviceMean:
     """Mean of scalar tensors without a host sync per value: one sync when it is read.
 
-    Values are kept as tensors and folded into one every ``fold_every``, so rare logging does not
-    hold a tensor per step, and adding a value costs no device op. Plain floats (values already
-    read on the host) are summed on the host. A value added with a ``keep`` flag (a 0-d bool
-    tensor, unread) counts only where the flag is true: the mean of the finite losses, say, when
-    which were finite is known only on the device.
+    Values are folded into one tensor every ``fold_every`` (rare logging holds no tensor per step);
+    floats already read are summed on the host. A value added with a ``keep`` flag (a 0-d bool
+    tensor, unread) counts only where it is true: the mean of the finite losses, say.
     """
 
     def __init__(self, fold_every: int = 256) -> None:
