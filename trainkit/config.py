@@ -61,12 +61,10 @@ class ProfileConfig:
 class SpikeConfig:
     """``trainer.spike``: roll back to the last good state on a loss spike (loop/spike.py).
 
-    A spike: a training loss above the mean + ``threshold`` standard deviations of the last
-    ``window`` finite losses (once ``warmup`` losses were seen), or ``max_nonfinite`` NaN/inf
-    losses in a row. The run then goes back to its in-memory snapshot (taken every
-    ``snapshot_every`` steps), skips the batches since, trains ``lr_steps`` steps at the LR
-    times ``lr_factor``, and goes on; a spike beyond ``max_rollbacks`` rollbacks within
-    ``rollback_window`` steps stops the run (status ``diverged``).
+    A spike: a loss above the mean + ``threshold`` standard deviations of the last ``window``
+    finite ones (after ``warmup``), or ``max_nonfinite`` NaN/inf in a row. The run goes back to its
+    snapshot (every ``snapshot_every`` steps), trains ``lr_steps`` steps at ``lr_factor`` times the
+    LR, and stops (``diverged``) after ``max_rollbacks`` within ``rollback_window`` steps.
     """
 
     enabled: bool = False

@@ -1,16 +1,12 @@
 """Checkpoints written on a background thread: the loop waits only for a copy of the state.
 
-A save first copies every tensor of the state to CPU memory of its own (the snapshot: the loop
-may change the weights the moment it goes on), then a thread writes the copy through
-:class:`~trainkit.checkpoint.files.CheckpointManager`, with the same atomic, fsynced steps as a
-synchronous save (or :class:`~trainkit.checkpoint.remote.RemoteCheckpoints`: the same upload
-and commit record). One write is in flight at a time: the next save waits for the previous one.
-A failed write is reported by the next :meth:`AsyncCheckpointWriter.save` or
-:meth:`~AsyncCheckpointWriter.wait`, and, like a failed synchronous save, leaves every earlier
-checkpoint as it was.
-
-The price is host memory for one more copy of the state (pinned when the state is on a GPU),
-kept for the run so that each save copies into it instead of allocating.
+A save copies every tensor to CPU memory of its own (the loop may change the weights the moment
+it goes on), then a thread writes the copy with the same atomic steps as a synchronous save
+(:class:`~trainkit.checkpoint.files.CheckpointManager` or
+:class:`~trainkit.checkpoint.remote.RemoteCheckpoints`), one write in flight at a time. A failed
+write is raised by the next :meth:`~AsyncCheckpointWriter.save` or
+:meth:`~AsyncCheckpointWriter.wait` and leaves every earlier checkpoint as it was. The price:
+host memory for one more copy.
 """
 
 from __future__ import annotations
@@ -33,9 +29,9 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
     """A copy of ``state`` whose tensors are CPU tensors of their own (dicts, lists, tuples copied).
 
     ``reuse``: an earlier snapshot no longer needed; its tensors that match in shape, dtype and
-    strides are written into instead of allocated (4x faster on the CPU here, and for
-    CUDA tensors the pinned memory they land in is allocated once). CUDA tensors are copied
-    without waiting for each one, then each GPU that held some is waited for once.
+    strides are written into instead of allocated (no new memory per save; for CUDA tensors
+    the pinned memory is allocated once). CUDA tensors are copied without waiting for each
+    one, then each GPU that held some is waited for once.
     """
     from_cuda: set[torch.device] = set()
     olds = {path: t for path, t in tree_leaves(reuse) if isinstance(t, torch.Tensor)}
@@ -57,12 +53,10 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
 def wait_for_copies(devices: set[torch.device]) -> None:
     """Block until the copies queued on each of ``devices`` so far have landed.
 
-    A device-to-host copy runs on the current stream of the tensor's own GPU, whichever device
-    is current (ATen's copy_kernel_cuda guards to the source device), so an event recorded on
-    that stream after the copies covers them. Not ``torch.cuda.synchronize()``: without a
-    device it waits for the *current* one, cuda:0 unless set, and a run on cuda:1 would hand
-    the writer thread a half-copied snapshot; and unlike a device-wide synchronise, the event
-    does not wait for other streams' work (the prefetcher's next batch).
+    An event recorded on each source GPU's current stream (where its device-to-host copies run)
+    covers them. Not ``torch.cuda.synchronize()``: without a device it waits for the current one
+    (cuda:0 unless set, so a run on cuda:1 would hand over a half-copied snapshot), and it would
+    wait for other streams' work too (the prefetcher's next batch).
     """
     for device in devices:
         done = torch.cuda.Event()

@@ -1,22 +1,12 @@
 """The Checkpointer: what a checkpoint holds, when one is written, and what a run starts from.
 
-The loop registers the stateful parts once (:meth:`Checkpointer.register`); each is asked for
-its ``state_dict()`` at every save. Afterwards the loop only says what happened -- a step
-was done (:meth:`~Checkpointer.step_done`), an evaluation gave results
-(:meth:`~Checkpointer.evaluated`), the run stops or ends (:meth:`~Checkpointer.save`) -- and
-the Checkpointer decides whether to write. How and where is its storage's business
-(:mod:`~trainkit.checkpoint.storages`), chosen when the parts are registered: ``.pt`` files
-(atomic, rotated, with ``checkpoint.async_save`` written on a background thread), or for a
-model sharded by FSDP2 directories written by every rank and read onto any number of ranks.
-
-Where a run starts (:meth:`~Checkpointer.start`):
-
-* ``checkpoint.resume`` (``auto``: the newest valid checkpoint of this run dir; or a path)
-  restores everything. When the run now takes more steps than the checkpoint's run was planned
-  for (a larger ``trainer.max_steps``/``max_epochs``: an extended run), the LR schedule is
-  re-planned over the new length and continues from the step it had reached, with a warning.
-* Otherwise ``checkpoint.init_from`` (a checkpoint file) loads its model weights (and its EMA
-  weights when this run keeps an EMA) into a fresh run: new optimizer, schedule and counters.
+The loop registers the stateful parts once (:meth:`Checkpointer.register`) and then only says
+what happened -- a step was done (:meth:`~Checkpointer.step_done`), an evaluation gave results
+(:meth:`~Checkpointer.evaluated`), the run stops or ends (:meth:`~Checkpointer.save`); the
+Checkpointer decides whether to write, and its storage (:mod:`~trainkit.checkpoint.storages`)
+how and where. :meth:`~Checkpointer.start` decides where a run starts: ``checkpoint.resume``
+restores everything (an extended run re-plans its LR schedule over the new length, with a
+warning), else ``checkpoint.init_from`` loads a checkpoint's weights into a fresh run.
 """
 
 from __future__ import annotations
@@ -334,11 +324,9 @@ class Checkpointer:
              again: bool = False) -> None:
         """Write a checkpoint of step ``step`` (every rank calls this; rank 0 writes).
 
-        ``last_step``: the run completed (written when ``checkpoint.save_last``, as
-        ``step_<N>.pt`` too when saving every n steps); ``best``: ``best.pt`` too (and
-        ``step_<N>.pt`` when ``every_n_steps`` saves this step: the evaluation comes first). A
-        second save of the same step is skipped (a periodic save on the last step, say), unless
-        ``best`` or ``again`` (the state changed since: the run stops by request).
+        ``last_step``: the run completed (written when ``checkpoint.save_last``); ``best``:
+        ``best.pt`` too. A second save of the same step is skipped unless ``best`` or ``again`` (the
+        state changed since: the run stops by request).
         """
         if ((self.saved_step == step and not (best or again))
                 or (last_step and not self.config.save_last)):

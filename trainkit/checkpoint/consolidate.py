@@ -46,14 +46,10 @@ def load_full(path: str | Path, *, key: str = "checkpoint") -> dict[str, Any]:
 
 def consolidate(src: str | Path, out: str | Path, *, optimizer: bool = False) -> Path:
     """Write a sharded checkpoint as one plain file: ``model`` (the unwrapped model's
-    state_dict), ``global_step``, ``epoch``, and with ``optimizer`` the optimizer's state
-    (keyed by parameter name, as ``get_optimizer_state_dict`` gives it).
+    state_dict), ``global_step``, ``epoch``, and with ``optimizer`` the optimizer's state.
 
-    The file loads with ``torch.load(out, weights_only=True)``, and its ``model`` with
-    ``model.load_state_dict(..., strict=True)``. Nothing is written when ``src`` is not a
-    complete checkpoint directory.
-
-    ``src`` may be a commit record's URL (``s3://bucket/run/last.json``) of a sharded run.
+    The file loads with ``weights_only=True`` and its ``model`` with ``strict=True``. ``src`` may be
+    a commit record's URL (``s3://bucket/run/last.json``); an incomplete one writes nothing.
 
     Raises:
         TrainkitError: ``src`` is missing, incomplete or not a checkpoint; ``out`` is not writable.

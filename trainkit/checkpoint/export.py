@@ -1,16 +1,11 @@
 """A run's model weights for someone who does not use trainkit: a folder of one weights file
 and ``model.json``.
 
-* ``safetensors`` / ``pt``: the model's ``state_dict`` (no optimizer, no counters), for a user
-  who has the model's class: ``hydra.utils.instantiate(info["model"])`` rebuilds it from
-  ``model.json``, then ``load_state_dict``.
-* ``pt2``: a ``torch.export`` program of the model with the run's input normalisation in front:
-  it takes the uint8 images ``[N, C, H, W]`` the data holds, and runs with torch alone
-  (``torch.export.load(path).module()``), without the model's Python class.
-
-``model.json`` says what the weights are: the model's ``_target_`` and arguments, the class
-names, the input's mean/std and image size, which checkpoint and weights (EMA or raw), and the
-run's manifest (versions, git commit, config hash).
+``safetensors`` / ``pt`` hold the model's ``state_dict``, for a user with the model's class
+(``hydra.utils.instantiate(info["model"])`` rebuilds it); ``pt2`` is a ``torch.export`` program
+with the run's input normalisation in front, taking the data's uint8 images and running with
+torch alone. ``model.json`` says what the weights are: the model's ``_target_`` and arguments,
+class names, input mean/std and size, which checkpoint and weights, and the run's manifest.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Single-file checkpoints on object storage (any fsspec URL), where there is no rename.
 
-Inside ``checkpoint.dir`` (``s3://bucket/run``, ``gs://...``, ``memory://...``):
-
-* ``objects/<N>-<id>.pt`` -- a checkpoint's bytes (a ``torch.save`` file, as ``step_<N>.pt``
-  locally), uploaded whole under a name of its own that no reader takes for a checkpoint;
-* ``last.json``, ``best.json``, ``step_<N>.json`` -- commit records: a few lines of JSON naming
-  an object with its size and SHA-256. The names and the rotation are
-  :mod:`~trainkit.checkpoint.layout`'s with the suffix ``.json``.
-
-A save uploads the object, then writes ``last.json`` -- the commit -- then ``best.json`` and
-``step_<N>.json`` as asked, then removes the step records beyond ``keep_last`` and every object
-no record names (an old one, or one a save that died left uncommitted). A record is written
-with one PUT, which an object store makes visible whole or not at all; an object is read only
-through a record written after it was whole, and checked against the size and hash recorded.
-A kill at any moment therefore leaves ``last.json`` naming a complete checkpoint.
+``objects/<N>-<id>.pt`` holds a checkpoint's bytes under a name no reader takes for a
+checkpoint; ``last.json``, ``best.json``, ``step_<N>.json`` are commit records naming an object
+with its size and SHA-256 (the names and rotation are :mod:`~trainkit.checkpoint.layout`'s). A
+save uploads the object, then writes ``last.json`` -- the commit, one PUT: visible whole or not at
+all -- then the other records, then removes old records and every object no record names. An
+object is read only through a record and checked against it, so a kill at any moment leaves
+``last.json`` naming a complete checkpoint.
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """Sharded (FSDP, DCP) checkpoints on object storage (any fsspec URL), where there is no rename.
 
-Inside ``checkpoint.dir`` (``s3://bucket/run``), as :mod:`~trainkit.checkpoint.remote` keeps
-single files:
-
-* ``objects/<N>-<id>/`` -- a checkpoint's files: DCP's ``.metadata`` and ``__<rank>_0.distcp``
-  and trainkit's ``trainkit.pt`` (:mod:`~trainkit.checkpoint.sharded`), under a name of its own
-  that no reader takes for a checkpoint;
-* ``last.json``, ``best.json``, ``step_<N>.json`` -- commit records naming the object folder,
-  each of its files with its size, and which file is ``trainkit.pt``.
-
-How: DCP's public :class:`~torch.distributed.checkpoint.FileSystemWriter` writes each rank's part
-into a local staging folder of that rank (rank 0's gets ``.metadata`` once every rank's part is
-written), each rank uploads its own files with fsspec, a barrier, and only then rank 0 writes
+As :mod:`~trainkit.checkpoint.remote` keeps single files: ``objects/<N>-<id>/`` holds one
+checkpoint's files (DCP's and ``trainkit.pt``) under a name no reader takes for a checkpoint, and
+``last.json``, ``best.json``, ``step_<N>.json`` are commit records naming the folder and each
+file with its size. Each rank writes its part with DCP's public ``FileSystemWriter`` into a local
+staging folder (torch exports no fsspec writer: DCP's writer, planner and metadata stay as on a
+disk, at the price of one local copy) and uploads it; after a barrier rank 0 writes
 ``last.json`` -- the commit -- then the other records, then removes what no record names.
-Staging locally rather than a StorageWriter over fsspec keeps DCP's writer, planner and metadata
-as they are on a disk (torch exports no fsspec writer); the price is one local copy per rank.
-Reading downloads a checkpoint's files whole into a local folder and reads it there (any number
-of ranks, as on a disk): each rank fetches every file, since a resharded load may need any.
-
-With ``async_save`` the same steps run in the background: DCP's ``async_save`` copies the
-tensors and writes the staging folder on its thread (collectives on a gloo group of the
-checkpoint's own), then a thread of each rank uploads its files and joins a vote on that group
-(every rank uploaded whole), after which rank 0 writes the records. The loop waits only for the
-copy; the next save, :meth:`~RemoteShardedCheckpoints.wait` or the run's end waits for the
-rest and raises a failure there. A kill at any moment still leaves the last commit whole.
+Reading downloads every file of a checkpoint (a resharded load may need any) and reads locally.
+With ``async_save`` the same steps run in the background: DCP's ``async_save`` writes the staging
+folder on its thread, then a thread of each rank uploads its files and joins a vote on the
+checkpoint's own gloo group (every rank uploaded whole) before rank 0 writes the records. The
+loop waits only for the copy; a kill at any moment still leaves the last commit whole.
 """
 
 from __future__ import annotations

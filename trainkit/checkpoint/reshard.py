@@ -111,12 +111,9 @@ def carry_over(meta: Mapping[str, Any], state: Any, *, rank: int, world_size: in
                batch_size: int | None, batches_per_epoch: int | None) -> str:
     """Restore the RNG and fix the data position for this world size; words for the log line.
 
-    Same world size: each rank gets its own saved RNG state; the position is exact. Another
-    world size: the loop resumes at the same *global* sample position of the epoch (the ranks'
-    shards interleave one permutation, so the samples before it are the ones already trained
-    on), rounded down to a whole batch of the new world size -- the next epoch if none of it is
-    left; and each rank's generators are reseeded from its start seed (``trainer.seed`` mixed
-    with the rank) and the step.
+    Same world size: each rank's own RNG state, the exact position. Another: the same global
+    sample position of the epoch (the ranks' shards interleave one permutation), rounded down to a
+    whole batch of the new world size, and each rank's generators reseeded from its seed and step.
     """
     saved = int(meta.get("world_size") or 1)
     if saved == world_size:

@@ -1,24 +1,13 @@
 """Sharded checkpoints of FSDP2 runs: one directory per save, every rank writing its own part.
 
-Layout inside ``<run>/checkpoints`` (see docs/distributed.md, "What a checkpoint directory
-holds"):
-
-* ``step_<N>/`` -- a complete checkpoint: DCP's shard files (``__<rank>_0.distcp``) and its
-  ``.metadata`` for the model, optimizer and EMA weights (keyed by parameter name, so they can
-  be resharded onto another number of ranks), and ``trainkit.pt``, everything else (counters,
-  schedule, precision, data position, config, manifest, every rank's RNG), a plain file that
-  loads with ``weights_only=True``.
-The names and the rotation are :mod:`~trainkit.checkpoint.layout`'s, without a suffix:
-
-* ``last`` -- a relative symlink to the newest complete ``step_<N>``; ``best`` likewise (with
-  ``checkpoint.monitor``). Each is replaced by renaming a new link over it: atomic.
-* ``.step_<N>.tmp/`` -- a save in progress, or one that died: never resumed from; the next save
-  removes it.
-
-A save is made visible only when it is whole: every rank writes into ``.step_<N>.tmp/`` with
-fsynced files, DCP writes ``.metadata`` on rank 0 once every rank's part is written, then rank 0
-renames the directory to ``step_<N>``, fsyncs the folder, and only then points ``last`` at it
-and removes directories beyond ``keep_last``.
+``step_<N>/`` holds DCP's shard files and ``.metadata`` for the model, optimizer and EMA weights
+(keyed by parameter name: reshardable onto any number of ranks) and ``trainkit.pt``, everything
+else, loadable with ``weights_only=True``. ``last`` and ``best`` are relative symlinks, each
+replaced atomically; the names and rotation are :mod:`~trainkit.checkpoint.layout`'s. A save is
+visible only when whole: the ranks write fsynced files into ``.step_<N>.tmp/`` (never resumed
+from; the next save removes it), DCP writes ``.metadata`` once every part is in, then rank 0
+renames it to ``step_<N>``, fsyncs the folder, points ``last`` at it and rotates (layout:
+docs/distributed.md, "What a checkpoint directory holds").
 """
 
 from __future__ import annotations

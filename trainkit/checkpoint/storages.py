@@ -1,23 +1,15 @@
 """Where and how checkpoints are kept: one interface, a storage per format.
 
 The :class:`~trainkit.checkpoint.checkpointer.Checkpointer` decides what a checkpoint holds and
-when one is written; a :class:`Storage` decides how and where: the file names, the atomic
-writes, the rotation, finding one to resume from and loading it into the registered parts.
-Two implement it:
-
-* :class:`FileStorage` -- one ``.pt`` file per checkpoint, written by rank 0, on a background
-  thread with ``checkpoint.async_save`` (:mod:`~trainkit.checkpoint.files`,
-  :mod:`~trainkit.checkpoint.async_writer`); where ``checkpoint.dir`` is a URL, one object and
-  its commit record per checkpoint (:mod:`~trainkit.checkpoint.remote`);
-* :class:`ShardedStorage` -- one directory per checkpoint, every rank writing its part through
-  DCP, read onto any number of ranks (:mod:`~trainkit.checkpoint.sharded`,
-  :mod:`~trainkit.checkpoint.reshard`); where ``checkpoint.dir`` is a URL, one folder of objects
-  and its commit record per checkpoint (:mod:`~trainkit.checkpoint.remote_sharded`).
-
-:func:`storages_for` chooses, once, when the parts are registered: the storage this run writes
-with comes first, then the others, which only read (``checkpoint.init_from`` of a file into a
-sharded run, a run saved sharded going on in one process). Another storage is one more class
-with these methods, added there.
+when; a :class:`Storage` decides how and where (names, atomic writes, rotation, finding and
+loading one to resume from). :class:`FileStorage` keeps one ``.pt`` file per checkpoint written
+by rank 0 (:mod:`~trainkit.checkpoint.files`, :mod:`~trainkit.checkpoint.async_writer`), or one
+object and commit record at a URL (:mod:`~trainkit.checkpoint.remote`); :class:`ShardedStorage`
+one directory per checkpoint written by every rank through DCP
+(:mod:`~trainkit.checkpoint.sharded`), or a folder of objects at a URL
+(:mod:`~trainkit.checkpoint.remote_sharded`). :func:`storages_for` chooses once: the storage
+this run writes with first, then the others, which only read (``init_from`` of a file into a
+sharded run, say).
 """
 
 from __future__ import annotations

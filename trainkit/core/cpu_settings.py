@@ -1,12 +1,9 @@
 """Process-wide CPU settings for a run: glibc's allocator keeps freed memory for reuse.
 
-glibc serves an allocation over its mmap threshold (128 KiB at start, raised only by frees of
-larger blocks) with a fresh ``mmap`` and unmaps it on ``free``; it also trims the top of the heap
-once 128 KiB there are free. A training step allocates and frees the same activation and
-gradient buffers every step, so each step page-faults them in again: ~1,800 faults and ~5 ms
-of kernel time per step of the MNIST example on this project's 2-core machine, a quarter of the
-step. Raising both thresholds keeps the freed memory in the heap, where the next step finds it
-(0 faults). The cost is that the process keeps its peak heap instead of giving it back.
+glibc unmaps a freed block over its mmap threshold and trims the heap's free top, so a step that
+frees and reallocates the same activation buffers page-faults them in again every step (the
+cost is in benchmarks/README.md). Raising both thresholds keeps the freed memory for the next
+step; the process then keeps its peak heap instead of giving it back.
 """
 
 from __future__ import annotations

@@ -56,14 +56,10 @@ def set_backend_flags(*, cudnn_benchmark: bool, tf32: bool) -> bool:
     """Set cuDNN autotuning and TF32 for float32 matmuls and convolutions; return the benchmark
     flag as set.
 
-    Autotuning stays off while deterministic algorithms are on: it may pick another
-    convolution algorithm in each process, and with it other rounding.
-
-    TF32 goes through the legacy setters, ``torch.set_float32_matmul_precision`` and
-    ``torch.backends.cudnn.allow_tf32``, not the per-backend ``fp32_precision`` of torch 2.9+:
-    once that is written, reading the legacy value raises ("mix of legacy and new APIs"), and
-    torch's own Inductor still reads it when it compiles (pytorch#166387). The legacy setters
-    update the per-backend values too, so readers of either API see the setting.
+    Autotuning stays off under deterministic algorithms (each process might pick another
+    algorithm, with other rounding). TF32 goes through the legacy setters, which update the
+    per-backend ``fp32_precision`` too: writing that one makes reading the legacy value raise, and
+    Inductor still reads it (pytorch#166387).
     """
     benchmark = cudnn_benchmark and not torch.are_deterministic_algorithms_enabled()
     torch.backends.cudnn.benchmark = benchmark

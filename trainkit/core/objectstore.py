@@ -1,15 +1,10 @@
 """Locations given as fsspec URLs (``s3://``, ``gs://``, ``az://``, ``memory://``, ...).
 
-Checkpoints (:mod:`~trainkit.checkpoint.remote`) and data (:mod:`~trainkit.data.remote`) reach
-object storage through fsspec and its protocol packages (s3fs, gcsfs, adlfs), which take their
-credentials and endpoints where their SDKs do: the environment (``AWS_ACCESS_KEY_ID``,
-``AWS_PROFILE``, ``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``, ...), profiles, and
-fsspec's own configuration (``FSSPEC_S3_ENDPOINT_URL``, ...). trainkit takes no credentials of
-its own, so none can end up in a run's config, checkpoints or logs.
-
-What goes wrong on first contact -- a protocol whose package is missing, no credentials, an
-endpoint that does not answer, a bucket that does not exist -- is said as one line that names
-what to install or set (:func:`store_error`).
+Checkpoints and data reach object storage through fsspec and its protocol packages, which take
+credentials and endpoints where their SDKs do (the environment, profiles, fsspec's own
+configuration): trainkit takes none of its own, so none can end up in a run's config,
+checkpoints or logs. A failure on first contact (a missing package, no credentials, no answer,
+no bucket) is one line naming what to install or set (:func:`store_error`).
 """
 
 from __future__ import annotations

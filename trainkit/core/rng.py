@@ -26,8 +26,8 @@ def seed_everything(seed: int, *, accelerators: bool = True) -> None:
     """Seed Python's, NumPy's and torch's (CPU and every CUDA device) generators.
 
     ``accelerators=False`` seeds torch's CPU generator only: ``torch.manual_seed`` also queues
-    a seed for each accelerator backend not started yet, recording the caller's stack for each
-    (~0.5 ms), which a run on the CPU draws nothing from.
+    a seed for each accelerator backend not started yet (recording the caller's stack), which
+    a run on the CPU draws nothing from.
     """
     random.seed(seed)
     np.random.seed(seed % 2**32)

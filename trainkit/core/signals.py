@@ -150,15 +150,10 @@ def stop_outside_training() -> None:
 def shield_worker(worker_id: int | None = None) -> None:
     """In a DataLoader worker: outlive preemption signals sent to the whole process group.
 
-    ``kill -- -PGID``, Ctrl-C in a terminal, a closing SSH session and schedulers signal every
-    process of a job, workers included. A worker that dies of it makes the main process fail
-    (``DataLoader worker (pid N) is killed by signal``) before it can save; a worker that
-    inherited its parent's handlers would log the signal once more. So the worker ignores
-    SIGINT, SIGHUP and SIGUSR1, and SIGTERM unless its parent sends it (the DataLoader's last
-    resort for a stuck worker, which torch's own worker handler obeys the same way). The main
-    process handles the signal and shuts the workers down. Use it as ``worker_init_fn`` of your
-    own DataLoader, or through :func:`shielded_worker_init`; :func:`~trainkit.make_loader`
-    does this already.
+    Ctrl-C, ``kill -- -PGID`` and schedulers signal the workers too; one that dies of it fails the
+    main process before it can save. So the worker ignores SIGINT, SIGHUP and SIGUSR1, and SIGTERM
+    unless its parent sends it (as torch's own handler does); the main process handles the signal.
+    Use it as a ``worker_init_fn`` or through :func:`shielded_worker_init` (``make_loader`` does).
     """
     can_check_sender = hasattr(signal, "sigwaitinfo")  # not on macOS: there SIGTERM is ignored
     for signum in PREEMPTION_SIGNALS:

@@ -20,11 +20,9 @@ def tree_map(fn: Callable[..., Any], tree: Any, *, with_path: bool = False,
              share: bool = True) -> Any:
     """``tree`` with every tensor ``t`` replaced by ``fn(t)`` (``fn(t, path)`` with ``with_path``).
 
-    With ``share``, containers whose items all come back unchanged (the same objects) are
-    returned themselves, not rebuilt: moving a batch that is already on its device costs no
-    allocation. ``share=False`` copies every container (a snapshot that must not change). Dict
-    subclasses keep their type where their constructor takes a dict (OrderedDict; not
-    defaultdict, which becomes a dict); namedtuples and dataclass instances keep theirs.
+    With ``share``, a container whose items all come back unchanged is returned itself (a batch
+    already on its device costs no allocation); ``share=False`` copies every container. Dict
+    subclasses whose constructor takes a dict, namedtuples and dataclasses keep their type.
 
     Example:
         >>> tree_map(lambda t: t * 2, {"x": torch.ones(2), "id": "a"})["x"]

@@ -1,14 +1,10 @@
 """Fully sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``) for training.
 
-Under ``trainer.strategy=fsdp`` each rank keeps only its shard (1/world_size) of every weight,
-gradient and optimizer state; a block's full weights exist only while it runs (all-gathered
-before its forward and backward, freed after). :func:`shard_model` applies ``fully_shard`` to the
-blocks ``trainer.fsdp_blocks`` names (or the default ones, :func:`default_blocks`), then to the
-root, and points the optimizer at the sharded parameters.
-
-Order of the wrappers (as torchtitan does): activation checkpointing first, then
-``fully_shard``, ``torch.compile`` last. FSDP2 keeps the parameter names, so
-``ddp.unwrap(model).state_dict()`` has the usual keys, as DTensors.
+Under ``trainer.strategy=fsdp`` each rank keeps 1/world_size of every weight, gradient and
+optimizer state; a block's full weights exist only while it runs. :func:`shard_model` shards the
+``trainer.fsdp_blocks`` (or :func:`default_blocks`), then the root. The wrappers go as in
+torchtitan: activation checkpointing, ``fully_shard``, ``torch.compile`` last; parameter names
+stay, so ``ddp.unwrap(model).state_dict()`` has the usual keys, as DTensors.
 """
 
 from __future__ import annotations
@@ -99,14 +95,9 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, runti
                 precision: str = "32") -> nn.Module:
     """``fully_shard`` the named blocks (or :func:`default_blocks`), then the root.
 
-    Every rank starts from rank 0's weights (broadcast first, as DDP does). ``fully_shard``
-    replaces the parameters by sharded ones, so the ``optimizer`` (built on the model's
-    parameters, with no state yet) is pointed at them. Joins a 1-rank process group when none is
-    up (one process). The model is sharded in place and returned.
-
-    Under mixed precision the norm layers that keep running statistics (batch-norm) are units of
-    their own that stay in float32 (:func:`float32_norms`), as FSDP1's ``MixedPrecision`` and
-    the common recipes keep them.
+    Every rank starts from rank 0's weights (broadcast first, as DDP does); the ``optimizer`` is
+    pointed at the sharded parameters; a 1-rank group is joined when none is up. Under mixed
+    precision batch-norm layers are float32 units of their own (:func:`float32_norms`).
 
     Args:
         model: the model, on ``runtime.device``, its parameters contiguous (``fully_shard``
@@ -161,12 +152,9 @@ def shard_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, runti
 def float32_norms(model: nn.Module, blocks: Sequence[str] = ()) -> list[str]:
     """Modules to shard as float32 units of their own under mixed precision: norm layers.
 
-    FSDP's ``MixedPrecisionPolicy`` casts parameters, never buffers, so a layer that feeds both
-    to one op -- batch-norm's bf16 weight and float32 running statistics -- fails ("expected
-    scalar type BFloat16 but found Float"). The rule: a module with parameters and
-    floating-point buffers of its own (batch-norm, instance-norm with running stats). In float32
-    it takes low-precision inputs as autocast hands them and returns them in that precision.
-    Named ``blocks`` are left to their own policy.
+    FSDP's ``MixedPrecisionPolicy`` casts parameters, never buffers, so batch-norm's bf16 weight
+    beside its float32 running statistics fails. The rule: a module with parameters and
+    floating-point buffers of its own; named ``blocks`` keep their own policy.
     """
     return [name for name, module in model.named_modules()
             if name and name not in blocks
@@ -177,13 +165,10 @@ def float32_norms(model: nn.Module, blocks: Sequence[str] = ()) -> list[str]:
 def compile_units(model: nn.Module) -> tuple[list[str], list[str]]:
     """``torch.compile`` each FSDP unit's forward in place: ``(compiled, left eager)`` paths.
 
-    Compiling the sharded model as a whole compiles nothing: FSDP2's all-gather hooks are
-    excluded from tracing (``torch._dynamo.disable``), and the graph break they leave in
-    ``Module.__call__`` leaves every forward behind it eager. Compiled per unit (as torchtitan
-    compiles each block), the hooks run eagerly around each compiled forward; a unit's forward
-    breaks its graph where it calls an inner unit. A unit that is one layer (no submodules:
-    a Conv2d block, a float32 norm) is left eager: there is nothing to fuse in one op. The
-    forward is patched (as activation checkpointing patches it): parameter names do not change.
+    Compiling the sharded model whole compiles nothing (FSDP2's hooks are excluded from tracing and
+    the graph break leaves every forward eager); per unit, as torchtitan does, the hooks run around
+    each compiled forward. One-layer units have nothing to fuse and stay eager. The forward is
+    patched, so parameter names do not change.
     """
     compiled: dict[Any, Any] = {}
     done, eager = [], []

@@ -50,10 +50,9 @@ def barrier(process_group: Any = None) -> None:
     """Wait for every rank (of ``process_group``, default all), on the CPU through gloo; nothing
     to wait for in a single process.
 
-    Not ``dist.barrier``: on a group bound to a GPU (``device_id``, as :func:`init_process_group`
-    binds it) torch runs its barrier through NCCL, an all-reduce queued behind the GPU's work
-    that the host then waits for -- a drain of the GPU's queue at every checkpoint barrier. A
-    one-byte all-reduce of a CPU tensor goes through gloo and waits for the ranks only.
+    Not ``dist.barrier``: on a group bound to a GPU it runs through NCCL, queued behind the GPU's
+    work, and drains the GPU's queue at every checkpoint barrier; a CPU all-reduce waits for the
+    ranks only.
     """
     if dist.is_available() and dist.is_initialized():
         on = process_group if process_group is not None else _cpu_group()
@@ -63,11 +62,9 @@ def barrier(process_group: Any = None) -> None:
 def init_process_group(runtime: Runtime, *, timeout_s: float | None = None) -> bool:
     """Join the process group torchrun's environment describes; a no-op in a single process.
 
-    The backend follows ``runtime.device``: gloo on CPU (no CUDA context, no NCCL, even on a GPU
-    machine), ``cpu:gloo,cuda:nccl`` on CUDA (each rank bound to its own GPU through
-    ``device_id``). Returns True when this call created the group; pair it with
-    :func:`shutdown`. A group it created and nobody shut down is left when the process ends
-    normally (:func:`leave_at_exit`), so ``Trainer.fit``'s own group is left too.
+    The backend follows ``runtime.device``: gloo on CPU (no CUDA context), ``cpu:gloo,cuda:nccl``
+    on CUDA (each rank bound to its GPU). Returns True when this call created the group: pair it
+    with :func:`shutdown` (a normal exit leaves it too: :func:`leave_at_exit`).
 
     Args:
         runtime: this process's ranks and device (:meth:`Runtime.from_env`).
@@ -160,12 +157,9 @@ def leave_at_exit() -> None:
     """At the interpreter's exit (``atexit``, registered by :func:`init_process_group`): leave
     a group still up, as :func:`shutdown` does, when the process ends normally.
 
-    Otherwise gloo's threads outlive the interpreter's finalization and a rank can abort
-    ("terminate called without an active exception", exit -6) after a run that finished, and
-    torchrun calls the job failed. Not after an unhandled exception (the interpreter set
-    ``sys.last_value``): that process exits at once, so torchrun tears the job down at once.
-    The ranks wait for each other ``EXIT_WAIT_S`` at most: a rank stuck in a collective (or
-    still busy) is not waited for, the group is left without it.
+    Otherwise gloo's threads outlive finalization and a finished rank can abort (exit -6), which
+    torchrun calls a failure. Not after an unhandled exception: that process should exit at once.
+    The ranks wait ``EXIT_WAIT_S`` at most for each other; a stuck rank is left behind.
     """
     if getattr(sys, "last_value", None) is not None or not (
             dist.is_available() and dist.is_initialized()):
@@ -182,12 +176,9 @@ def leave_at_exit() -> None:
 def _store_barrier(store: dist.Store, wait_s: float | None = None) -> None:
     """Wait for every rank in the job's key-value store rather than with a gloo collective.
 
-    A gloo barrier holds the collectives still in flight when it starts (the last all-gather of
-    the run, say) and one of gloo's worker threads frees them after the barrier has returned.
-    Where the group outlives ``destroy_process_group`` (FSDP's device mesh keeps it, in torch's
-    DTensor caches), that thread can still be freeing tensors when the interpreter exits: it
-    then needs the GIL of a finalizing interpreter and the process aborts ("terminate called
-    without an active exception", exit -6) after a run that finished. The store holds nothing.
+    A gloo barrier leaves tensors of collectives in flight to a worker thread that frees them
+    later; where the group outlives ``destroy_process_group`` (FSDP's device mesh), that thread can
+    still run as the interpreter finalizes and abort a finished process (exit -6).
     """
     key = f"{_attempt_prefix()}/shutdown_{next(_shutdowns)}"
     if store.add(key, 1) == dist.get_world_size():
@@ -249,13 +240,10 @@ def any_rank(*flags: bool) -> list[bool]:
 class StepVote:
     """What every rank must decide alike at a step boundary, agreed in one small all-reduce.
 
-    Three flags travel together: "my loss is NaN/inf" (all ranks skip the step: DDP already mixed
-    the bad gradients into everyone's), "I received a stop signal" (all stop after the same step)
-    and "a time-based checkpoint is due" (only rank 0's clock counts, so wall-clock drift between
-    machines cannot make one rank save and the others not), and with them "my loss spiked"
-    (all ranks roll back together: :attr:`spiked`). When the step checked its loss,
-    :meth:`nonfinite` carried the vote and :meth:`stop_and_save` costs nothing. In one process
-    there is nothing to agree on: each answer is this process's own.
+    Flags travel together: "my loss is NaN/inf" (all skip the step), "I got a stop signal" (all
+    stop after it), "a time-based checkpoint is due" (rank 0's clock only, so clock drift cannot
+    split a save) and "my loss spiked" (all roll back: :attr:`spiked`). When the step's NaN check
+    carried the vote, :meth:`stop_and_save` costs nothing; in one process each answer is its own.
 
     Args:
         stop: whether this rank wants to stop (a signal arrived).

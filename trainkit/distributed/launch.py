@@ -60,14 +60,10 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None,
     """Run ``fn(*args)`` in ``nprocs`` local processes joined in a process group; return the
     results by rank.
 
-    Each process gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...), so
-    :meth:`Runtime.from_env` and :class:`~trainkit.Trainer` work inside ``fn`` unchanged; the
-    process group is up before ``fn`` runs and torn down after.
-
-    ``fn`` and ``args`` are pickled for the new processes: with ``start_method="spawn"`` (the
-    default, safe with CUDA) ``fn`` must be importable, i.e. defined in a module, not in a
-    notebook cell; on Linux, ``start_method="fork"`` also runs functions defined in a notebook
-    (before CUDA is initialised in the notebook).
+    Each process gets torchrun's environment and a process group up around ``fn``, so
+    :meth:`Runtime.from_env` and the Trainer work in it unchanged. ``fn`` and ``args`` are
+    pickled: under ``start_method="spawn"`` (the default, safe with CUDA) ``fn`` must be
+    importable; ``"fork"`` (Linux) also runs a notebook's functions.
 
     Raises:
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a process failed

@@ -11,12 +11,11 @@ from typing import Any
 class Looks:
     """The one thread of a process that looks at the entered watchdogs, each at its own interval.
 
-    It starts with the first watchdog entered and then waits while none is: a thread started and
-    joined per fit would cost ~0.3 ms of every fit. Looks run under the lock, so once
-    :meth:`remove` returns no look of that watchdog runs. A watchdog here is anything with
-    ``poll_s`` (its interval), ``look_or_stop()`` and ``arm_fallback(remaining)``:
-    :class:`~trainkit.distributed.watchdog.Watchdog`. The intervals are real seconds; what a
-    look sees is dated by the watchdog's own clock.
+    It starts with the first watchdog entered and then waits while none is, rather than a thread
+    per fit (benchmarks/README.md, "Per fit and per log line"). Looks run under the lock, so
+    once :meth:`remove` returns no look of that watchdog runs. A watchdog is anything with
+    ``poll_s`` (real seconds), ``look_or_stop()`` and ``arm_fallback(remaining)``: a
+    :class:`~trainkit.distributed.watchdog.Watchdog`, which dates what a look sees by its clock.
     """
 
     def __init__(self) -> None:

@@ -1,18 +1,11 @@
 """Under SLURM's ``srun`` without torchrun: the process group from SLURM's own variables.
 
-``srun`` starts one task per GPU and sets ``SLURM_PROCID`` (the global rank), ``SLURM_LOCALID``
-(the rank on the node), ``SLURM_NTASKS`` and ``SLURM_JOB_NODELIST``; torch reads torchrun's
-names (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
-:func:`export_torch_env` writes the second from the first, so that everything downstream
-(:meth:`Runtime.from_env`, :func:`~trainkit.distributed.group.init_process_group`) is the same
-as under torchrun. Where torchrun runs under srun, its workers already have ``RANK``: nothing is
-touched.
-
-The master is the first host of the node list. The list (``node[01-03,07],gpu-a1``) is parsed
-here rather than with ``scontrol show hostnames``: the tasks start at once on every node, and
-scontrol is missing from most containers; the grammar is small (comma-separated hosts, each with
-bracketed ranges that keep their zero padding). The port is derived from the job id, so every
-task computes the same one without talking to another.
+:func:`export_torch_env` writes torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT`` from ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NTASKS``
+and ``SLURM_JOB_NODELIST``, so everything downstream is as under torchrun (under torchrun inside
+srun nothing is touched). The master is the node list's first host, parsed here because
+``scontrol`` is missing from most containers; the port comes from the job id, so every task
+computes the same one alone.
 """
 
 from __future__ import annotations
@@ -40,11 +33,9 @@ def export_torch_env(environ: MutableMapping[str, str] | None = None) -> bool:
     """Under ``srun`` (or a submitit job) without torchrun, set torchrun's variables from
     SLURM's (submitit's); True when set.
 
-    Variables already set (``MASTER_ADDR`` or ``MASTER_PORT`` of your own) are kept. A no-op
-    outside SLURM and under torchrun. Call it before :meth:`Runtime.from_env` (the entry point
-    does, first thing). In a job of Hydra's submitit launcher (``SUBMITIT_EXECUTOR`` set, local
-    or SLURM), the ranks are submitit's ``JobEnvironment``'s: ``tasks_per_node`` tasks on
-    ``nodes`` nodes make one DDP group.
+    Variables already set are kept; a no-op outside SLURM and under torchrun. Call it before
+    :meth:`Runtime.from_env` (the entry point does). Under Hydra's submitit launcher the ranks are
+    submitit's ``JobEnvironment``'s.
 
     Raises:
         TrainkitError: a node list or task count that cannot be read.

@@ -1,21 +1,12 @@
 """Hang watchdog: when no training step completes for too long, say which rank is stuck and where.
 
-A stuck rank (a DataLoader worker deadlock, a full network disk, a collective one rank never
-reaches) freezes every rank of a DDP job without a word: gloo waits for ever, NCCL until its
-timeout. The loop calls :meth:`Watchdog.beat` after every step, which only stores the step in
-an attribute (or the watchdog reads the loop's own step counter, :meth:`Watchdog.follow`); a
-thread per process looks every few seconds (dating a step by the look that first sees it), and
-when no step has completed for the limit:
-
-- this process appends every thread's Python stack to ``<run_dir>/hangs/rank<R>.txt``;
-- rank 0 logs one line naming the ranks that are behind, the step each last completed and where
-  the stacks are, and one more line if the job moves again;
-- with ``action="abort"``, rank 0 writes ``summary.json`` with ``"status": "hung"`` and every
-  stuck process exits with :data:`EXIT_HUNG`, so that ``torchrun --max-restarts`` restarts the
-  group, which resumes from the last checkpoint.
-
-Under torchrun each watchdog thread publishes its rank's heartbeat in the job's store every few
-seconds; the training thread never touches the store.
+A stuck rank (a worker deadlock, a full disk, a collective one rank never reaches) freezes a DDP
+job without a word. The watchdog reads the loop's step counter from a thread of its own (nothing
+per step) and, when no step completed for the limit, writes every thread's stack to
+``<run_dir>/hangs/rank<R>.txt`` and has rank 0 log which ranks are behind; with
+``action="abort"`` rank 0 writes ``summary.json`` (``"status": "hung"``) and every stuck process
+exits with :data:`EXIT_HUNG`, so ``torchrun --max-restarts`` resumes from the last checkpoint.
+Under torchrun each rank's heartbeat goes through the job's store from that thread only.
 """
 
 from __future__ import annotations

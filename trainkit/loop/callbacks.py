@@ -136,11 +136,9 @@ def _name(callback: Any) -> str:
 class EarlyStopping:
     """Stop the run when ``monitor`` has not improved for ``patience`` evaluations.
 
-    An evaluation improves on the best so far when it is lower by more than ``min_delta``
-    (``mode="min"``) or higher by more than ``min_delta`` (``mode="max"``). The best value and the
-    count are saved in every checkpoint, so a resumed run goes on counting. Stopping is
-    ``trainer.request_stop``: one checkpoint, ``"status": "stopped"``; re-running the same
-    command does not train further.
+    An improvement is a change by more than ``min_delta`` in ``mode``'s direction. The best value
+    and the count are in every checkpoint, so a resumed run goes on counting; stopping is
+    ``trainer.request_stop`` (one checkpoint, ``"status": "stopped"``).
 
     Args:
         monitor: a key of the evaluation results, e.g. ``"val/loss"``.

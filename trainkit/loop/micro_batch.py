@@ -1,13 +1,10 @@
 """Micro-batches: each batch split into smaller ones that accumulate into the same optimizer step,
 of a fixed size (``trainer.micro_batch_size=16``) or found on out-of-memory (``=auto``).
 
-The data's batch stays the global per-rank batch: the step's micro-batches are weighted by their
-share of its samples (:class:`~trainkit.loop.step.WindowStep`), so the gradient, and with it the
-run's math, is the same whatever the split. With ``auto`` a step starts with the whole batch; on
-a CUDA out-of-memory error it lets go of what the step held, halves the micro-batch and runs the
-same step again. Under DDP every rank takes part in a vote after each micro-batch's backward (did
-any rank run out?) and all move to the same size. The size found is kept in the checkpoint
-(``TrainState.micro_batch_size``) and summary.json, and a resumed run starts from it.
+The micro-batches are weighted by their share of the batch's samples, so the run's math is the
+same whatever the split. ``auto`` starts with the whole batch and, on a CUDA out-of-memory
+error, releases the step's memory, halves the micro-batch and runs the step again (under DDP
+all ranks vote and move together). The size found is in checkpoints and summary.json.
 """
 
 from __future__ import annotations
@@ -63,12 +60,9 @@ def micro_batched(step: WindowStep, config: Any, state: Any, model: Any,
 class MicroBatching:
     """A :class:`WindowStep` whose batches are split into micro-batches, retried on OOM in auto.
 
-    In auto, an out-of-memory error in a forward or backward retries the step with half the
-    micro-batch, as does one in clipping in a single process (the loss scaler's state of the
-    step is reset with the gradients). One inside ``optimizer.step`` is not retried: the
-    optimizer may have updated part of its state, and a smaller micro-batch does not shrink a
-    step's memory; nor, under DDP, one after the last backward (the other ranks may have
-    stepped): a vote at the step's end ends the run on every rank with the out-of-memory report.
+    In auto, an out-of-memory error in a forward, a backward or (in one process) clipping retries
+    the step with half the micro-batch. One in ``optimizer.step``, or under DDP after the last
+    backward, is not retried (the optimizer or other ranks may have moved on): it ends the run.
 
     Args:
         step: the step to run on the split windows.
@@ -177,12 +171,11 @@ class MicroBatching:
             self._phase = _AFTER_BACKWARD
 
     def _agree_and_reduce(self, last: bool) -> None:
-        """After each micro-batch's backward: did any rank run out? After the last, if none
-        did, average the gradients over the ranks (DDP's own all-reduce was held back: a rank
-        out of memory would never have joined it). A vote per micro-batch keeps the ranks'
-        collectives in step: DDP broadcasts buffers (batch-norm statistics) at each forward,
-        which a rank that stopped at an earlier micro-batch would not join. The gradients are
-        put in buckets before the vote, so running out there is retried like a backward."""
+        """After each micro-batch's backward: did any rank run out? After the last, if none did,
+        average the gradients (DDP's all-reduce was held back: a rank out of memory would never join
+        it). A vote per micro-batch keeps the ranks' collectives (DDP's buffer broadcasts) in step;
+        bucketing comes before the vote, so running out there is retried like a backward.
+        """
         buckets = bucket_gradients(self.step.model.parameters()) if last else []
         if group.any_rank(False)[0]:
             raise _PeerOutOfMemory

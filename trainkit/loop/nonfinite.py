@@ -100,7 +100,7 @@ class NonFiniteGuard:
 
     def _update_idle(self) -> None:
         # idle: no streak runs and the device counted nothing unread, so a finite step checked
-        # on the host changes nothing and the loop need not call record() for it
+        # on the host changes nothing and record() returns at once
         self.idle = not self.state.nonfinite_streak and not self.counter.pending
 
     def on_host(self, wait_anyway: bool) -> bool:
@@ -121,6 +121,8 @@ class NonFiniteGuard:
         one may extend a streak of them). Then this step's device flag is added, or its host
         verdict counted. Raises :class:`NonFiniteLossError` when a streak reached the patience.
         """
+        if result.finite and result.finite_flag is None and self.idle:
+            return  # a finite step, read on the host (or not checked), with nothing to add up
         # nothing counted on the device (always so on the CPU): no read, no tally
         tally = self.read(upto=self.state.global_step - 1) if (
             read_first and self.counter.pending) else None

@@ -19,11 +19,10 @@ _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 class Precision:
     """Runs forward passes under autocast and optimizer steps through a GradScaler for fp16.
 
-    ``"32"`` is plain fp32. ``"bf16-mixed"`` autocasts to bfloat16 (CPU and recent GPUs) and needs
-    no scaler. ``"16-mixed"`` autocasts to float16 and scales the loss so small gradients survive;
-    a step whose gradients overflowed is skipped by the scaler, and :meth:`step` returns False so
-    the caller does not advance its LR scheduler. ``"auto"`` picks one of them for the device
-    (:func:`choose_precision`): ``mode`` is the one it picked and ``reason`` says why.
+    ``"32"`` is plain fp32; ``"bf16-mixed"`` autocasts to bfloat16, no scaler; ``"16-mixed"``
+    autocasts to float16 and scales the loss, and :meth:`step` returns False for a step the scaler
+    skipped (overflow). ``"auto"`` picks one for the device (:func:`choose_precision`): ``mode`` and
+    ``reason`` say which and why.
 
     Example:
         >>> precision = Precision("bf16-mixed", torch.device("cpu"))
@@ -214,7 +213,7 @@ def choose_precision(hardware: Hardware) -> tuple[str, str]:
 
     ``bf16-mixed`` on CUDA GPUs with native bf16 (compute capability 8.0+, ROCm), ``16-mixed``
     on older ones; ``32`` on MPS; on a CPU ``bf16-mixed`` only with native bf16 (:func:`cpu_bf16`):
-    elsewhere autocast emulates it, several times slower than ``32``.
+    elsewhere autocast emulates it, slower than ``32``.
 
     Example:
         >>> choose_precision(Hardware("cuda", (7, 5)))

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainkit.config import TrainerConfig
+from trainkit.core.runtime import Runtime
 from trainkit.core.signals import Preemption
 from trainkit.distributed import group
 from trainkit.loop.ema import EMA
@@ -25,7 +27,7 @@ from trainkit.observe.schedule import LogSchedule
 
 @dataclass
 class Run:
-    """One ``fit``'s objects, as the loop's methods share them (built by ``Trainer._new_run``;
+    """One ``fit``'s objects, as the loop's methods share them (built by :func:`new_run`;
     the step, the vote and the guard once training starts). None of them refers back to the
     run: with no reference cycle it goes, with the user's data, as soon as ``fit`` returns."""
 
@@ -52,3 +54,22 @@ class Run:
     vote: group.StepVote | None = None  # the same
     guard: NonFiniteGuard | None = None  # the same
     spike: SpikeGuard | None = None  # the same, when trainer.spike is enabled
+
+
+def new_run(config: TrainerConfig, runtime: Runtime, report: RunReport, global_step: int, *,
+            total_steps: int, data: Any, val_data: Iterable[Any] | None,
+            metrics: Mapping[str, Any] | None, **parts: Any) -> Run:
+    """A fit's run: its ``parts`` (model, optimizer, ...) with the meter, the progress bar and
+    the logging and evaluation schedules ``config`` asks for, from step ``global_step`` on."""
+    tokens = getattr(data, "tokens_per_sample", None)  # a token loader's meter counts tokens/s
+    run = Run(data=data, total_steps=total_steps, report=report,
+              meter=StepMeter(runtime.device, tokens),
+              progress=Progress(total_steps, global_step,
+                                enabled=None if runtime.is_main else False),
+              logs=LogSchedule(config.log_every_n_steps, config.log_every_n_seconds),
+              evals=EvalSchedule(config.eval_every_n_steps, config.eval_every_n_epochs,
+                                 total_steps), **parts)
+    if val_data is not None:
+        run.val_data = val_data
+        run.metrics = {name: m.to(runtime.device) for name, m in (metrics or {}).items()}
+    return run

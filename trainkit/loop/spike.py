@@ -1,26 +1,13 @@
 """Loss-spike rollback (``trainer.spike``): a spike sends the run back to its last good state.
 
-A :class:`SpikeDetector` watches the training loss: a loss above the mean + k standard
-deviations of the last ``window`` finite losses (once ``warmup`` were seen), or
-``max_nonfinite`` NaN/inf losses in a row, is a spike. The :class:`SpikeGuard` keeps a snapshot
-of the good state in CPU memory (every ``snapshot_every`` steps: the same ``state_dict`` of
-every part the Checkpointer saves, and the RNG), and the loop asks it after every step. On a
-spike every rank (the ranks agree in the step's :class:`~trainkit.distributed.group.StepVote`)
-loads the snapshot, moves on past the batches trained since (the data position stays where the
-spike left it: the stream continues after them), lowers the LR for a few steps if asked, and
-goes on. The steps undone count as skipped steps, as NaN/inf ones do: ``global_step`` still
-names a position in the data, and the LR schedule goes on from the snapshot's step.
-
-The host reads each step's loss: on the CPU it costs nothing; on a GPU the loss is copied to
-pinned memory without blocking and read one step later, when that copy is long done, so the
-host never waits for the step it just queued (a spike is then acted on a step later: that
-step's batches are skipped too). At snapshot steps and before a checkpoint the host reads the
-step's own loss (the copy waits for the device anyway) and the ranks agree on it in one small
-all-reduce, so that a snapshot never holds a spike and a checkpoint holds every loss seen.
-
-The detector's window, the rollbacks and the LR-lowered steps are in the loop's state, so a
-checkpoint holds them and a resume goes on exactly; the snapshot itself is not: a run resumed
-from a checkpoint between snapshot steps (a preemption's) takes its first snapshot there.
+A :class:`SpikeDetector` calls a loss a spike when it is above the mean + k standard deviations
+of the last ``window`` finite losses, or after ``max_nonfinite`` NaN/inf losses in a row. The
+:class:`SpikeGuard` keeps a CPU snapshot of every checkpointed part and the RNG every
+``snapshot_every`` steps; when the ranks agree on a spike (the step's vote), each loads it, goes
+on past the batches trained since (counted as skipped steps: ``global_step`` still names a data
+position) and lowers the LR for a few steps. On a GPU a loss is read a step late, so the host
+never waits for the step it queued; snapshot and checkpoint steps read their own, so neither
+holds a spike. The detector's state is in checkpoints, the snapshot is not (docs/spikes.md).
 """
 
 from __future__ import annotations

@@ -64,6 +64,8 @@ def windows(batches: Iterable[Batch], k: int) -> Iterator[Sequence[Batch]]:
 
 
 class StepResult(NamedTuple):
+    """What one optimizer step did, read by name (the loop, the NaN/inf guard, the meter)."""
+
     loss: torch.Tensor  # the window's mean loss, detached, on the device (reading it syncs)
     grad_norm: torch.Tensor | None  # total norm before clipping; None without norm clipping
     stepped: bool  # False when the step was skipped (fp16 overflow or a non-finite loss)
@@ -72,6 +74,19 @@ class StepResult(NamedTuple):
     value: float | None = None  # the loss as a number, when the check read it
     # guard_finite: whether the loss was finite (all ranks agreed), on the device and unread
     finite_flag: torch.Tensor | None = None
+
+    @property
+    def logged_loss(self) -> torch.Tensor | float | None:
+        """The loss for the meter: the number when the check read it (no second sync), None
+        when it was NaN/inf."""
+        if not self.finite:
+            return None
+        return self.loss if self.value is None else self.value
+
+    @property
+    def logged_grad_norm(self) -> torch.Tensor | None:
+        """The norm for the meter; None for a skipped step (an fp16 overflow's norm is inf)."""
+        return self.grad_norm if self.stepped else None
 
 
 def train_window(
@@ -91,23 +106,13 @@ def train_window(
 ) -> StepResult:
     """Forward/backward every micro-batch of ``window``, then one (possibly skipped) step.
 
-    Each micro-batch's mean loss is weighted by its share of the window's samples, so k batches
-    of b give the same gradient as one batch of k*b, and a short last window (end of epoch) is
-    the mean over the samples it has, not divided by the full window size.
-
-    With ``check_finite``, a NaN or inf loss skips the optimizer step (``finite=False``). The check
-    reads the loss on the host: free on the CPU, one sync per step on a GPU (fp16 syncs on its
-    overflow flag every step anyway). Under DDP pass ``agree``: given this rank's "loss is NaN/inf",
-    it returns whether any rank's is, so all ranks skip together (the all-reduce already mixed the
-    bad gradients into every rank's); :class:`~trainkit.distributed.group.StepVote` provides one.
-
-    ``guard_finite`` is the same check without the host read: on a NaN or inf loss the window's
-    gradients are set to zero on the device and the optimizer step runs on them (plain SGD: no
-    change; momentum, Adam's moments and weight decay still move the weights about as far as a
-    normal step, never by a bad gradient). ``finite_flag`` says which it was, unread; ``agree``
-    then takes and returns a tensor.
-
-    A loop that steps many times binds these arguments once in a :class:`WindowStep`.
+    Each micro-batch's loss is weighted by its share of the window's samples: k batches of b give
+    the gradient of one batch of k*b, and a short last window the mean over what it has.
+    ``check_finite`` reads the loss on the host (a sync on a GPU) and skips a NaN/inf step
+    (``finite=False``); ``guard_finite`` checks on the device instead: a bad window's gradients
+    are zeroed (or a fused optimizer skips on the flag) and ``finite_flag`` says which, unread.
+    Under DDP ``agree`` turns this rank's verdict into "any rank's" (a
+    :class:`~trainkit.distributed.group.StepVote`), so all ranks skip together.
     """
     return WindowStep(model, optimizer=optimizer, precision=precision, criterion=criterion,
                       forward=forward, device=device, clip_val=clip_val,
@@ -118,14 +123,10 @@ def train_window(
 class WindowStep:
     """:func:`train_window` with the arguments that hold for a whole fit bound once.
 
-    A ``forward`` may return a third item, ``{name: scalar}`` (0-d tensors or numbers): each
-    is added, unread, to the mean of that name in :attr:`scalars` (a
-    :class:`~trainkit.observe.metrics.DeviceMean` per name; the Trainer logs them as
+    What cannot change during a fit (autocast, loss scaling, clipping) is decided here, not per
+    step. A ``forward`` may return a third item, ``{name: scalar}``: each is added, unread, to
+    that name's :class:`~trainkit.observe.metrics.DeviceMean` in :attr:`scalars` (logged as
     ``train/<name>``).
-
-    A loop calls it every step with the window and the checks that step needs. What cannot change
-    during a fit (whether the precision autocasts or scales the loss, the gradient clipping) is
-    decided here, so a small model's step does not spend its microseconds on it.
 
     Example:
         >>> step = WindowStep(model, optimizer=optimizer, precision=Precision("32"),
@@ -161,59 +162,75 @@ class WindowStep:
     def __call__(self, window: Sequence[Batch], check_finite: bool = False,
                  guard_finite: bool = False) -> StepResult:
         """One optimizer step over ``window`` (see :func:`train_window` for the checks)."""
-        model, optimizer, precision = self.model, self.optimizer, self.precision
         if len(window) == 1:  # the common case: no weighting, no no_sync, nothing to add up
-            batch = window[0]
-            if type(batch) in _FLAT and batch and type(batch[0]) is torch.Tensor:  # (x, y)
-                total = batch[0].shape[0]
-                for item in batch:  # already on the device (a CPU run's, a prefetcher's)?
-                    if not isinstance(item, torch.Tensor) or item.device != self.device:
-                        batch = move_to_device(batch, self.device)
-                        break
-            else:
-                total = batch_size(batch)
-                batch = move_to_device(batch, self.device)
-            if self._plain:
-                result = self.forward(model, batch)
-                # inline, not self._forward: the common path pays one len(), not a call
-                outputs, targets = result if len(result) == 2 else self._forward.split(result)
-                loss = self.criterion(outputs, targets)
-                loss.backward()
-            else:
-                loss = _loss(model, batch, precision, self.criterion, self._forward)
-                precision.backward(loss)
-            # in place when allowed (a view cannot be): no new tensor a step
-            loss = loss.detach_() if loss._base is None else loss.detach()
-            if self.after_backward is not None:
-                self.after_backward(True)
+            loss, total = self._backward_one(window[0])
         else:
-            loss, total = _accumulate(model, window, precision, self.criterion, self._forward,
-                                      self.device, self.after_backward)
-        value = None
+            loss, total = _accumulate(self.model, window, self.precision, self.criterion,
+                                      self._forward, self.device, self.after_backward)
         if check_finite:
-            value = loss.item()  # host sync (see train_window)
-            nonfinite = not math.isfinite(value)
-            if self.agree is not None:
-                nonfinite = self.agree(nonfinite)
-            if nonfinite:
-                drop_gradients(optimizer)
-                return StepResult(loss, None, False, total, False, value)
-        finite_flag = None
-        found_inf = guard_finite and not check_finite and self._fused
-        if guard_finite and not check_finite:
-            finite_flag = _drop_nonfinite_gradients(optimizer, loss, self.agree, found_inf)
-        grad_norm = None
-        if self.clip_val is not None:
-            grad_norm = self._clip()
-        if found_inf:
-            _found_inf_step(optimizer, finite_flag)
-            stepped = True
-        elif self._plain:
-            optimizer.step()
+            return self._checked_on_host(loss, total)
+        if guard_finite:
+            return self._checked_on_device(loss, total)
+        return self._update(loss, total)
+
+    def _backward_one(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """Forward and backward of a window of one batch: its loss (detached) and samples."""
+        if type(batch) in _FLAT and batch and type(batch[0]) is torch.Tensor:  # (x, y)
+            total = batch[0].shape[0]
+            for item in batch:  # already on the device (a CPU run's, a prefetcher's)?
+                if not isinstance(item, torch.Tensor) or item.device != self.device:
+                    batch = move_to_device(batch, self.device)
+                    break
+        else:
+            total = batch_size(batch)
+            batch = move_to_device(batch, self.device)
+        if self._plain:
+            result = self.forward(self.model, batch)
+            # inline, not self._forward: the common path pays one len(), not a call
+            outputs, targets = result if len(result) == 2 else self._forward.split(result)
+            loss = self.criterion(outputs, targets)
+            loss.backward()
+        else:
+            loss = _loss(self.model, batch, self.precision, self.criterion, self._forward)
+            self.precision.backward(loss)
+        # in place when allowed (a view cannot be): no new tensor a step
+        loss = loss.detach_() if loss._base is None else loss.detach()
+        if self.after_backward is not None:
+            self.after_backward(True)
+        return loss, total
+
+    def _checked_on_host(self, loss: torch.Tensor, total: int) -> StepResult:
+        """The step, skipped when the loss read on the host (a sync) is NaN/inf on any rank."""
+        value = loss.item()  # host sync (see train_window)
+        nonfinite = not math.isfinite(value)
+        if self.agree is not None:
+            nonfinite = self.agree(nonfinite)
+        if nonfinite:
+            drop_gradients(self.optimizer)
+            return StepResult(loss, None, False, total, False, value)
+        return self._update(loss, total, value)
+
+    def _checked_on_device(self, loss: torch.Tensor, total: int) -> StepResult:
+        """The step with a NaN/inf loss's gradients dropped on the device (no host read): a
+        fused optimizer skips its update on the flag; others step on zeroed gradients."""
+        flag = _drop_nonfinite_gradients(self.optimizer, loss, self.agree, self._fused)
+        if not self._fused:
+            return self._update(loss, total, finite_flag=flag)
+        grad_norm = self._clip() if self.clip_val is not None else None
+        _found_inf_step(self.optimizer, flag)
+        drop_gradients(self.optimizer)
+        return StepResult(loss, grad_norm, True, total, True, None, flag)
+
+    def _update(self, loss: torch.Tensor, total: int, value: float | None = None,
+                finite_flag: torch.Tensor | None = None) -> StepResult:
+        """Clip, step the optimizer (through the loss scaler, which may skip), drop gradients."""
+        grad_norm = self._clip() if self.clip_val is not None else None
+        if self._plain:
+            self.optimizer.step()
             stepped = True
         else:
-            stepped = precision.step(optimizer)
-        drop_gradients(optimizer)
+            stepped = self.precision.step(self.optimizer)
+        drop_gradients(self.optimizer)
         return StepResult(loss, grad_norm, stepped, total, True, value, finite_flag)
 
     def wrap_forward_once(self, wrap: Callable[[Forward], Forward]) -> None:
@@ -255,8 +272,8 @@ def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
     """``optimizer.zero_grad(set_to_none=True)``: each parameter's ``.grad`` set to None.
 
     By hand, as torch's does it without its profiler range and dynamo wrapper: kept because
-    ``benchmarks/overhead.py`` shows it pays (~6% of a tiny model's step; benchmarks/README.md).
-    An optimizer class with a ``zero_grad`` of its own has it called.
+    ``python -m benchmarks.overhead`` shows it pays (benchmarks/README.md). An optimizer class
+    with a ``zero_grad`` of its own has it called.
     """
     if type(optimizer).zero_grad is not _TORCH_ZERO_GRAD:
         optimizer.zero_grad(set_to_none=True)

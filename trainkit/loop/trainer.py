@@ -1,20 +1,12 @@
 """The training loop, assembled from trainkit's parts.
 
-``global_step`` counts optimizer steps attempted: one per accumulation window, including the
-rare steps that are skipped -- fp16 steps whose gradients overflowed and steps whose loss was NaN
-or inf. Skipped steps are counted in ``skipped_steps`` and do not advance the LR scheduler or the
-EMA. ``trainer.max_steps`` therefore bounds the data consumed, and a checkpoint's step number
-always names the same position in the data.
-
-The loop runs the steps and says what happened; its parts decide: the
-:class:`~trainkit.checkpoint.checkpointer.Checkpointer` about checkpoints (and where the run
-starts), the :class:`~trainkit.loop.evaluation.EvalSchedule` and the
-:class:`~trainkit.observe.schedule.LogSchedule` which steps evaluate and log, the
-:class:`~trainkit.distributed.group.StepVote` what the ranks agree on, the
-:class:`~trainkit.loop.nonfinite.NonFiniteGuard` about NaN/inf losses, the
-:class:`~trainkit.loop.spike.SpikeGuard` about loss spikes (``trainer.spike``), the strategy
-(:mod:`trainkit.distributed.strategy`) how the model is placed, and the
-:class:`~trainkit.loop.run_report.RunReport` how the run ends.
+``global_step`` counts optimizer steps attempted, skipped ones (fp16 overflow, NaN/inf loss)
+included: they count in ``skipped_steps`` and advance neither the LR scheduler nor the EMA, so a
+step number always names the same position in the data. The loop runs the steps and says what
+happened; its parts decide: the Checkpointer about checkpoints and where the run starts, the
+EvalSchedule and LogSchedule which steps evaluate and log, the StepVote what the ranks agree on,
+the NonFiniteGuard and SpikeGuard about bad losses, the strategy how the model is placed, the
+RunReport how the run ends (docs/architecture.md, "The path of one step").
 """
 
 from __future__ import annotations
@@ -45,11 +37,10 @@ from trainkit.loop import evaluation
 from trainkit.loop.activations import apply_activation_checkpointing
 from trainkit.loop.callbacks import Callbacks
 from trainkit.loop.ema import EMA
-from trainkit.loop.evaluation import EvalSchedule
 from trainkit.loop.micro_batch import micro_batched
 from trainkit.loop.nonfinite import NonFiniteGuard, NonFiniteLossError
 from trainkit.loop.precision import Precision
-from trainkit.loop.run import Run
+from trainkit.loop.run import Run, new_run
 from trainkit.loop.run_report import RunReport
 from trainkit.loop.spike import LossSpikeError, spike_guard
 from trainkit.loop.step import (
@@ -63,10 +54,9 @@ from trainkit.loop.step import (
 from trainkit.loop.train_state import TrainState
 from trainkit.models.param_groups import apply_freeze, describe
 from trainkit.observe.advice import Advisor
-from trainkit.observe.logging import Progress, log_start, log_window, setup_logging
-from trainkit.observe.metrics import StepMeter, startup_seconds
+from trainkit.observe.logging import log_start, log_window, setup_logging
+from trainkit.observe.metrics import startup_seconds
 from trainkit.observe.profile import profilers
-from trainkit.observe.schedule import LogSchedule
 from trainkit.observe.sinks import MetricsSink, default_sinks
 
 __all__ = ["NonFiniteLossError", "TrainState", "Trainer"]
@@ -136,12 +126,10 @@ class Trainer:
         """Train until ``max_epochs`` or ``max_steps`` (or a stop), evaluating on ``val_data``
         with the torchmetrics ``metrics`` (as ``val/<name>``); return the run's summary.
 
-        ``train_data``: batches with a length; a :class:`~trainkit.data.ResumableData` resumes
-        mid-epoch. ``forward(model, batch)`` returns ``(outputs, targets)``, optionally with a
-        third item ``{name: scalar}`` logged as ``train/<name>``. A signal stops the run after
-        the current step with a checkpoint (``status: "preempted"``), as ``stop_at_step`` does;
-        a re-run of a completed run returns its summary and trains nothing. docs/training.md
-        has the details (seeding, signals, resuming).
+        ``train_data`` has a length (a :class:`~trainkit.data.ResumableData` resumes mid-epoch);
+        ``forward(model, batch)`` returns ``(outputs, targets)``, optionally with ``{name: scalar}``
+        logged as ``train/<name>``. A signal, like ``stop_at_step``, stops the run after the current
+        step with a checkpoint; a re-run of a completed run trains nothing (docs/training.md).
 
         Raises:
             NonFiniteLossError: ``trainer.nonfinite_patience`` NaN/inf losses in a row.
@@ -153,10 +141,11 @@ class Trainer:
         report = RunReport(self.runtime, self.run_dir, self.state, advisor, self._profilers)
         with report:  # its sinks and profilers closed however the fit ends, after the summary
             try:
-                return self._fit(model, optimizer, train_data, report, criterion=criterion,
-                                 scheduler=scheduler, val_data=val_data, metrics=metrics,
-                                 forward=forward, preemption=preemption or Preemption(),
-                                 stop_at_step=stop_at_step)
+                run = self._setup(model, optimizer, train_data, report, criterion=criterion,
+                                  scheduler=scheduler, val_data=val_data, metrics=metrics,
+                                  forward=forward, preemption=preemption or Preemption(),
+                                  stop_at_step=stop_at_step)
+                return run if isinstance(run, dict) else self._run(run)  # dict: it had ended
             except torch.cuda.OutOfMemoryError as err:  # moving the model, resuming, a step, eval
                 error = report.out_of_memory(
                     err, optimizer, batch=getattr(train_data, "batch_size", "?"),
@@ -201,9 +190,9 @@ class Trainer:
 
     # -- setting up one fit -------------------------------------------------------------------
 
-    def _fit(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_data: Any,
-             report: RunReport, *, val_data: Iterable[Any] | None,
-             metrics: Mapping[str, Any] | None, **parts: Any) -> dict[str, Any]:
+    def _setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_data: Any,
+               report: RunReport, **parts: Any) -> Run | dict[str, Any]:
+        """The run to train, its parts resumed; or the summary of a run that already ended."""
         setup_logging(self.run_dir, self.runtime.is_main)  # this run's train.log, or none
         model = self.prepare_model(model, optimizer)  # DDP/FSDP: rank 0's weights everywhere
         # Training's random draws (dropout, ...) follow from config.seed, each rank its own.
@@ -222,10 +211,13 @@ class Trainer:
         finished = report.already_ended(total_steps, self.config.epoch_limit)
         if finished is not None:  # a re-run of an ended run: nothing to train or write
             return finished
-        run = self._new_run(model, optimizer, ema, train_data, total_steps, report, **parts)
-        if val_data is not None:
-            run.val_data = val_data
-            run.metrics = {name: m.to(self.runtime.device) for name, m in (metrics or {}).items()}
+        # the run as resumed (a tracker continues its run): the config of the whole run, or
+        # the trainer's own settings for a library user who passed none
+        report.open_sinks(default_sinks(self.run_dir, self.runtime.is_main, self._sinks),
+                          self.run_config or asdict(self.config))
+        run = new_run(self.config, self.runtime, report, self.state.global_step, model=model,
+                      optimizer=optimizer, ema=ema, data=train_data, total_steps=total_steps,
+                      **parts)
         # the first step is next (timed from the process start only where that means it)
         report.begin(run.meter, started, *startup_seconds(report.started))
         log_start(type(ddp.unwrap(model)).__name__, self.runtime, total_steps,
@@ -235,32 +227,27 @@ class Trainer:
                   setup_s=report.setup_s, params=describe(model, optimizer))
         if self.precision.warning:
             log.warning(self.precision.warning)
-        return self._run(run)
-
-    def _new_run(self, model: nn.Module, optimizer: Any, ema: EMA | None, data: Any,
-                 total_steps: int, report: RunReport, *, scheduler: Any, criterion: Criterion,
-                 forward: Forward, preemption: Preemption, stop_at_step: int | None) -> Run:
-        cfg, main = self.config, self.runtime.is_main
-        # the run as resumed (a tracker continues its run): the config of the whole run, or
-        # the trainer's own settings for a library user who passed none
-        report.open_sinks(default_sinks(self.run_dir, main, self._sinks),
-                          self.run_config or asdict(cfg))
-        return Run(model, optimizer, scheduler, ema, data, criterion, forward, total_steps,
-                    stop_at_step, report,  # a token loader's meter counts tokens/s too
-                    StepMeter(self.runtime.device, getattr(data, "tokens_per_sample", None)),
-                    Progress(total_steps, self.state.global_step, enabled=None if main else False),
-                    LogSchedule(cfg.log_every_n_steps, cfg.log_every_n_seconds),
-                    EvalSchedule(cfg.eval_every_n_steps, cfg.eval_every_n_epochs, total_steps),
-                    preemption)
+        return run
 
     def _run(self, run: Run) -> dict[str, Any]:
         """Train, save the last checkpoint, write the summary -- also when the run fails."""
         self._watchdog.on_abort = run.report.abort_hung
+        state, status = self.state, None
         try:
             with run.preemption, run.progress, self._watchdog:
-                status, results = self._train(run)
+                self._start_training(run)
+                while status is None and (  # a run stopped by request is over
+                        state.global_step < run.total_steps
+                        and state.epoch < self.config.epoch_limit and state.stop_reason is None):
+                    status = self._epoch(run)
+                if status is None:  # trained to its end, or resumed there
+                    if run.val_data is not None and not run.results:  # report it again
+                        self._validate(run)
+                    # none pending after a last step; some with a loader shorter than its len()
+                    run.guard.stop_if_diverged()
+                    status = "stopped" if state.stop_reason else "completed"
             if status == "completed":
-                self.checkpointer.save(self.state.global_step, last_step=True)
+                self.checkpointer.save(state.global_step, last_step=True)
             self.checkpointer.wait()  # the last checkpoint is on disk before the summary says so
         except (NonFiniteLossError, LossSpikeError):
             run.report.finish("diverged", {})
@@ -268,11 +255,12 @@ class Trainer:
         finally:
             self.checkpointer.close()  # a write still in flight ends whole, however fit ends
             self._watchdog.on_abort = None  # its report holds the run's data
-        extra = {"stop_reason": self.state.stop_reason} if status == "stopped" else {}
+        extra = {"stop_reason": state.stop_reason} if status == "stopped" else {}
         # best: checkpoint.monitor's best checkpoint, or None; the data's skipped files
-        summary = run.report.finish(status, results, **extra, best=self.checkpointer.best(),
-                                   **getattr(run.data, "report", dict)())
-        run.report.hparams(self.run_config or asdict(self.config), results)
+        summary = run.report.finish(status, run.results or {}, **extra,
+                                    best=self.checkpointer.best(),
+                                    **getattr(run.data, "report", dict)())
+        run.report.hparams(self.run_config or asdict(self.config), run.results or {})
         self.callbacks.fire("on_fit_end", self, summary)
         return summary
 
@@ -303,30 +291,16 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def _train(self, run: Run) -> tuple[str, dict[str, float]]:
-        """Epochs of steps until done, stopped or preempted; the status and the last results."""
-        self._start_training(run)
-        state = self.state
-        while (state.global_step < run.total_steps and state.epoch < self.config.epoch_limit
-               and state.stop_reason is None):  # a run stopped by request is over
-            set_epoch(run.data, state.epoch, state.batch_in_epoch)
-            apply_freeze(ddp.unwrap(run.model), self.config, state.epoch)  # unfreeze_at_epoch
-            if self._epoch(run):
-                return ("stopped" if state.stop_reason else "preempted"), run.results or {}
-        if run.val_data is not None and not run.results:  # resumed a finished run: report it again
-            self._validate(run)
-        # none pending after a last step; some with a loader shorter than its len()
-        run.guard.stop_if_diverged()
-        return ("stopped" if state.stop_reason else "completed"), run.results or {}
+    def _epoch(self, run: Run) -> str | None:
+        """One pass over (what is left of) the data; the status when the run stopped in it.
 
-    def _epoch(self, run: Run) -> bool:
-        """One pass over (what is left of) the data; True when the run stopped in it.
-
-        After each step: the callbacks' ``on_step_end``, an evaluation when one is due, the
-        ranks' vote on stopping, then the Checkpointer: a checkpoint holds what the step's
-        evaluation and callbacks made of it.
+        Before each step the LogSchedule says whether it logs; after it: the log, the callbacks'
+        ``on_step_end``, an evaluation when due, the ranks' vote on stopping, then the
+        Checkpointer: a checkpoint holds what the step's evaluation and callbacks made of it.
         """
         state, checkpointer, vote, guard = self.state, self.checkpointer, run.vote, run.guard
+        set_epoch(run.data, state.epoch, state.batch_in_epoch)
+        apply_freeze(ddp.unwrap(run.model), self.config, state.epoch)  # unfreeze_at_epoch
         clock, fire, batches = time.perf_counter, self.callbacks.fire, len(run.data)
         run.model.train()
         run.evals.start_epoch(state.global_step, state.epoch, state.global_step + steps_per_epoch(
@@ -337,8 +311,11 @@ class Trainer:
         fetched = clock()
         for window in windows(run.data, self.config.accumulate_grad_batches):
             run.meter.data_wait += clock() - fetched  # blocked on the data since the last step
-            self._step(run, window, batches)
+            logs = run.logs.should_log(state.global_step + 1)
+            self._step(run, window, batches, logs)
             step = state.global_step
+            if logs:
+                self._log_train(run)
             if step_end:
                 fire("on_step_end", self, step)
             if run.evals.due(step):
@@ -349,42 +326,35 @@ class Trainer:
             rolled = run.spike and run.spike.after_step(step, vote.spiked, guard, stop or save)
             if stop:
                 self._save_and_stop(run, step)
-                return True
+                return "stopped" if state.stop_reason else "preempted"
             # a save never follows NaN/inf steps the host has not counted
             checkpointer.step_done(step, time_due=save, may_save=guard.steady)
-            if rolled:  # the data goes on after the skipped batches: a new pass from there
-                return False
-            if step >= run.total_steps:
-                break
+            if rolled or step >= run.total_steps:  # rolled: a new pass from after the batches
+                return None
             fetched = clock()
-        return False
+        return None
 
-    def _step(self, run: Run, window: list[Any], batches_per_epoch: int) -> None:
-        """One optimizer step over ``window``, counted, metered and logged."""
+    def _step(self, run: Run, window: list[Any], batches_per_epoch: int, logs: bool) -> None:
+        """One optimizer step over ``window``, counted and metered. Its NaN/inf check is read on
+        the host where the host waits anyway: a logging step (``logs``), a save, the last step."""
         state, guard = self.state, run.guard
         step = state.global_step + 1
-        on_host = guard.host_every_step or guard.on_host(  # where the host waits anyway
-            step % self.config.log_every_n_steps == 0 or step >= run.total_steps
-            or self.checkpointer.due(step) or step == run.stop_at_step)
+        on_host = guard.host_every_step or guard.on_host(
+            logs or step >= run.total_steps or self.checkpointer.due(step)
+            or step == run.stop_at_step)
         result = run.step(window, on_host, not on_host and guard.patience > 0)
-        loss, grad_norm, stepped, samples, finite, value, finite_flag = result
-        state.advance(len(window), samples, batches_per_epoch)
-        if stepped:
+        state.advance(len(window), result.samples, batches_per_epoch)
+        if result.stepped:
             if run.scheduler is not None:
                 run.scheduler.step()
             if run.ema is not None:
                 run.ema.update()
         else:
             state.skipped_steps += 1
-        if not (finite and finite_flag is None and guard.idle):
-            guard.record(result, read_first=on_host)  # raises when the run diverged
-        # the loss as a number when the NaN check already read it: no second sync; a skipped
-        # fp16 step's norm is of overflowed gradients (inf): left out
-        run.meter.add(samples, (loss if value is None else value) if finite else None,
-                      grad_norm if stepped else None, finite_flag)
+        guard.record(result, read_first=on_host)  # raises when the run diverged
+        run.meter.add(result.samples, result.logged_loss, result.logged_grad_norm,
+                      result.finite_flag)
         run.progress.step()
-        if run.logs.should_log(step):
-            self._log_train(run)
 
     def _save_and_stop(self, run: Run, step: int) -> None:
         """Stop after step ``step`` on every rank (a signal, stop_at_step, or request_stop)."""
@@ -404,8 +374,10 @@ class Trainer:
         Checkpointer keep the best (last: its checkpoint holds the callbacks' new state)."""
         ema, step = run.ema, self.state.global_step
         with ema.applied() if ema is not None else contextlib.nullcontext():
-            results = self.evaluate(run.model, run.val_data, criterion=run.criterion,
-                                    metrics=run.metrics, forward=run.forward)
+            results = evaluation.evaluate(  # as self.evaluate does
+                run.model, run.val_data, precision=self.precision, criterion=run.criterion,
+                device=self.runtime.device, metrics=run.metrics, forward=run.forward,
+                max_batches=self.config.eval_max_batches)
         run.report.sinks.log(results, step)
         log.info("epoch %d step %d %s", self.state.epoch_number, step,
                  " ".join(f"{k} {v:.4f}" for k, v in results.items()))
@@ -426,4 +398,3 @@ class Trainer:
         run.progress.show(scalars["train/loss"], scalars["throughput/samples_per_s"])
         log_window(scalars, state.epoch_number, state.global_step, run.total_steps)
         run.report.advise(scalars, state.global_step, run.step)
-        run.logs.logged()

@@ -98,7 +98,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class Perplexity:
     """exp(mean next-token loss) over an evaluation, summed over ranks (a torchmetrics-like
-    metric: ``torchmetrics.text.Perplexity`` does the same, at ~2 s more import time)."""
+    metric: ``torchmetrics.text.Perplexity`` does the same, with a heavier import)."""
 
     def to(self, device: torch.device) -> Perplexity:
         return self

@@ -1,16 +1,11 @@
 """Which parameters train, and with which learning rate and weight decay: for any ``nn.Module``.
 
-* :func:`apply_freeze`: ``trainer.freeze`` (glob patterns on parameter names) frozen, until
-  ``trainer.unfreeze_at_epoch`` when set. The Trainer calls it before wrapping the model and
-  at the start of every epoch, so a resumed run is frozen exactly as the run it continues.
-* :func:`param_groups`: the optimizer's groups: ``optim.param_groups`` (``[{params: pattern,
-  lr: ..., weight_decay: ...}]``, the first matching group wins), layer-wise LR decay
-  (``optim.layer_decay``, timm's meaning: the last layer's lr times ``decay ** depth from the
-  top``) and no weight decay on biases, norms and embeddings (``optim.decay_norm_and_bias=
-  false``). Frozen parameters are in the groups from the start: torch's optimizers skip a
-  parameter without a gradient, so the optimizer's state has the same shape before and after
-  unfreezing (a checkpoint loads on either side) and LR schedules plan every group.
-* :func:`describe`: the first log line's words for what trains and the groups.
+:func:`apply_freeze` freezes ``trainer.freeze`` (glob patterns on names) until
+``trainer.unfreeze_at_epoch``, called before the model is wrapped and at every epoch's start, so
+a resumed run is frozen as the run it continues. :func:`param_groups` builds the optimizer's
+groups (``optim.param_groups``, ``optim.layer_decay`` in timm's meaning, no decay on biases and
+norms), frozen parameters included: the optimizer's state then has one shape before and after
+unfreezing. :func:`describe` says what trains in the first log line.
 """
 
 from __future__ import annotations

@@ -147,9 +147,8 @@ def load_pretrained(model: nn.Module, path: str | Path, *,
     """Load the weights at ``path`` into ``model`` by name, before any wrapping (DDP, FSDP,
     compile); return the names ``{"loaded", "reshaped", "missing", "unexpected"}``.
 
-    A weight whose shape differs (a classifier head for another class count) keeps the model's
-    own initialisation, said in one line; missing and unexpected names get a line each. Keys
-    under another common prefix (a Hugging Face base model's ``bert.``) are matched too.
+    A weight of another shape (a head for another class count) keeps the model's initialisation;
+    each kind of mismatch is said in one line. Keys under a common prefix (``bert.``) match too.
 
     Raises:
         ConfigError: not a weights file (:func:`read_weights`), or more than ``max_missing``

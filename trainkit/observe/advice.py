@@ -1,19 +1,12 @@
 """Say in one line what holds a run back, read from the figures each log window already has.
 
-:class:`Advisor` reads a window's scalars (``StepMeter.read``) at log steps only: nothing per
-step. Each finding is said once per run -- a ``train.log`` line and an entry of summary.json's
-``advice`` list -- never once per window:
-
-* **input-bound**: the step waited for its data (``time/data_wait_pct``) at least
-  ``wait_share`` of the time in ``windows`` log windows in a row (the first window, which holds
-  the loader's start-up, does not count). The line names the setting to try.
-* **memory**: a window's peak is within a few percent of the device's memory (CUDA: peak
-  allocated vs. the GPU's total; CPU: resident memory vs. the machine's RAM).
-* **host reads** (CUDA only): the forward pass synchronises with the GPU (``loss.item()``,
-  ``.cpu()``, ``if tensor:`` ...) in ``windows`` sampled steps in a row. One step per window is
-  run under torch's public sync debug mode (``torch.cuda.set_sync_debug_mode``), which counts
-  the synchronising calls; every other step runs untouched. On a CPU a host read costs nothing
-  (there is no queue of device work to drain), so there is nothing to find and this rule is off.
+:class:`Advisor` reads a window's scalars at log steps only, and says each finding once per run
+(a ``train.log`` line and an entry of summary.json's ``advice``): **input-bound** (the step
+waited for data ``wait_share`` of the time in ``windows`` windows in a row, the first excluded;
+the line names the setting to try), **memory** (a window's peak within a few percent of the
+device's memory), and on CUDA **host reads** (the forward synchronises with the GPU in
+``windows`` sampled steps in a row, one step a window run under
+``torch.cuda.set_sync_debug_mode``; on a CPU a host read costs nothing, so the rule is off).
 """
 
 from __future__ import annotations

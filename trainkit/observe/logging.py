@@ -121,10 +121,9 @@ def bar_kind(enabled: bool | None = None) -> str | None:
 class Progress:
     """A live progress bar (ETA, samples/s, loss) in a terminal or a notebook; nothing otherwise.
 
-    Under nohup, ``tmux pipe-pane``, SLURM or ``> file`` the log lines alone report progress,
-    with no carriage returns to clutter the file. While a terminal bar shows, log lines are
-    printed above it instead of through it; in a notebook (see :func:`bar_kind`) the bar is a
-    widget and the log lines follow it as plain text.
+    Under nohup, SLURM or ``> file`` the log lines alone report progress (no carriage returns in
+    the file). Log lines print above a terminal bar; in a notebook (:func:`bar_kind`) the bar is a
+    widget and the lines follow it.
 
     Example:
         >>> with Progress(total=1000, initial=0) as progress:  # doctest: +SKIP

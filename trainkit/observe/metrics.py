@@ -31,10 +31,8 @@ def startup_seconds(fit_started: float) -> tuple[float | None, float]:
     """``(startup_s, setup_s)`` as a fit's first step is about to run.
 
     ``setup_s``: this fit's own set-up, from ``fit_started`` (a ``perf_counter`` reading).
-    ``startup_s``: seconds since the process started -- only for the first fit of a process that
-    runs a program (the entry point, a script, ``python -c``), where that is the user's wait for
-    the first step; None for a later fit in the same process or in an interactive session (a
-    notebook's kernel, IPython, the REPL), where it would count the whole session.
+    ``startup_s``: seconds since the process started, only for a program's first fit, where that is
+    the user's wait; None for a later fit or an interactive session (it would count the session).
     """
     setup_s = time.perf_counter() - fit_started
     pid = os.getpid()
@@ -50,11 +48,9 @@ def seconds_since_process_start() -> float:
     """Seconds since this process started: interpreter, imports and set-up included, as ``time``
     would count them.
 
-    On Linux from the kernel's own record, 10 ms resolution: the process's start in clock ticks
-    since boot (``/proc/self/stat``) against ``CLOCK_BOOTTIME``. psutil's ``create_time()`` adds
-    that to the boot time, which the kernel gives in whole seconds, so the difference with
-    ``time.time()`` is up to 1 s too large (measured 1.04 s for 0.05 s on this project's machine).
-    Elsewhere psutil's figure.
+    On Linux the process's start in clock ticks since boot (``/proc/self/stat``) against
+    ``CLOCK_BOOTTIME``: psutil's ``create_time()`` adds a boot time in whole seconds, so its
+    difference with ``time.time()`` can be off by up to a second. Elsewhere psutil's figure.
     """
     try:
         with open("/proc/self/stat") as stat:  # field 22, starttime: after "pid (comm)", 20th
@@ -68,9 +64,9 @@ def seconds_since_process_start() -> float:
 def rss_bytes() -> int:
     """This process's resident memory, the figure psutil's ``memory_info().rss`` gives.
 
-    On Linux one ``pread`` of ``/proc/<pid>/statm``, kept open (a fork opens its own): at a log
-    step psutil's Python code is cold in the CPU caches, and this is ~5x quicker
-    (benchmarks/README.md). psutil elsewhere.
+    On Linux one ``pread`` of ``/proc/<pid>/statm``, kept open (a fork opens its own), quicker
+    than psutil's code, cold in the CPU caches at a log step (benchmarks/README.md). psutil
+    elsewhere.
     """
     pid = os.getpid()
     fd = _statm.get(pid)
@@ -91,11 +87,9 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 class DeviceMean:
     """Mean of scalar tensors without a host sync per value: one sync when it is read.
 
-    Values are kept as tensors and folded into one every ``fold_every``, so rare logging does not
-    hold a tensor per step, and adding a value costs no device op. Plain floats (values already
-    read on the host) are summed on the host. A value added with a ``keep`` flag (a 0-d bool
-    tensor, unread) counts only where the flag is true: the mean of the finite losses, say, when
-    which were finite is known only on the device.
+    Values are folded into one tensor every ``fold_every`` (rare logging holds no tensor per step);
+    floats already read are summed on the host. A value added with a ``keep`` flag (a 0-d bool
+    tensor, unread) counts only where it is true: the mean of the finite losses, say.
     """
 
     def __init__(self, fold_every: int = 256) -> None:

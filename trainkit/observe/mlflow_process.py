@@ -1,24 +1,14 @@
 """The process that talks to MLflow for :class:`trainkit.MLflowSink` (no torch, no trainkit).
 
-MLflow's client is Python through and through: its folder store spends ~45 µs of CPU a metric,
-its SQLite store ~225 µs, and that CPU held the training thread's GIL when the calls ran on a
-thread of the training process. Here they run beside training instead: the sink starts this
-file as its own process (``python -c`` with :func:`runpy.run_path`, so neither torch nor trainkit
-is imported) and writes it one JSON line per event on its stdin:
-
-- ``{"start": {...}}``: where and what (tracking URI, experiment, run name, tags, params, the run
-  to resume if any, how often to send);
-- ``{"log": [metrics, step, time_ms]}``: one logging step;
-- ``{"finish": [status, summary]}``: the run's end, as ``summary.json`` says it;
-- ``{"close": true}``: the last line (the sink's ``close``).
-
-It answers on stdout, one JSON line each: ``{"run": {...}}`` once the MLflow run exists (the sink
-keeps it in the run directory), ``{"note": "..."}`` for ``train.log``, and ``{"failed": "Type:
-message"}`` at its first error, after which it only reads on. ``close``, or the end of its input
-(the training process died), ends the MLflow run: FAILED when no ``finish`` came. The sink
-starts it in a session of its own, out of reach of the signals sent to the training job's process
-group (Ctrl-C, SLURM, systemd): it lives until the sink closes it, so that a preempted run's last
-metrics and status still get out.
+MLflow's client is pure Python whose CPU, on a thread of the training process, held the training
+thread's GIL (benchmarks/README.md): it runs here instead, started by the sink through ``python
+-c`` and :func:`runpy.run_path` (neither torch nor trainkit imported), in a session of its own
+out of reach of the job's signals, so a preempted run's last metrics still get out. Its stdin
+takes one JSON line per event: ``{"start": {...}}`` (URI, experiment, names, tags, params, the run
+to resume), ``{"log": [metrics, step, time_ms]}``, ``{"finish": [status, summary]}``, ``{"close":
+true}``. Its stdout answers ``{"run": {...}}`` once the run exists, ``{"note": "..."}`` for
+``train.log`` and ``{"failed": "Type: message"}`` at its first error (it then only reads on).
+``close`` or the end of its input ends the MLflow run: FAILED when no ``finish`` came.
 """
 
 from __future__ import annotations

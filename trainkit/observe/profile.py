@@ -29,11 +29,9 @@ _MAX_ENTRIES = 100_000
 class MemoryHistory:
     """The CUDA allocator's record of allocations, with their Python stacks, and its snapshots.
 
-    ``torch.cuda.memory._record_memory_history`` and ``_dump_snapshot`` are underscored, but
-    they are the API PyTorch documents for this ("Understanding CUDA Memory Usage",
-    https://pytorch.org/docs/stable/torch_cuda_memory.html). Python stacks, not C++ ones too
-    (``stacks="all"``): those slow every allocation while on. ``record`` and ``dump`` default
-    to those two functions (a test passes its own to see what is asked of them).
+    ``torch.cuda.memory._record_memory_history`` and ``_dump_snapshot`` are underscored but are
+    the API PyTorch documents ("Understanding CUDA Memory Usage"). Python stacks only: C++ ones
+    slow every allocation. ``record`` and ``dump`` default to those two (tests pass their own).
     """
 
     def __init__(self, record: Callable[..., None] | None = None,

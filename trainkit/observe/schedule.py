@@ -1,5 +1,6 @@
 """When the loop logs: every ``log_every_n_steps`` steps, and when ``log_every_n_seconds`` passed
-since the last log line (slow steps still report)."""
+since the last logging step (slow steps still report). The one logging policy: the loop asks it
+once per step, before the step, and that answer decides both the log and the host's read."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ class LogSchedule:
 
     Args:
         every_n_steps: log at every multiple of this step count.
-        every_n_seconds: also log when this long passed since the last log (0: never by time).
+        every_n_seconds: also log when this long passed since the last logging step was
+            decided (0: never by time).
         clock: seconds on a monotonic clock (``time.perf_counter``; tests pass their own).
 
     Example:
@@ -30,10 +32,16 @@ class LogSchedule:
         self.logged()
 
     def should_log(self, step: int) -> bool:
-        """Whether step ``step`` logs (called every step: one modulo, one clock read)."""
-        return step % self.every_n_steps == 0 or self._clock() >= self._deadline
+        """Whether step ``step`` logs, asked once, before the step runs (one modulo, one clock
+        read): the step then reads its checks on the host, as its log waits for the device
+        anyway. A step that logs starts the next time period; a step longer than the period
+        thus logs every time."""
+        if step % self.every_n_steps and self._clock() < self._deadline:
+            return False
+        self.logged()
+        return True
 
     def logged(self) -> None:
-        """A log line was written: the time-based one is due ``every_n_seconds`` from now."""
+        """Start the time period from now: the next time-based log is ``every_n_seconds`` away."""
         seconds = self.every_n_seconds
         self._deadline = self._clock() + seconds if seconds else math.inf

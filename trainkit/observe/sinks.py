@@ -1,20 +1,11 @@
 """Where logged metrics go: the loop hands one dict per logging step to every sink.
 
-TensorBoard (``<run_dir>/tb``) and JSON lines (``<run_dir>/metrics.jsonl``) are the built-in
-sinks; anything with ``log(metrics, step)`` is one too: pass it as ``Trainer(..., sinks=[...])``.
-Sinks run on rank 0 only. A sink may also have any of these, each called once if present:
-
-- ``start(run_dir, config)`` before the first ``log``: the run directory (None when the run
-  writes none) and the run's resolved config (a nested dict);
-- ``finish(status, summary)`` when ``summary.json`` is written: the run's status
-  (``completed``, ``preempted``, ...) and the summary's contents;
-- ``close()`` last, however the run ended (also after an error, with no ``finish`` before it).
-
-A sink never takes a run down: the first error it raises is one warning line in ``train.log``,
-and the sink gets nothing more in that run; the others, ``metrics.jsonl`` among them, go on.
-Experiment trackers (:mod:`trainkit.observe.trackers`) keep their run ids in
-``<run_dir>/trackers/<name>.json`` (:func:`remember_tracker_run`), so a resumed run appends to
-the same tracker run, and every checkpoint's manifest names them (:func:`tracker_runs`).
+TensorBoard (``<run_dir>/tb``) and ``<run_dir>/metrics.jsonl`` are built in; anything with
+``log(metrics, step)`` is a sink too (``Trainer(..., sinks=[...])``), run on rank 0 only, with
+optional ``start(run_dir, config)``, ``finish(status, summary)`` and ``close()`` (last, however
+the run ended), each called once. A sink never takes a run down: its first error is one warning
+line and it gets nothing more. Trackers keep their run ids in ``<run_dir>/trackers/<name>.json``
+(:func:`remember_tracker_run`), so a resumed run appends to the same tracker run.
 """
 
 from __future__ import annotations

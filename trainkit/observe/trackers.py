@@ -1,22 +1,13 @@
 """Experiment trackers as metrics sinks: :class:`MLflowSink` and :class:`WandbSink`.
 
-Each records, from rank 0: the run's resolved config as parameters (flattened keys,
-``trainer.max_steps``), every scalar the loop logs at its step under TensorBoard's names
-(``train/loss``, ``val/acc``, ...), the run directory's path, and at the end the run's status
-and ``summary.json``. The tracker's run id is kept in ``<run_dir>/trackers/<name>.json``: a
-resumed or extended run (the same command again) appends to the same tracker run.
-
-A tracker talks to a server, so the loop never waits for one: a slow or unreachable server
-costs the training nothing. MLflow's client runs in a process of its own, fed through a pipe
-(its CPU would otherwise hold the training thread's GIL); W&B's calls run in order on a thread,
-as W&B does its own work in its service process. The first call that fails is one warning line
-in ``train.log``; the tracker is then off for the rest of the run (``metrics.jsonl`` has every
-metric). ``close`` waits up to ``close_timeout_s`` for what is still queued, so a preempted run's
-last metrics and status reach the tracker before it exits.
-
-mlflow and wandb are imported when the run starts (in the sink's process, on the sink's thread),
-never by ``import trainkit``; each is an optional extra: ``pip install "trainkit[mlflow]"``,
-``"trainkit[wandb]"``.
+Each records, from rank 0, the resolved config as parameters, every logged scalar at its step
+under TensorBoard's names, and at the end the status and ``summary.json``; the tracker's run id
+in ``<run_dir>/trackers/<name>.json`` lets a resumed run append to the same tracker run. The loop
+never waits for a server: MLflow runs in a process of its own, W&B's calls on a thread. The
+first failed call is one warning in ``train.log`` and turns the tracker off (``metrics.jsonl``
+has every metric); ``close`` waits up to ``close_timeout_s``, so a preempted run's last metrics
+get out. mlflow and wandb are optional extras (``pip install "trainkit[mlflow]"``), imported
+when the run starts, never by ``import trainkit``.
 """
 
 from __future__ import annotations
@@ -104,10 +95,9 @@ class _Calls:
 class MLflowSink:
     """Logs the run to MLflow: params, metrics by step, tags, ``summary.json`` as an artifact.
 
-    MLflow's client runs in a process of its own (:mod:`trainkit.observe.mlflow_process`),
-    started when the run starts: its CPU (~45 µs a metric with a folder store, ~225 µs with
-    SQLite) never holds the training thread's GIL. Each logging step costs the training thread
-    one JSON line written to that process's pipe, without waiting.
+    MLflow's client runs in a process of its own (:mod:`trainkit.observe.mlflow_process`), so
+    its CPU never holds the training thread's GIL: a logging step costs one JSON line written
+    to its pipe, without waiting.
 
     Args:
         tracking_uri: where runs go: a server (``http://host:5000``), a database

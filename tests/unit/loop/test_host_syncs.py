@@ -98,3 +98,15 @@ def test_a_streak_between_reads_stops_the_run_at_the_next_read(
     if every_n_steps:
         last = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
         assert last["global_step"] == 2 and torch.isfinite(last["model"]["1.weight"]).all()
+
+
+def test_a_step_that_logs_by_time_reads_its_check_on_the_host() -> None:
+    """One logging policy (issue 48): a step the LogSchedule logs by time (here every step) is
+    a read step like a logging step by count, so the streak from step 4 is counted exactly."""
+    model = _model()
+    config = TrainerConfig(device="cpu", log_every_n_steps=10, log_every_n_seconds=1e-9,
+                           nonfinite_patience=3)
+    with pytest.raises(NonFiniteLossError, match="stopped at step 6: the loss was NaN/inf for "
+                                                 "3 steps in a row"):
+        Trainer(config).fit(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            _batches(20, 3, 20))

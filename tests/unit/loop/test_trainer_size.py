@@ -44,3 +44,33 @@ def test_trainer_is_at_most_300_code_lines_with_no_function_over_40() -> None:
 def test_the_count_leaves_out_docstrings_and_comments() -> None:
     source = 'def f():\n    """Doc\n    string."""\n    # a comment\n\n    return 1\n'
     assert _code_lines(source)[1] == {1, 6}
+
+
+def _self_calls(function: ast.FunctionDef) -> set[str]:
+    """The names of the ``self.<name>(...)`` methods ``function`` calls."""
+    return {node.func.attr for node in ast.walk(function)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"}
+
+
+def _depth(methods: dict[str, ast.FunctionDef], name: str, seen: tuple[str, ...] = ()) -> int:
+    """How many of the Trainer's own methods deep a call of ``name`` goes (itself counted)."""
+    callees = [c for c in _self_calls(methods[name]) if c in methods and c not in seen]
+    return 1 + max((_depth(methods, c, (*seen, name)) for c in callees), default=0)
+
+
+def test_the_loop_is_at_most_four_calls_deep_from_fit() -> None:
+    """Issue 48: fit -> _run -> _epoch -> _step, not fit -> _fit -> _run -> _train -> ..."""
+    tree = ast.parse(TRAINER.read_text())
+    trainer = next(node for node in tree.body
+                   if isinstance(node, ast.ClassDef) and node.name == "Trainer")
+    methods = {node.name: node for node in trainer.body if isinstance(node, ast.FunctionDef)}
+    assert _depth(methods, "fit") <= 4
+    assert _depth(methods, "_epoch") >= 2  # the count follows calls: _epoch calls _step
+
+
+def test_the_depth_counts_each_level_of_self_calls() -> None:
+    tree = ast.parse("class T:\n def a(self): self.b()\n def b(self): self.c(); self.a()\n"
+                     " def c(self): return 1\n")
+    methods = {node.name: node for node in tree.body[0].body}
+    assert _depth(methods, "a") == 3 and _depth(methods, "c") == 1
