@@ -180,19 +180,11 @@ _BAD_INPUT = (TrainkitError, HydraException, OmegaConfBaseException)
 
 @contextlib.contextmanager
 def removed_if_unused(run_dir: str | Path) -> Iterator[None]:
-    """On an error, remove ``run_dir`` if it holds nothing but Hydra's ``.hydra/`` -- or, after
-    bad input (a :class:`TrainkitError`, or a config Hydra could not build), also this run's own
-    ``train.log``, its ``inputs.json`` and empty folders.
-
-    A config error is found inside the job, after Hydra has made ``outputs/<date>/<time>/``:
-    without this each mistyped value left an empty-looking folder behind; so did an error found
-    as the run starts (a checkpoint that does not fit, data that cannot be downloaded), whose
-    lines the console has. A folder that holds anything else (a ``train.log`` of an earlier
-    attempt, checkpoints, metrics: any run that got as far as training) is kept. Emptied parents
-    inside Hydra's default ``outputs/`` go too (``outputs/<date>/``, then ``outputs/``); folders
-    of your own naming, e.g. ``runs/`` of ``hydra.run.dir=runs/a``, stay. A folder kept after
-    an error that wrote no summary gets one that says ``failed`` and why (:func:`_mark_failed`).
-    """
+    """On an error, remove ``run_dir`` if it holds nothing but Hydra's ``.hydra/`` -- after bad
+    input also this attempt's own ``train.log``, ``inputs.json`` and empty folders -- so a typo
+    leaves no empty-looking ``outputs/<date>/<time>/`` (emptied parents inside ``outputs/`` go
+    too). A folder that holds anything else is kept, and one that got no summary is marked
+    ``failed`` with the error's line (:func:`_mark_failed`)."""
     run_dir = Path(run_dir).absolute()
     # this attempt's own files (not an earlier attempt's): gone with its bad input
     ours = {name for name in ("train.log", "inputs.json") if not (run_dir / name).exists()}
