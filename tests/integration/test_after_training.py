@@ -21,14 +21,15 @@ import torch
 from tests.conftest import REPO, error_report, offline_env, run_train, tiny_run
 from tests.image_files import make_folder
 from trainkit import load_model
+from trainkit.checkpoint.export import read_inputs
 from trainkit.core.runtime import Runtime
 from trainkit.data.datasets import TensorData, load_mnist
 from trainkit.data.memory import InMemoryLoader
 from trainkit.entry import cli
+from trainkit.entry.build import build_data, data_inputs, rebuild, run_classes
 from trainkit.entry.evaluate import evaluate_run
 from trainkit.entry.export import export_run
-from trainkit.entry.own_data import build_data
-from trainkit.entry.rebuild import data_inputs, image_source, read_inputs, rebuild, run_classes
+from trainkit.entry.predict import image_source
 
 pytestmark = pytest.mark.slow
 SITE = sysconfig.get_paths()["purelib"]

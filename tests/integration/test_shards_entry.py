@@ -16,8 +16,9 @@ from tests.conftest import REPO, offline_env
 from tests.image_files import make_folder
 from trainkit import load_model
 from trainkit.entry import cli
+from trainkit.entry.build import rebuild
 from trainkit.entry.export import export_run
-from trainkit.entry.rebuild import image_source, rebuild
+from trainkit.entry.predict import image_source
 
 pytestmark = pytest.mark.slow
 

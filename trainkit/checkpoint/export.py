@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from trainkit.checkpoint.load import MODEL_JSON
 from trainkit.core.errors import TrainkitError
 
 FORMATS = ("safetensors", "pt", "pt2")
+INPUTS_FILE = "inputs.json"  # a run's Inputs, recorded when it trains (write_inputs)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -41,6 +42,26 @@ class Inputs:
     # (x - 255 mean) / (255 std), or image files' x / (255 std) - mean / std (one multiply-add)
     fused: bool = False
     transform: dict[str, Any] | None = None  # image files: how they are resized and cropped
+
+
+def write_inputs(run_dir: str | Path, inputs: Inputs) -> Path:
+    """``inputs`` as ``<run_dir>/inputs.json`` (written whole: beside it, then renamed), so that
+    export and predict need neither the run's data nor its ``dataset._target_``'s module."""
+    path = Path(run_dir) / INPUTS_FILE
+    partial = path.with_name(f".{INPUTS_FILE}.{os.getpid()}")
+    partial.write_text(json.dumps(asdict(inputs), indent=1) + "\n")
+    os.replace(partial, path)
+    return path
+
+
+def read_inputs(run_dir: str | Path) -> Inputs | None:
+    """The :class:`Inputs` a run's training recorded; None for a run from before the record."""
+    path = Path(run_dir) / INPUTS_FILE
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    return Inputs(tuple(saved["mean"]), tuple(saved["std"]), tuple(saved["image_size"]),
+                  list(saved["classes"]), fused=saved["fused"], transform=saved["transform"])
 
 
 class Normalized(nn.Module):

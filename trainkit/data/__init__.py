@@ -12,12 +12,17 @@ Two paths, one interface -- :class:`ResumableData`: ``len``, iteration,
   shards stream through :mod:`trainkit.data.shards` (``data=webdataset``).
 
 ``python -m trainkit.data download|verify`` fetches and checks the files for offline clusters;
-``tokenize`` and ``shards`` write token corpora and image shards.
+``tokenize`` and ``shards`` write token corpora and image shards. The commands after training
+(``trainkit.entry``) read a split, its class names and image files through the names exported
+here (``READERS``, ``TensorData``, ``Samples``, ``load_image``, ...), not the modules inside.
 """
 
 from trainkit.core.rng import mix_seed
 from trainkit.data.augment import crop_flip
-from trainkit.data.build import build_loaders
+from trainkit.data.build import READERS, build_loaders
+from trainkit.data.classes import read_classes, write_classes
+from trainkit.data.datasets import TensorData
+from trainkit.data.image_folder import read_image_folder
 from trainkit.data.loaders import (
     ResumableBatchSampler,
     ResumableLoader,
@@ -26,21 +31,40 @@ from trainkit.data.loaders import (
 )
 from trainkit.data.memory import InMemoryLoader
 from trainkit.data.order import epoch_order
+from trainkit.data.own_data import Samples
 from trainkit.data.prefetch import DevicePrefetcher
 from trainkit.data.resumable import ResumableData
 from trainkit.data.tokens import TokenLoader
+from trainkit.data.transforms import (
+    IMAGE_SUFFIXES,
+    UnreadableImage,
+    load_image,
+    stats_for,
+    transform_for,
+)
 
 __all__ = [
+    "IMAGE_SUFFIXES",
+    "READERS",
     "DevicePrefetcher",
     "InMemoryLoader",
     "ResumableBatchSampler",
     "ResumableData",
     "ResumableLoader",
+    "Samples",
+    "TensorData",
     "TokenLoader",
+    "UnreadableImage",
     "build_loaders",
     "crop_flip",
     "default_num_workers",
     "epoch_order",
+    "load_image",
     "make_loader",
     "mix_seed",
+    "read_classes",
+    "read_image_folder",
+    "stats_for",
+    "transform_for",
+    "write_classes",
 ]

@@ -57,6 +57,23 @@ def run_dir_name(environ: Mapping[str, str] | None = None) -> str | None:
     return None if found is None else f"slurm-{found}"
 
 
+# configs/train.yaml: hydra.run.dir is outputs/${oc.env:TRAINKIT_RUN_NAME,<date>/<time>}
+RUN_NAME_ENV = "TRAINKIT_RUN_NAME"
+
+
+def name_run_after_slurm_job() -> None:
+    """Under SLURM, name the default run directory ``outputs/<run_dir_name()>`` instead of the
+    time, so a requeued job starts in the folder it left and resumes; a ``TRAINKIT_RUN_NAME`` of
+    your own, or a ``hydra.run.dir``, wins.
+
+    Raises:
+        TrainkitError: a SLURM job id that is not a number.
+    """
+    name = run_dir_name()
+    if name is not None:
+        os.environ.setdefault(RUN_NAME_ENV, name)
+
+
 def requeue_after_stop(received: int | None, *, enabled: bool, is_main: bool) -> None:
     """After a stop's checkpoint: on rank 0 of a SLURM job warned by SIGUSR1, requeue the job.
 

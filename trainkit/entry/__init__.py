@@ -1,1 +1,1 @@
-"""The Hydra entry point's parts: one-line errors, run directory, config folders, cli."""
+"""The commands (train, evaluate, predict, export, probe, ...); build.py and errors.py: theirs."""

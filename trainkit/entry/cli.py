@@ -1,4 +1,5 @@
-"""``trainkit <command>``: the console command a pip install puts on the PATH.
+"""``trainkit <command>``: the console command a pip install puts on the PATH, and the argument
+reading the after-training commands share (``RUN_DIR key=value ...``).
 
 Each command is the module of the same name, so ``trainkit train +exp=mnist`` is
 ``python -m trainkit.train +exp=mnist`` and the ``python -m`` forms keep working. Under
@@ -10,6 +11,10 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from trainkit.core.errors import TrainkitError, command_name, help_text
 
 # command -> (module whose main() runs it, what it does)
 COMMANDS = {
@@ -71,6 +76,34 @@ def _current_folder_importable() -> None:
     here = os.getcwd()
     if not {"", ".", here} & set(sys.path):
         sys.path.insert(0, here)
+
+
+def usage_status(args: Sequence[str], module: str, usage: str, doc: str | None) -> int | None:
+    """Print a command's usage when ``args`` is empty (to stderr: exit status 2) or asks for help
+    (to stdout: 0); None when the command should run."""
+    if args and args[0] not in ("-h", "--help"):
+        return None
+    print(f"usage: {command_name(module)} {usage}\n\n{help_text(doc)}",
+          file=sys.stdout if args else sys.stderr)
+    return 0 if args else 2
+
+
+def split_args(args: Sequence[str], options: dict[str, str], usage: str
+               ) -> tuple[Path, dict[str, str], list[str]]:
+    """``RUN_DIR key=value ...`` as the run folder, the command's own options (``options``:
+    their defaults) and the config overrides (every other ``key=value``)."""
+    positional = [a for a in args if "=" not in a]
+    if len(positional) != 1:
+        raise TrainkitError(f"give one run folder, then key=value settings: {usage}")
+    chosen, overrides = dict(options), []
+    for arg in args:
+        if "=" in arg:
+            key, value = arg.split("=", 1)
+            if key in options:
+                chosen[key] = value
+            else:
+                overrides.append(arg.removeprefix("+"))
+    return Path(positional[0]), chosen, overrides
 
 
 if __name__ == "__main__":

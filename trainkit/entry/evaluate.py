@@ -21,17 +21,16 @@ from typing import Any
 from trainkit.core.cuda_settings import use_device
 from trainkit.core.runtime import Runtime
 from trainkit.distributed import group
-from trainkit.entry.errors import errors_as_one_line
-from trainkit.entry.own_data import build_data
-from trainkit.entry.rebuild import (
+from trainkit.entry.build import (
     build_criterion,
+    build_data,
     build_forward,
     build_metrics,
     on_device,
     rebuild,
-    split_args,
-    usage_status,
 )
+from trainkit.entry.cli import split_args, usage_status
+from trainkit.entry.errors import errors_as_one_line
 from trainkit.loop import evaluation
 from trainkit.loop.precision import Precision
 

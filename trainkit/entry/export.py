@@ -30,10 +30,10 @@ from trainkit.checkpoint.export import DTYPES, FORMATS, export
 from trainkit.checkpoint.select import WEIGHTS
 from trainkit.checkpoint.text_export import export_adapters, export_text
 from trainkit.core.errors import TrainkitError, command_name, help_text
-from trainkit.data.classes import read_classes
 from trainkit.data.hf_text import load_tokenizer
+from trainkit.entry.build import Rebuilt, model_inputs, rebuild, run_classes
+from trainkit.entry.cli import split_args
 from trainkit.entry.errors import errors_as_one_line
-from trainkit.entry.rebuild import Rebuilt, model_inputs, rebuild, split_args
 from trainkit.models.pretrained import model_node
 
 USAGE = ("RUN_DIR [ckpt=best|last|step_N|PATH] [--format F] [--dtype D] [--weights W] "
@@ -87,7 +87,7 @@ def export_text_run(run: Rebuilt, out: Path, *, fmt: str, dtype: str, adapters: 
         return export_adapters(run.model, out, tokenizer=tokenizer)
     node = OmegaConf.to_container(run.cfg.model, resolve=True)
     node.pop("lora", None)  # merged: the plain model
-    classes = read_classes(run.state) or read_classes(run.run_dir)
+    classes = run_classes(run)
     info = {"model": node, "weights": run.weights,
             "checkpoint": {"ckpt": run.name, "path": run.state["_path"], "step": run.step},
             "classes": classes, "num_classes": len(classes) if classes else None,

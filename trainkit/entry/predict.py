@@ -36,23 +36,28 @@ import torch
 
 from trainkit.checkpoint.export import Inputs, Normalized
 from trainkit.core.cuda_settings import use_device
-from trainkit.core.errors import TrainkitError
+from trainkit.core.errors import TrainkitError, one_line
 from trainkit.core.runtime import Runtime
-from trainkit.data.datasets import TensorData
-from trainkit.data.image_folder import read_image_folder
-from trainkit.data.own_data import Samples
-from trainkit.data.transforms import IMAGE_SUFFIXES, UnreadableImage
+from trainkit.data import (
+    IMAGE_SUFFIXES,
+    Samples,
+    TensorData,
+    UnreadableImage,
+    load_image,
+    read_classes,
+    read_image_folder,
+)
 from trainkit.distributed import group
-from trainkit.entry.errors import errors_as_one_line
-from trainkit.entry.rebuild import (
+from trainkit.entry.build import (
+    Rebuilt,
     eval_transform,
-    image_source,
     inputs_of,
+    model_inputs,
     read_split,
     rebuild,
-    split_args,
-    usage_status,
 )
+from trainkit.entry.cli import split_args, usage_status
+from trainkit.entry.errors import errors_as_one_line
 from trainkit.loop.precision import Precision
 
 USAGE = ("RUN_DIR inputs=FOLDER|test|train out=FILE.jsonl|FILE.pt [ckpt=best] [topk=5] "
@@ -141,7 +146,6 @@ def _readable(read: Callable[[int], torch.Tensor], index: list[int], names: list
 def _predict_text(run: Any, options: dict[str, str], runtime: Runtime) -> dict[str, Any] | None:
     """A Hugging Face text run's rows (:func:`trainkit.models.hf.classify` or ``generate``)
     over ``inputs=test|train`` (the run's split's texts) or a text file (one input a line)."""
-    from trainkit.data.classes import read_classes
     from trainkit.data.hf_text import EVAL_SPLITS, load_tokenizer, read_splits
     from trainkit.models import hf
 
@@ -225,6 +229,36 @@ def _split(run: Any, *, train: bool) -> Source:
                       label_column=data.label_column, transform_all=custom)
 
     return list(range(len(split))), lambda i: samples.sample(i)[0], inputs
+
+
+def image_source(run: Rebuilt) -> tuple[Inputs, Callable[[Path], torch.Tensor]]:
+    """What the model takes (:func:`~trainkit.entry.build.model_inputs`), and a reader of an
+    image file into it (uint8 ``[C, H, W]``): for a run on tensor data the file in that data's
+    mode and size; for a run that decoded images, the run's own evaluation transform."""
+    inputs = model_inputs(run)
+    if not inputs.fused:  # tensor data: normalised as its in-memory loaders do
+        return inputs, lambda path: read_image(path, inputs.image_size)
+    _, transform, _ = eval_transform(run)
+    channels = run.settings.data.channels
+    return inputs, lambda path: transform(load_image(path, channels=channels))
+
+
+def read_image(path: Path, size: Sequence[int]) -> torch.Tensor:
+    """``path`` as uint8 ``[C, H, W]`` in a tensor dataset's mode (gray or RGB) and size."""
+    from PIL import Image, UnidentifiedImageError
+    from torchvision.transforms.v2 import functional
+
+    try:
+        with Image.open(path) as file:
+            image = functional.pil_to_tensor(file.convert("L" if size[0] == 1 else "RGB"))
+    except (UnidentifiedImageError, OSError) as err:
+        why = ("not an image format Pillow reads" if isinstance(err, UnidentifiedImageError)
+               else one_line(err, 60))  # the path last: a shortened line keeps its end
+        raise UnreadableImage(f"cannot read an image file ({why}); replace or delete it, or "
+                              f"set data.skip_corrupt=true to skip such files: {path}") from None
+    if tuple(image.shape[-2:]) != tuple(size[-2:]):
+        image = functional.resize(image, list(size[-2:]), antialias=True)
+    return image
 
 
 def _rows_of(options: dict[str, str], inputs: Inputs) -> Callable[[torch.Tensor, list], list]:

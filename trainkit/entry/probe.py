@@ -1,8 +1,8 @@
 """``trainkit probe +exp=cifar [overrides]``: what holds a run back, measured in a few seconds.
 
 The same config and overrides as ``trainkit train``, composed the same way, build the same
-loader, model and optimizer (:func:`trainkit.train.build_parts`); then three timed phases, each
-after a warm-up (:mod:`trainkit.entry.throughput`):
+loader, model and optimizer (:func:`trainkit.entry.build.build_parts`); then three timed
+phases, each after a warm-up (:mod:`trainkit.loop.throughput`):
 
 1. **loader**: batches per second from the configured loader, on the device;
 2. **step**: optimizer steps per second on one batch kept on the device (no loading);
@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from trainkit.config import TrainConfig
 from trainkit.core.cuda_settings import apply_device_settings, use_device
@@ -34,15 +33,16 @@ from trainkit.core.device import GIB
 from trainkit.core.errors import TrainkitError
 from trainkit.core.rng import seed_everything
 from trainkit.core.runtime import Runtime
-from trainkit.data.loaders import default_num_workers
+from trainkit.data import default_num_workers
 from trainkit.distributed import group, strategy
-from trainkit.entry import throughput
+from trainkit.entry.build import build_data, build_parts, build_settings
 from trainkit.entry.errors import errors_as_one_line
-from trainkit.entry.throughput import Phase
-from trainkit.entry.train import CONFIG_DIR, build_data, build_parts
+from trainkit.entry.train import CONFIG_DIR
+from trainkit.loop import throughput
 from trainkit.loop.activations import apply_activation_checkpointing
 from trainkit.loop.precision import Precision
 from trainkit.loop.step import WindowStep
+from trainkit.loop.throughput import Phase
 from trainkit.models.param_groups import apply_freeze
 from trainkit.observe.logging import setup_logging
 
@@ -78,7 +78,7 @@ def probe(cfg: Any, *, seconds: float) -> dict[str, Any] | None:
 
     Other ranks measure too (a step all-reduces) and return None.
     """
-    settings: TrainConfig = OmegaConf.to_object(cfg)
+    settings = build_settings(cfg)
     runtime = Runtime.from_env(settings.trainer.device)
     use_device(runtime.device)
     group.init_process_group(runtime)

@@ -56,7 +56,7 @@ def read_plan(overrides: Sequence[str]) -> Plan:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from trainkit.entry.config_dir import config_dir, schema
+    from trainkit.core.schema import config_dir, schema
 
     # the schema configs/train.yaml names, stored as trainkit.train stores it
     ConfigStore.instance().store(name="train_schema", node=schema())

@@ -1,9 +1,8 @@
 """``python -m trainkit.train +exp=mnist``: compose the config with Hydra, then train.
 
-Only the entry point imports Hydra: this module, and its error folding
-(:mod:`trainkit.entry.errors`) and rank joining (:mod:`trainkit.entry.ranks`).
-``train(cfg, run_dir)`` reads top to bottom: settings -> runtime -> data -> model -> optimizer ->
-trainer.fit -> summary.
+``train(cfg, run_dir)`` reads top to bottom: settings (the typed config, built once) -> runtime
+-> the run's parts (data, model, optimizer: :mod:`trainkit.entry.build`) -> trainer.fit ->
+summary. The library never imports Hydra; the commands in :mod:`trainkit.entry` do.
 """
 
 from __future__ import annotations
@@ -11,35 +10,39 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
-from trainkit.checkpoint.adapters import check_adapters_only
-from trainkit.config import TrainConfig
 from trainkit.core.cuda_settings import use_device
-from trainkit.core.errors import ConfigError
 from trainkit.core.rng import seed_everything
 from trainkit.core.runtime import Runtime
+from trainkit.core.schema import config_dir, schema
 from trainkit.core.signals import EXIT_PREEMPTED, Preemption, stop_outside_training
 from trainkit.distributed import group, slurm
-from trainkit.distributed.slurm_requeue import requeue_after_stop
-from trainkit.entry.config_dir import config_dir, schema
-from trainkit.entry.errors import errors_as_one_line, set_resume_hint
-from trainkit.entry.keys import check_known_keys
-from trainkit.entry.own_data import build_data, save_classes, save_inputs
-from trainkit.entry.ranks import join_ranks
-from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
-from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused, resume_command
-from trainkit.entry.run_length import StartLines, length_notes
+from trainkit.distributed.ranks import join_ranks
+from trainkit.distributed.slurm_requeue import name_run_after_slurm_job, requeue_after_stop
+from trainkit.entry.build import (
+    build_callbacks,
+    build_metrics,
+    build_parts,
+    build_scheduler,
+    build_settings,
+    build_sinks,
+    run_record,
+    save_run_files,
+)
+from trainkit.entry.errors import (
+    errors_as_one_line,
+    removed_if_unused,
+    resume_command,
+    set_resume_hint,
+)
+from trainkit.loop.run_length import StartLines, length_notes
 from trainkit.loop.trainer import Trainer
-from trainkit.models.build import make_model
-from trainkit.models.param_groups import build_optimizer
-from trainkit.models.vision import for_channels
 from trainkit.observe.logging import setup_logging
 
 CONFIG_DIR = str(config_dir())
@@ -52,47 +55,33 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
 
     ``stop_at_step`` stops after that step as a preemption would (for verify_resume).
     ``resume``: the command that resumes the run after a stop, where re-running this one would
-    not (:func:`~trainkit.entry.run_dir.resume_command`); said at the start and at a stop.
+    not (:func:`~trainkit.entry.errors.resume_command`); said at the start and at a stop.
     """
-    check_known_keys(cfg)  # a +key=value of a typo: refused, not saved and ignored
-    settings: TrainConfig = OmegaConf.to_object(cfg)  # type checks done; ranges checked here
+    settings = build_settings(cfg)  # the typed config, once: keys, types and ranges checked
     runtime = Runtime.from_env(settings.trainer.device)
     use_device(runtime.device)  # current before anything touches CUDA (also cuda:1 alone)
     group.init_process_group(runtime)  # backend by device: gloo for cpu, NCCL for cuda
     log = setup_logging(run_dir, runtime.is_main)
-    # Experiment trackers and your own sinks, built first: a missing extra is said at once. They
-    # start, and import their libraries, when training does (rank 0 only; docs/trackers.md).
-    sinks = [instantiate(node, _convert_="all") for node in cfg.sinks.values() if node is not None]
+    sinks = build_sinks(cfg)  # first: a tracker's missing extra is said at once
     seed_everything(settings.trainer.seed)
 
-    parts = build_parts(cfg, settings, runtime)
-    save_classes(run_dir, parts.train_data, runtime)  # <run_dir>/classes.json, image data
-    # Your callbacks: a `callbacks` node of name -> `_target_` (null drops one), on every rank.
-    callbacks = [instantiate(node, _convert_="all")
-                 for node in (cfg.get("callbacks") or {}).values() if node is not None]
+    parts = build_parts(cfg, settings, runtime)  # the data's class count read first
     # after the run's first line: its folder, how it resumes, what changes its length
-    callbacks.append(StartLines(
+    start = StartLines(
         [f"run dir {run_dir}" + (f"; after a stop, resume with: {resume}" if resume else "")],
         length_notes(settings.trainer, len(parts.train_data), cfg.sched) if runtime.is_main
-        else []))
-    for callback in callbacks:  # one that samples from the model (PrintSample) gets it
-        if hasattr(callback, "set_model"):
-            callback.set_model(parts.model)
+        else [])
     trainer = Trainer(settings.trainer, run_dir=run_dir, checkpoint=settings.checkpoint,
-                      runtime=runtime, run_config=OmegaConf.to_container(cfg, resolve=True),
-                      sinks=sinks, callbacks=callbacks)
+                      runtime=runtime,
+                      run_config=run_record(cfg, parts.num_classes, settings.data.channels),
+                      sinks=sinks, callbacks=[*build_callbacks(cfg, parts.model), start])
     if resume:  # the stop line's "re-run the same command" would start a new run dir
         trainer.resume_hint = set_resume_hint(f"resume with: {resume}")
-    scheduler = None
-    if cfg.sched is not None:
-        total_steps = trainer.planned_steps(len(parts.train_data))
-        scheduler = instantiate(cfg.sched, optimizer=parts.optimizer, total_steps=total_steps)
-
+    scheduler = build_scheduler(cfg, parts.optimizer,
+                                trainer.planned_steps(len(parts.train_data)))
     metrics = build_metrics(cfg, parts.num_classes)  # checked against the data's classes
     preemption = Preemption()  # which signal stopped the run: SLURM's warning requeues it
-    # <run_dir>/inputs.json for export and predict: once the config has passed every check (a
-    # run stopped by bad input leaves no folder)
-    save_inputs(run_dir, cfg, settings, parts.train_data, runtime)
+    save_run_files(run_dir, cfg, settings, parts, runtime)  # classes.json, inputs.json
     summary = trainer.fit(
         parts.model, parts.optimizer, parts.train_data, criterion=parts.criterion,
         scheduler=scheduler, val_data=parts.val_data, metrics=metrics, stop_at_step=stop_at_step,
@@ -118,45 +107,6 @@ def final_result(cfg: DictConfig, summary: dict[str, Any]) -> str:
         return f"val/loss {metrics.get('val/loss', float('nan')):.4f}"
     test = cfg.get("dataset") is None and cfg.data.name in ("mnist", "cifar10")
     return f"{'test' if test else 'validation'} accuracy {metrics['val/acc']:.4f}"
-
-
-class RunParts(NamedTuple):
-    """What a config builds for a run besides the Trainer (:func:`build_parts`)."""
-
-    train_data: Any
-    val_data: Any
-    num_classes: int
-    model: Any
-    optimizer: Any
-    criterion: Any
-    forward: Any
-
-
-def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> RunParts:
-    """Data, model, optimizer and criterion as the config describes them, in that order.
-
-    ``train`` and ``trainkit probe`` both build a run this way, so the probe measures what a
-    run would train. Seed first (``seed_everything``) for the run's own initial weights.
-    """
-    train_data, val_data, num_classes = build_data(cfg, settings, runtime)
-    with open_dict(cfg):  # a torchvision classifier's stem for grayscale data (recorded so)
-        cfg.model = for_channels(cfg.model, settings.data.channels)
-    # model.pretrained's weights (before DDP/FSDP and compile; a resumed run's checkpoint wins),
-    # then model.lora's adapters
-    model = make_model(cfg.model, pretrained=True)
-    if settings.checkpoint.adapters_only:  # refused now, not once the run has begun
-        check_adapters_only(model, sharded=settings.trainer.strategy == "fsdp")
-    # optim.param_groups, layer_decay, decay_norm_and_bias: the groups; the rest its _target_'s
-    optimizer = build_optimizer(model, OmegaConf.to_container(cfg.optim, resolve=True),
-                                lambda node, groups: instantiate(node, params=groups,
-                                                                 _convert_="all"))
-    criterion = build_criterion(cfg)  # the config's (e.g. label smoothing), or cross-entropy
-    forward = build_forward(cfg)  # the config's (a language model's lm_forward), or the default
-    vocab = getattr(model, "vocab_size", None)
-    if isinstance(vocab, int) and isinstance(num_classes, int) and vocab < num_classes:
-        raise ConfigError(f"model.vocab_size={vocab} but the data's tokens go up to "
-                          f"{num_classes}: set model.vocab_size={num_classes}")
-    return RunParts(train_data, val_data, num_classes, model, optimizer, criterion, forward)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")

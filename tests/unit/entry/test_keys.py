@@ -10,9 +10,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from trainkit.core.errors import ConfigError
-from trainkit.entry.config_dir import config_dir
+from trainkit.core.schema import check_known_keys, config_dir
 from trainkit.entry.errors import errors_as_one_line
-from trainkit.entry.keys import check_known_keys
 
 
 def _compose(*overrides: str) -> DictConfig:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from trainkit import Trainer, TrainerConfig
-from trainkit.entry.run_length import length_notes
+from trainkit.loop.run_length import length_notes
 
 
 def test_max_steps_alone_trains_that_many_steps_over_several_epochs() -> None:

@@ -11,7 +11,8 @@ from torch import nn
 
 from tests.image_files import make_folder
 from trainkit.core.runtime import Runtime
-from trainkit.entry.train import CONFIG_DIR, build_parts
+from trainkit.entry.build import build_parts, run_record
+from trainkit.entry.train import CONFIG_DIR
 from trainkit.models.vision import adapt_stem, for_channels, torchvision_classifier
 
 TORCHVISION = sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml")
@@ -31,7 +32,8 @@ def test_a_grayscale_folder_trains_resnet18(tmp_path: Path) -> None:
     images, _ = next(iter(parts.train_data))
     assert images.shape[1] == 1
     assert parts.model(images).shape == (len(images), 2)
-    assert cfg.model.in_chans == 1  # recorded so: evaluate, predict and export rebuild it
+    # recorded so: evaluate, predict and export rebuild it (the composed config stays as given)
+    assert run_record(cfg, parts.num_classes, 1)["model"]["in_chans"] == 1
 
 
 def test_every_torchvision_model_of_configs_takes_the_datas_channels() -> None:

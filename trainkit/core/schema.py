@@ -1,14 +1,9 @@
-"""Refuse a config key that no part of trainkit reads, naming the closest one that is read.
+"""The entry point's config: where its YAML folder is, the schema it fills in, and the refusal
+of a key no part of trainkit reads.
 
-Hydra's ``+key=value`` adds a key inside ``open_dict`` (its documented meaning: append to the
-config), which lifts the struct mode that refuses ``key=value`` for an unknown key, and
-``OmegaConf.to_object`` then sets the extra key on the dataclass as a plain attribute. So
-``+trainer.max_step=20`` -- what Hydra itself advises after a typo'd ``trainer.max_step=20`` --
-ran the full length with the typo saved in the config. Every typed node (a structured config:
-``trainer``, ``data``, ``checkpoint``, ``trainer.profile``, the root, and any dataclass added
-later) is checked here against its dataclass's fields; ``_target_`` nodes (``model``,
-``optim``, ...) are their classes' arguments, which their call checks. Without the ``+``,
-Hydra refuses the key itself; :func:`unknown_key_line` words that refusal the same way.
+Hydra's ``+key=value`` lifts struct mode, so ``+trainer.max_step=20`` (a typo Hydra itself
+suggests adding) would run with the key saved and ignored: every typed node is checked here
+against its dataclass, naming the closest real key. ``_target_`` nodes are their classes' calls.
 """
 
 from __future__ import annotations
@@ -16,11 +11,37 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from trainkit.config import TrainConfig
 from trainkit.core.errors import ConfigError
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # trainkit/, above core/
+
+
+def config_dir() -> Path:
+    """The folder holding ``train.yaml`` and the config groups (``exp/``, ``model/``, ...).
+
+    A wheel ships ``configs/`` inside the package (pyproject.toml maps it there) and that copy
+    comes first: in site-packages a sibling ``configs/`` may be another distribution's. A
+    checkout or editable install finds the repository's top-level ``configs/``.
+    """
+    for candidate in (_PACKAGE / "configs", _PACKAGE.parent / "configs"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    return _PACKAGE / "configs"  # a broken install: Hydra's own error names the folder
+
+
+def schema() -> Any:
+    """``TrainConfig`` as ``train.yaml``'s ``train_schema``, with ``data.root`` required: each
+    data config gives its own, so ``data=image_folder`` (``root: ???``) cannot fall back to the
+    built-in datasets' folder."""
+    node = OmegaConf.structured(TrainConfig)
+    node.data.root = MISSING
+    return node
 
 
 def check_known_keys(cfg: DictConfig) -> None:
