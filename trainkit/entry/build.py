@@ -118,13 +118,14 @@ def build_transforms(nodes: Any, key: str) -> list[Any] | None:
 
 def build_model(cfg: DictConfig, num_classes: int | None, *, channels: int,
                 weights: Mapping[str, torch.Tensor] | None = None, source: Any = "?",
-                adapters_only: bool = False) -> nn.Module:
+                adapters_only: bool = False, pretrained: bool = True) -> nn.Module:
     """The run's ``model`` node built with ``${data.num_classes}`` = ``num_classes``, its stem
-    for ``channels``: a new run's (``weights`` None) with ``model.pretrained`` and ``model.lora``
-    applied, or a finished run's holding ``weights`` (from ``source``; checked to fit)."""
+    for ``channels``: a new run's (``weights`` None) with ``model.pretrained`` (unless
+    ``pretrained`` is False: the estimate's meta model) and ``model.lora`` applied, or a
+    finished run's holding ``weights`` (from ``source``; checked to fit)."""
     node = model_node(cfg, num_classes, channels)
     if weights is None:
-        return make_model(node, pretrained=True)
+        return make_model(node, pretrained=pretrained)
     return load.build_model(OmegaConf.to_container(node, resolve=True), weights, path=source,
                             adapters_only=adapters_only)
 

@@ -31,14 +31,13 @@ from torch import nn
 
 from trainkit.config import TrainConfig
 from trainkit.core.errors import ConfigError, TrainkitError
+from trainkit.core.schema import check_known_keys
 from trainkit.core.submodules import match_modules
 from trainkit.distributed.fsdp import default_blocks, resolve_strategy
+from trainkit.entry.build import build_criterion, build_forward, build_model
 from trainkit.entry.errors import errors_as_one_line
-from trainkit.entry.keys import check_known_keys
-from trainkit.entry.rebuild import build_criterion, build_forward
 from trainkit.entry.train import CONFIG_DIR
 from trainkit.loop.precision import Hardware, choose_precision
-from trainkit.models.build import make_model
 from trainkit.models.param_groups import apply_freeze, build_optimizer
 from trainkit.models.vision import for_channels
 from trainkit.observe.memory_estimate import (
@@ -248,7 +247,9 @@ class Plan:
     def build(self, checkpointed: list[str]) -> tuple[nn.Module, Any, list[str]]:
         """The model (on meta), its optimizer, and the checkpointed modules' names."""
         with torch.device("meta"):
-            model = make_model(self.cfg.model, pretrained=False)
+            data = self.settings.data
+            model = build_model(self.cfg, data.num_classes, channels=data.channels,
+                                pretrained=False)
         node = OmegaConf.to_container(self.cfg.optim, resolve=True)
         fused = self.fused = bool(node.get("fused"))
         node["fused"] = None  # no fused kernels on meta: the per-tensor loop, or foreach

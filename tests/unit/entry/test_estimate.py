@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from trainkit.core.runtime import Runtime
 from trainkit.distributed import fsdp
 from trainkit.entry import estimate
-from trainkit.entry.rebuild import build_criterion, build_forward
+from trainkit.entry.build import build_criterion, build_forward
 from trainkit.entry.train import CONFIG_DIR
 from trainkit.loop.activations import apply_activation_checkpointing
 from trainkit.loop.ema import EMA
