@@ -103,8 +103,8 @@ def webdataset_loader(root: Path, workers: int, batch_size: int) -> Any:
     beside the folder), on this machine's device."""
     from trainkit.config import DataConfig
     from trainkit.core.runtime import Runtime
-    from trainkit.data.shard_writer import write_shards
     from trainkit.data.shards import shard_loaders
+    from trainkit.data.tools.shard_writer import write_shards
 
     shards = root.with_name(root.name + "-shards")
     if not (shards / "shards.json").is_file():

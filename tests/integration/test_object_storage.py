@@ -211,8 +211,8 @@ def test_tokens_from_the_bucket_are_fetched_once_checked_and_read_as_local_ones(
         tmp_path: Path, s3: S3) -> None:
     from trainkit.config import DataConfig
     from trainkit.core.errors import ConfigError
-    from trainkit.data.tokenize import tokenize
     from trainkit.data.tokens import token_loaders
+    from trainkit.data.tools.tokenize import tokenize
 
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
     tokenize([tmp_path / "text.txt"], tmp_path / "corpus")
@@ -305,6 +305,6 @@ def _pass(loader: object, epoch: int, start: int = 0) -> list:
 
 
 def _shard_cache() -> Path:
-    from trainkit.data.checksums import cache_dir
+    from trainkit.data.tools.checksums import cache_dir
 
     return cache_dir() / "remote" / "shards"
