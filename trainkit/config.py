@@ -267,7 +267,7 @@ class DataConfig:
     skip_corrupt: bool = False  # an unreadable file: skip it (counted), instead of stopping
     # JPEGs of data=image_folder: "cpu" decodes and crops in the loader's workers; "gpu" (CUDA
     # only) has the workers read the bytes and draw the crops, and decodes each batch on the GPU
-    # in one nvJPEG call (trainkit.data.gpu_decode); other formats are decoded in the workers.
+    # in one nvJPEG call (trainkit.data.device.gpu_decode); other formats decoded in the workers.
     decode: str = "cpu"
     # dataset._target_ returning a Hugging Face datasets.Dataset: its image and label columns
     image_column: str = "image"

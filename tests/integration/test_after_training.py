@@ -23,7 +23,7 @@ from tests.image_files import make_folder
 from trainkit import load_model
 from trainkit.core.runtime import Runtime
 from trainkit.data.datasets import TensorData, load_mnist
-from trainkit.data.memory import InMemoryLoader
+from trainkit.data.loader.memory import InMemoryLoader
 from trainkit.entry import cli
 from trainkit.entry.evaluate import evaluate_run
 from trainkit.entry.export import export_run

@@ -299,7 +299,7 @@ def test_an_image_folder_from_the_bucket_lists_the_local_files_from_its_copy(
 
 
 def _pass(loader: object, epoch: int, start: int = 0) -> list:
-    inner = loader.loader.loader
+    inner = loader.loader
     inner.set_epoch(epoch, start)
     return [(batch.keys, batch.images.sum().item()) for batch in inner]
 

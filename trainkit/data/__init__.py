@@ -16,18 +16,18 @@ Two paths, one interface -- :class:`ResumableData`: ``len``, iteration,
 """
 
 from trainkit.core.rng import mix_seed
-from trainkit.data.augment import crop_flip
 from trainkit.data.build import build_loaders
-from trainkit.data.loaders import (
+from trainkit.data.device.prefetch import DevicePrefetcher
+from trainkit.data.loader.augment import crop_flip
+from trainkit.data.loader.memory import InMemoryLoader
+from trainkit.data.loader.order import epoch_order
+from trainkit.data.loader.resumable import (
     ResumableBatchSampler,
+    ResumableData,
     ResumableLoader,
     default_num_workers,
     make_loader,
 )
-from trainkit.data.memory import InMemoryLoader
-from trainkit.data.order import epoch_order
-from trainkit.data.prefetch import DevicePrefetcher
-from trainkit.data.resumable import ResumableData
 from trainkit.data.tokens import TokenLoader
 
 __all__ = [

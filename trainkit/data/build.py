@@ -12,12 +12,12 @@ from trainkit.config import DataConfig
 from trainkit.core.errors import ConfigError
 from trainkit.core.runtime import Runtime
 from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
-from trainkit.data.gpu_decode import check_gpu_decode
+from trainkit.data.device.gpu_decode import check_gpu_decode
+from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.hf_text import hf_text_loaders
-from trainkit.data.loaders import make_loader
-from trainkit.data.memory import InMemoryLoader
+from trainkit.data.loader.memory import InMemoryLoader
+from trainkit.data.loader.resumable import make_loader
 from trainkit.data.own_data import dataset_loaders, image_folder_loaders
-from trainkit.data.prefetch import DevicePrefetcher
 from trainkit.data.shards import shard_loaders
 from trainkit.data.tokens import token_loaders
 

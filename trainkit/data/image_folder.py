@@ -6,7 +6,7 @@ map-style dataset over one split: each sample a decoded, transformed uint8 ``[C,
 and its label. Bad files never raise inside a loader worker (where the error would arrive as a
 traceback wrapped in another): the sample comes back as a :class:`BadFile`, and
 :func:`collate_images` carries it to the main process, which stops with one line or, with
-``skip_corrupt``, counts it (:mod:`trainkit.data.image_loader`).
+``skip_corrupt``, counts it (:class:`~trainkit.data.DevicePrefetcher`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
   ``data.train_transforms`` / ``data.eval_transforms`` apply to all.
 
 Both go through :func:`~trainkit.data.make_loader` (workers, pinned memory, each rank its shard,
-exact mid-epoch resume) and :class:`~trainkit.data.image_loader.ImageLoader` (the device
+exact mid-epoch resume) and :class:`~trainkit.data.image_loader.DevicePrefetcher` (the device
 prefetcher, normalisation on the device, bad-file handling, class names in checkpoints).
 """
 
@@ -26,10 +26,10 @@ from torch.utils.data import Dataset
 from trainkit.config import DataConfig
 from trainkit.core.errors import ConfigError
 from trainkit.core.runtime import Runtime
-from trainkit.data.gpu_decode import JpegDecoder, JpegFiles, collate_encoded
+from trainkit.data.device.gpu_decode import JpegDecoder, JpegFiles, collate_encoded
+from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.image_folder import BadFile, ImageFiles, collate_images, read_image_folder
-from trainkit.data.image_loader import ImageLoader
-from trainkit.data.loaders import make_loader
+from trainkit.data.loader.resumable import make_loader
 from trainkit.data.transforms import (
     UnreadableImage,
     decode_image,
@@ -44,7 +44,7 @@ Transforms = Sequence[Callable[..., Any]] | None
 def image_folder_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
                          channels_last: bool = False, train_transforms: Transforms = None,
                          eval_transforms: Transforms = None,
-                         eval_max_batches: int | None = None) -> tuple[ImageLoader, Any, int]:
+                         eval_max_batches: int | None = None) -> tuple[DevicePrefetcher, Any, int]:
     """Training and validation loaders of the image folder at ``cfg.root``, and its class count.
 
     The loaders' ``classes`` attribute names the classes by index. Validation is None when the
@@ -52,9 +52,9 @@ def image_folder_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
     files spread evenly over it (every class, not the first ones).
     """
     folder = read_image_folder(cfg.root, val_fraction=cfg.val_fraction, seed=seed)
-    gpu = cfg.decode == "gpu"  # JPEGs decoded on the device (trainkit.data.gpu_decode)
+    gpu = cfg.decode == "gpu"  # JPEGs decoded on the device (trainkit.data.device.gpu_decode)
 
-    def load(split: Any, training: bool) -> ImageLoader:
+    def load(split: Any, training: bool) -> DevicePrefetcher:
         transform = transform_for(cfg, training=training,
                                   custom=train_transforms if training else eval_transforms)
         files = (JpegFiles if gpu else ImageFiles)(split.files, split.labels, transform,
@@ -74,7 +74,7 @@ def image_folder_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
 def dataset_loaders(train: Any, val: Any, cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
                     channels_last: bool = False, train_transforms: Transforms = None,
                     eval_transforms: Transforms = None,
-                    eval_max_batches: int | None = None) -> tuple[ImageLoader, Any, int]:
+                    eval_max_batches: int | None = None) -> tuple[DevicePrefetcher, Any, int]:
     """Loaders over your own map-style datasets (a torch ``Dataset`` or a Hugging Face
     ``datasets.Dataset``); ``val`` may be None, ``eval_max_batches`` bounds it to samples
     spread evenly over it.
@@ -110,7 +110,7 @@ def dataset_loaders(train: Any, val: Any, cfg: DataConfig, runtime: Runtime, *, 
 def _loader(dataset: Dataset, cfg: DataConfig, runtime: Runtime, seed: int,
             channels_last: bool, classes: Sequence[str] | None, *,
             training: bool, decoder: JpegDecoder | None = None,
-            max_batches: int | None = None) -> ImageLoader:
+            max_batches: int | None = None) -> DevicePrefetcher:
     mean, std = stats_for(cfg)
     collate = collate_encoded if decoder is not None else collate_images
     loader = make_loader(
@@ -118,8 +118,8 @@ def _loader(dataset: Dataset, cfg: DataConfig, runtime: Runtime, seed: int,
         device=runtime.device, seed=seed, rank=runtime.rank, world_size=runtime.world_size,
         num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
         drop_last=cfg.drop_last and training, collate_fn=collate, max_batches=max_batches)
-    return ImageLoader(loader, runtime.device, mean=mean, std=std, classes=classes,
-                       channels_last=channels_last, decoder=decoder)
+    return DevicePrefetcher(loader, runtime.device, mean=mean, std=std, classes=classes,
+                            channels_last=channels_last, normalize_float=False, decoder=decoder)
 
 
 def class_names(dataset: Any, image_column: str = "image",

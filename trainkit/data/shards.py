@@ -54,9 +54,9 @@ from trainkit.core.objectstore import filesystem, is_url, join, store_error
 from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
 from trainkit.core.signals import shielded_worker_init
-from trainkit.data.image_loader import ImageLoader
+from trainkit.data.device.prefetch import DevicePrefetcher
+from trainkit.data.loader.resumable import ResumableLoader
 from trainkit.data.remote import is_store_url, open_shard
-from trainkit.data.resumable import DataPosition, MappedBatches, PositionedLoader
 from trainkit.data.transforms import IMAGE_SUFFIXES, decode_image, stats_for, transform_for
 
 IMAGE_KEYS = tuple(suffix[1:] for suffix in IMAGE_SUFFIXES)
@@ -193,13 +193,12 @@ def _label(sample: Mapping[str, Any]) -> int:
     return int(sample["cls"])
 
 
-class ShardLoader(PositionedLoader):
+class ShardLoader(ResumableLoader):
     """One rank's :class:`ShardBatch` es; the resume protocol of every trainkit loader."""
 
     def __init__(self, stream: ShardStream, *, num_workers: int, batches: int | None) -> None:
         self.stream, self.num_workers, self._batches = stream, num_workers, batches
         self.batch_size = stream.batch_size
-        self.position = DataPosition()
         # persistent workers: started once, each pass's epoch and start read from shared memory
         self.loader = DataLoader(stream, batch_size=None, num_workers=num_workers,
                                  persistent_workers=num_workers > 0,
@@ -211,12 +210,9 @@ class ShardLoader(PositionedLoader):
             raise TypeError("the batch count of these shards is unknown (no shards.json)")
         return self._batches
 
-    def __iter__(self) -> Iterator[ShardBatch]:
-        self.stream.start = self.position.begin_pass()
-        self.stream.epoch = self.position.epoch
-        for batch in self.loader:
-            self.position.batch += 1
-            yield batch
+    def _pass(self, epoch: int, start: int) -> Iterator[ShardBatch]:
+        self.stream.start, self.stream.epoch = start, epoch
+        return iter(self.loader)
 
 
 def _opened(shards: Iterator[dict[str, Any]], cache_bytes: int) -> Iterator[dict[str, Any]]:
@@ -263,7 +259,7 @@ def shard_list(spec: str | Sequence[str] | None, index: Mapping[str, Any], split
 
 def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
                   channels_last: bool = False, train_transforms: Transforms = None,
-                  eval_transforms: Transforms = None) -> tuple[ImageLoader, Any, int]:
+                  eval_transforms: Transforms = None) -> tuple[DevicePrefetcher, Any, int]:
     """Training and validation loaders of ``data=webdataset``, and the class count;
     ``train_transforms`` / ``eval_transforms`` replace the default transforms when given."""
     # Imported here, once: the forked workers have them instead of importing them each (~1 s a
@@ -281,17 +277,12 @@ def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
     train = _loader(cfg, runtime, seed, index, train_transforms, training=True)
     val = (_loader(cfg, runtime, seed, index, eval_transforms, training=False)
            if cfg.val_shards is not None or index.get("val") else None)
-    # ImageLoader, as for an image folder: the class names go to classes.json and into every
-    # checkpoint, and a resume on shards of other classes is refused
-    loaders = [ImageLoader(MappedBatches(loader, _pair), runtime.device, mean=mean, std=std,
-                           classes=classes, channels_last=channels_last)
+    # as for an image folder: the class names go to classes.json and into every checkpoint,
+    # and a resume on shards of other classes is refused
+    loaders = [DevicePrefetcher(loader, runtime.device, mean=mean, std=std, classes=classes,
+                                channels_last=channels_last, normalize_float=False)
                for loader in (train, val) if loader is not None]
     return loaders[0], loaders[1] if val is not None else None, int(num_classes)
-
-
-def _pair(batch: ShardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """A :class:`ShardBatch` as ``(images, labels)``, for the device prefetcher."""
-    return batch.images, batch.labels
 
 
 def _loader(cfg: DataConfig, runtime: Runtime, seed: int, index: Mapping[str, Any],

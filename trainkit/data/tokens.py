@@ -35,14 +35,14 @@ from trainkit.core.errors import ConfigError
 from trainkit.core.objectstore import is_url
 from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
-from trainkit.data.order import epoch_order
+from trainkit.data.loader.order import epoch_order
+from trainkit.data.loader.resumable import ResumableLoader
 from trainkit.data.remote import fetch_files
-from trainkit.data.resumable import DataPosition, PositionedLoader
 
 DTYPES = ("uint16", "uint32")
 
 
-class TokenLoader(PositionedLoader):
+class TokenLoader(ResumableLoader):
     """Batches ``{"tokens": int64 [batch, seq_len + 1]}`` from a memory-mapped token file.
 
     A :class:`~trainkit.data.ResumableData`: ``set_epoch(epoch, start_batch)`` points it
@@ -94,7 +94,6 @@ class TokenLoader(PositionedLoader):
                 f"{seq_len + 1} for each of {world_size} rank(s); lower data.batch_size or "
                 "data.seq_len, or give a larger corpus")
         self._span = np.arange(seq_len + 1)
-        self.position = DataPosition()
 
     def __len__(self) -> int:
         return self._batches
@@ -107,15 +106,14 @@ class TokenLoader(PositionedLoader):
         high = len(self.tokens) - self.seq_len  # the last window ends at the file's last token
         return torch.randint(high, (self.batch_size,), generator=generator).numpy()
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def _pass(self, epoch: int, start: int) -> Iterator[dict[str, torch.Tensor]]:
         cuda = self.device.type == "cuda"
-        for b in range(self.position.begin_pass(), self._batches):
+        for b in range(start, self._batches):
             # one gather from the memory map: only these windows' pages are read
-            rows = self.tokens[self.offsets(self.position.epoch, b)[:, None] + self._span]
+            rows = self.tokens[self.offsets(epoch, b)[:, None] + self._span]
             tokens = torch.from_numpy(rows.astype(np.int64))
             if cuda:
                 tokens = tokens.pin_memory().to(self.device, non_blocking=True)
-            self.position.batch += 1
             yield {"tokens": tokens}
 
 

@@ -34,7 +34,7 @@ from trainkit.core.device import GIB
 from trainkit.core.errors import TrainkitError
 from trainkit.core.rng import seed_everything
 from trainkit.core.runtime import Runtime
-from trainkit.data.loaders import default_num_workers
+from trainkit.data.loader.resumable import default_num_workers
 from trainkit.distributed import group, strategy
 from trainkit.entry import throughput
 from trainkit.entry.errors import errors_as_one_line

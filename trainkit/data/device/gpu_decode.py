@@ -7,7 +7,7 @@ in the oriented image's coordinates. A file that is not a baseline RGB or graysc
 WebP, CMYK or progressive JPEG, ...) is decoded and transformed in the worker as on the CPU path
 and travels finished. :func:`collate_encoded` packs a batch's bytes into one tensor.
 
-On the device (:class:`JpegDecoder`, which the :class:`~trainkit.data.image_loader.ImageLoader`
+On the device (:class:`JpegDecoder`, which the :class:`~trainkit.data.DevicePrefetcher`
 calls before normalising): one ``torchvision.io.decode_jpeg(list, device=...)`` call for the
 batch's JPEGs, then per image the EXIF orientation (nvJPEG ignores EXIF), the crop, the same
 :func:`~trainkit.data.transforms.resize` as the CPU path and the flip -- or, evaluating, the

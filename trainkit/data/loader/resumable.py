@@ -1,30 +1,75 @@
-"""A DataLoader factory for map-style datasets, with resumable, rank-sharded sampling.
+"""The one resumable loader: it owns the position (epoch, batches handed out, the next start).
 
-The standard path, done right: pinned memory when the batches go to CUDA, a worker count from the
-CPUs each process on the node gets, an order that can restart at any batch of any epoch without
-loading the batches before it, and random transforms in workers seeded once per batch from
-``(seed, epoch, rank, batch)``, so a resumed run sees exactly the samples an uninterrupted one
-would, at the speed of a plain DataLoader (``python -m benchmarks.loaders`` measures both).
+:class:`ResumableLoader` serves a pass of any epoch from any batch without loading the batches
+before it, and reports where it is (``state_dict``). Its default variant wraps torch's
+DataLoader (:func:`make_loader`: workers, pinning, a rank's shard, random transforms seeded per
+batch from ``(seed, epoch, rank, batch)``); the in-memory, token and shard loaders are variants
+that only say how a pass is served (:meth:`ResumableLoader._pass`). The Trainer keeps its own
+copy of the position in its state and points the loader there at the start of every epoch.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Iterator, Sized
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping, Sized
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from trainkit.core.device import resolve_device
-from trainkit.core.errors import ConfigError
+from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.rng import mix_seed
 from trainkit.core.signals import shielded_worker_init
-from trainkit.data.order import check_shard, epoch_order, shard_size
-from trainkit.data.resumable import DataPosition, PositionedLoader
-from trainkit.data.shm import fit_shared_memory
+from trainkit.data.loader.order import ResumableBatchSampler, SeededBatch, check_shard
+from trainkit.data.loader.shm import fit_shared_memory
+
+
+@runtime_checkable
+class ResumableData(Protocol):
+    """What a loader needs to resume exactly mid-epoch; every trainkit loader has it.
+    ``len()`` is always the whole epoch's batch count."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """The next pass serves ``epoch`` from batch ``start_batch`` on."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """At least ``{"epoch": e, "batch": b}``: b batches of epoch e were handed out."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s position with the next pass."""
+
+
+def saved_position(state: Mapping[str, Any]) -> tuple[int, int]:
+    """``(epoch, batch)`` from a loader's :meth:`~ResumableData.state_dict`."""
+    return int(state["epoch"]), int(state["batch"])
+
+
+def set_epoch(data: Any, epoch: int, start_batch: int) -> None:
+    """Point any loader at an epoch and, when resuming, a batch inside it.
+
+    A :class:`ResumableData` skips the batches before ``start_batch`` without loading them; any
+    other loader with a ``set_epoch(epoch)`` (``DistributedSampler``'s, on the loader or its
+    sampler) gets the epoch, and ``start_batch > 0`` is an error for it.
+    """
+    if isinstance(data, ResumableData):
+        data.set_epoch(epoch, start_batch)
+        return
+    inner = getattr(data, "set_epoch", None) or getattr(getattr(data, "sampler", None),
+                                                        "set_epoch", None)
+    if inner is not None:
+        inner(epoch)
+    if start_batch:
+        raise TrainkitError(
+            f"cannot resume inside an epoch with a {type(data).__name__}: it cannot start at "
+            f"batch {start_batch}; use trainkit's loaders or checkpoint at epoch ends"
+        )
 
 
 def default_num_workers(procs_per_node: int | None = None) -> int:
@@ -38,62 +83,6 @@ def default_num_workers(procs_per_node: int | None = None) -> int:
     except AttributeError:  # pragma: no cover - macOS, Windows
         cpus = os.cpu_count() or 1
     return max(0, min(8, cpus // max(1, procs_per_node) - 1))
-
-
-class SeededBatch(NamedTuple):
-    """One batch as the sampler hands it to a worker: its indices, and the seed of its draws."""
-
-    seed: int
-    indices: list[int]
-
-
-class ResumableBatchSampler(Sampler[SeededBatch]):
-    """Batches of this rank's shard in an order fixed by ``(seed, epoch)``, each with a seed.
-
-    Like ``DistributedSampler`` + ``BatchSampler`` but resumable: ``set_epoch(epoch, start)``
-    makes the next pass start at batch ``start`` of the shard, without touching the batches
-    before it. ``len()`` is the batches left in that pass. Batch ``b`` carries the seed
-    ``mix_seed(seed, epoch, rank, b)``, a function of its place alone (see :class:`SeededSamples`).
-    Without shuffling, ``sample`` bounds an epoch to that many samples spread evenly over the
-    dataset (:func:`~trainkit.data.order.evaluation_sample`).
-    """
-
-    def __init__(self, n: int, batch_size: int, *, shuffle: bool, drop_last: bool = False,
-                 seed: int = 0, rank: int = 0, world_size: int = 1,
-                 sample: int | None = None) -> None:
-        self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
-        self.seed, self.rank, self.world_size, self.sample = seed, rank, world_size, sample
-        self.epoch = 0
-        self.start = 0
-
-    @property
-    def num_samples(self) -> int:
-        """Samples of this rank's whole shard per epoch."""
-        return shard_size(self.n, shuffle=self.shuffle, rank=self.rank,
-                          world_size=self.world_size, sample=self.sample)
-
-    @property
-    def num_batches(self) -> int:
-        """Batches of this rank's whole shard per epoch."""
-        full, rest = divmod(self.num_samples, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Serve ``epoch`` from batch ``start`` on (for the next pass only)."""
-        self.epoch, self.start = epoch, start
-
-    def __len__(self) -> int:
-        return max(0, self.num_batches - self.start)
-
-    def __iter__(self) -> Iterator[SeededBatch]:
-        order = epoch_order(self.n, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
-                            rank=self.rank, world_size=self.world_size,
-                            sample=self.sample).tolist()
-        start, self.start = self.start, 0
-        size = self.batch_size
-        for b in range(start, self.num_batches):
-            yield SeededBatch(mix_seed(self.seed, self.epoch, self.rank, b),
-                              order[b * size:(b + 1) * size])
 
 
 class SeededSamples(Dataset):
@@ -127,22 +116,28 @@ class SeededSamples(Dataset):
         return many(batch.indices) if many else [self.dataset[i] for i in batch.indices]
 
 
-class ResumableLoader(PositionedLoader):
-    """A ``DataLoader`` the Trainer can point at any batch of any epoch: ``set_epoch(e, b)``.
+class ResumableLoader:
+    """A loader the Trainer can point at any batch of any epoch: ``set_epoch(e, b)``.
 
-    Build it with :func:`make_loader`. Iterating yields the DataLoader's batches; ``len()`` is
-    always the whole epoch's batch count, also right after a mid-epoch ``set_epoch``.
+    It owns the position: ``epoch``, ``batch`` (batches of it handed out) and where the next
+    pass starts (a resume offset applies to one pass only). Build the DataLoader variant with
+    :func:`make_loader`; a variant of another kind (:class:`~trainkit.data.InMemoryLoader`,
+    :class:`~trainkit.data.TokenLoader`) overrides ``__len__`` and :meth:`_pass` only.
+    ``len()`` is always the whole epoch's batch count, also right after a mid-epoch
+    ``set_epoch``.
     """
+
+    epoch: int = 0
+    batch: int = 0
+    _start: int = 0
+    seed: int = 0
+    saved_settings: tuple[str, ...] = ()  # settings in the state a resume must match
 
     def __init__(self, loader: DataLoader, sampler: ResumableBatchSampler,
                  generator: torch.Generator, *, seed: int, rank: int) -> None:
-        self.loader = loader
-        self.sampler = sampler
-        self.batch_size = sampler.batch_size
-        self.drop_last = sampler.drop_last
-        self._generator = generator
-        self._seed, self._rank = seed, rank
-        self.position = DataPosition()
+        self.loader, self.sampler, self._generator = loader, sampler, generator
+        self.batch_size, self.drop_last = sampler.batch_size, sampler.drop_last
+        self.seed, self._rank = seed, rank
         self.set_epoch(0)
 
     @property
@@ -154,17 +149,36 @@ class ResumableLoader(PositionedLoader):
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Serve ``epoch`` from batch ``start_batch`` on; the batches before are never loaded."""
-        super().set_epoch(epoch, start_batch)
-        self.sampler.set_epoch(epoch, start_batch)
-        # Workers' base seeds come from this generator; per-batch seeds (SeededSamples) make
-        # transforms exact, this keeps anything else a worker draws tied to (seed, rank, epoch).
-        self._generator.manual_seed(mix_seed(self._seed, self._rank, epoch))
+        self.epoch, self.batch, self._start = epoch, start_batch, start_batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch and the batches of it already handed out (and :attr:`saved_settings`)."""
+        return {"epoch": self.epoch, "batch": self.batch,
+                **{key: getattr(self, key) for key in self.saved_settings}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s position with the next pass."""
+        for key in self.saved_settings:
+            if state.get(key, getattr(self, key)) != getattr(self, key):
+                raise ConfigError(f"loader state has {key} {state[key]}, this loader "
+                                  f"{getattr(self, key)}: the order would differ; resume with "
+                                  f"the same {key}")
+        self.set_epoch(*saved_position(state))
 
     def __iter__(self) -> Iterator[Any]:
-        self.position.begin_pass()  # the sampler skips the batches before it
-        for batch in self.loader:
-            self.position.batch += 1
+        start, self._start = self._start, 0
+        self.batch = start
+        for batch in self._pass(self.epoch, start):
+            self.batch += 1
             yield batch
+
+    def _pass(self, epoch: int, start: int) -> Iterator[Any]:
+        """The batches ``start, start + 1, ...`` of ``epoch`` (a variant's one job)."""
+        self.sampler.set_epoch(epoch, start)  # the sampler skips the batches before `start`
+        # Workers' base seeds come from this generator; per-batch seeds (SeededSamples) make
+        # transforms exact, this keeps anything else a worker draws tied to (seed, rank, epoch).
+        self._generator.manual_seed(mix_seed(self.seed, self._rank, epoch))
+        return iter(self.loader)
 
 
 def make_loader(
@@ -227,6 +241,27 @@ def make_loader(
     sample = max_batches * batch_size * world_size if max_batches else None
     check_shard(len(dataset), batch_size, shuffle=shuffle, drop_last=drop_last, rank=rank,
                 world_size=world_size, sample=sample)
+    num_workers, prefetch_factor, persistent_workers = _workers(
+        dataset, batch_size, num_workers, prefetch_factor, persistent_workers, procs_per_node)
+    sampler = ResumableBatchSampler(len(dataset), batch_size, shuffle=shuffle,
+                                    drop_last=drop_last, seed=seed, rank=rank,
+                                    world_size=world_size, sample=sample)
+    generator = torch.Generator()
+    loader = DataLoader(
+        SeededSamples(dataset), batch_sampler=sampler, num_workers=num_workers,
+        pin_memory=_pinning(pin_memory, device), collate_fn=collate_fn,
+        persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+        generator=generator,
+        worker_init_fn=shielded_worker_init(worker_init_fn) if num_workers else None,
+    )
+    return ResumableLoader(loader, sampler, generator, seed=seed, rank=rank)
+
+
+def _workers(dataset: Dataset, batch_size: int, num_workers: int | None,
+             prefetch_factor: int | None, persistent_workers: bool | None,
+             procs_per_node: int | None) -> tuple[int, int | None, bool]:
+    """``(num_workers, prefetch_factor, persistent_workers)`` checked, defaulted, and fitted to
+    the shared memory the workers' batches in flight need."""
     if num_workers is None:
         num_workers = default_num_workers(procs_per_node)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -243,20 +278,14 @@ def make_loader(
     # Workers' batches in flight must fit in /dev/shm (64 MB in a default Docker container).
     num_workers, prefetch_factor = fit_shared_memory(dataset, batch_size, num_workers,
                                                      prefetch_factor)
+    return num_workers, prefetch_factor, persistent_workers
+
+
+def _pinning(pin_memory: bool | None, device: torch.device) -> bool:
+    """Pinned memory: exactly when the batches go to CUDA, unless set (and then possible)."""
     if pin_memory is None:
-        pin_memory = device.type == "cuda"
+        return device.type == "cuda"
     if pin_memory and not torch.cuda.is_available():
         raise ConfigError("pin_memory=true needs CUDA, which is not available here; "
                           "leave it unset (null) to pin exactly when training on CUDA")
-    sampler = ResumableBatchSampler(len(dataset), batch_size, shuffle=shuffle,
-                                    drop_last=drop_last, seed=seed, rank=rank,
-                                    world_size=world_size, sample=sample)
-    generator = torch.Generator()
-    loader = DataLoader(
-        SeededSamples(dataset), batch_sampler=sampler, num_workers=num_workers,
-        pin_memory=pin_memory, collate_fn=collate_fn, persistent_workers=persistent_workers,
-        prefetch_factor=prefetch_factor, generator=generator,
-        worker_init_fn=shielded_worker_init(worker_init_fn) if num_workers else None,
-    )
-    return ResumableLoader(loader, sampler, generator, seed=seed, rank=rank)
-
+    return pin_memory
