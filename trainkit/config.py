@@ -272,15 +272,15 @@ class DataConfig:
     # dataset._target_ returning a Hugging Face datasets.Dataset: its image and label columns
     image_column: str = "image"
     label_column: str = "label"
-    # data.name=tokens (trainkit.data.tokens): tokens of context per window, and the token
+    # data.name=tokens (trainkit.data.sources.tokens): tokens of context per window, and the token
     # files' dtype (null: meta.json's, else uint16)
     seq_len: int = 256
     token_dtype: str | None = None
-    # data.name=hf_text (trainkit.data.hf_text): the tokenizer's folder (the model's), and the
+    # data.name=hf_text (data/sources/hf_text.py): the tokenizer's folder (the model's), and the
     # column of the texts (data.label_column: their classes; absent: causal language modelling)
     tokenizer: str | None = None
     text_column: str = "text"
-    # data.name=webdataset (trainkit.data.shards): training and validation shards, a brace
+    # data.name=webdataset (data/sources/webdataset.py): training and validation shards, a brace
     # pattern or a list of paths/URLs (null: <root>/shards.json's); training samples per rank in
     # an epoch (null: shards.json's total / ranks); the shuffle buffer's samples per worker
     shards: Any = None

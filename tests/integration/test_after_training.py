@@ -22,13 +22,13 @@ from tests.conftest import REPO, error_report, offline_env, run_train, tiny_run
 from tests.image_files import make_folder
 from trainkit import load_model
 from trainkit.core.runtime import Runtime
-from trainkit.data.datasets import TensorData, load_mnist
 from trainkit.data.loader.memory import InMemoryLoader
+from trainkit.data.sources.tensors import TensorData, load_mnist
 from trainkit.entry import cli
 from trainkit.entry.evaluate import evaluate_run
 from trainkit.entry.export import export_run
-from trainkit.entry.own_data import build_data
 from trainkit.entry.rebuild import data_inputs, image_source, read_inputs, rebuild, run_classes
+from trainkit.entry.train import build_data
 
 pytestmark = pytest.mark.slow
 SITE = sysconfig.get_paths()["purelib"]

@@ -22,7 +22,6 @@ from trainkit.core.cuda_settings import use_device
 from trainkit.core.runtime import Runtime
 from trainkit.distributed import group
 from trainkit.entry.errors import errors_as_one_line
-from trainkit.entry.own_data import build_data
 from trainkit.entry.rebuild import (
     build_criterion,
     build_forward,
@@ -32,6 +31,7 @@ from trainkit.entry.rebuild import (
     split_args,
     usage_status,
 )
+from trainkit.entry.train import build_data
 from trainkit.loop import evaluation
 from trainkit.loop.precision import Precision
 

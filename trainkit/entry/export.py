@@ -31,7 +31,7 @@ from trainkit.checkpoint.select import WEIGHTS
 from trainkit.checkpoint.text_export import export_adapters, export_text
 from trainkit.core.errors import TrainkitError, command_name, help_text
 from trainkit.data.classes import read_classes
-from trainkit.data.hf_text import load_tokenizer
+from trainkit.data.sources.hf_text import load_tokenizer
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.rebuild import Rebuilt, model_inputs, rebuild, split_args
 from trainkit.models.pretrained import model_node

@@ -38,9 +38,9 @@ from trainkit.checkpoint.export import Inputs, Normalized
 from trainkit.core.cuda_settings import use_device
 from trainkit.core.errors import TrainkitError
 from trainkit.core.runtime import Runtime
-from trainkit.data.datasets import TensorData
-from trainkit.data.image_folder import read_image_folder
-from trainkit.data.own_data import Samples
+from trainkit.data.sources.dataset import Samples
+from trainkit.data.sources.image_folder import read_image_folder
+from trainkit.data.sources.tensors import TensorData
 from trainkit.data.transforms import IMAGE_SUFFIXES, UnreadableImage
 from trainkit.distributed import group
 from trainkit.entry.errors import errors_as_one_line
@@ -142,7 +142,7 @@ def _predict_text(run: Any, options: dict[str, str], runtime: Runtime) -> dict[s
     """A Hugging Face text run's rows (:func:`trainkit.models.hf.classify` or ``generate``)
     over ``inputs=test|train`` (the run's split's texts) or a text file (one input a line)."""
     from trainkit.data.classes import read_classes
-    from trainkit.data.hf_text import EVAL_SPLITS, load_tokenizer, read_splits
+    from trainkit.data.sources.hf_text import EVAL_SPLITS, load_tokenizer, read_splits
     from trainkit.models import hf
 
     data, spec = run.settings.data, options["inputs"]

@@ -30,8 +30,7 @@ from trainkit.checkpoint.load import build_model
 from trainkit.checkpoint.select import find_checkpoint, model_weights, read_checkpoint
 from trainkit.config import TrainConfig
 from trainkit.core.errors import ConfigError, TrainkitError, command_name, help_text, one_line
-from trainkit.data.build import READERS
-from trainkit.data.datasets import TensorData
+from trainkit.data.sources.tensors import READERS, TensorData
 from trainkit.loop.step import default_forward
 
 INPUTS_FILE = "inputs.json"  # what the model takes, recorded when the run trains
@@ -258,7 +257,7 @@ def eval_transform(run: Rebuilt) -> tuple[Inputs, Callable[[torch.Tensor], torch
     """For a run that decoded images: what its model takes, the transform its evaluation gave a
     decoded uint8 image, and whether that is the run's own ``data.eval_transforms``."""
     from trainkit.data.transforms import transform_for
-    from trainkit.entry.own_data import build_transforms
+    from trainkit.entry.train import build_transforms
 
     custom = build_transforms(run.cfg.data.get("eval_transforms"), "data.eval_transforms")
     transform = transform_for(run.settings.data, training=False, custom=custom)

@@ -26,14 +26,21 @@ from trainkit.core.errors import ConfigError
 from trainkit.core.rng import seed_everything
 from trainkit.core.runtime import Runtime
 from trainkit.core.signals import EXIT_PREEMPTED, Preemption, stop_outside_training
+from trainkit.data import load_data
+from trainkit.data.classes import write_classes
 from trainkit.distributed import group, slurm
 from trainkit.distributed.slurm_requeue import requeue_after_stop
 from trainkit.entry.config_dir import config_dir, schema
 from trainkit.entry.errors import errors_as_one_line, set_resume_hint
 from trainkit.entry.keys import check_known_keys
-from trainkit.entry.own_data import build_data, save_classes, save_inputs
 from trainkit.entry.ranks import join_ranks
-from trainkit.entry.rebuild import build_criterion, build_forward, build_metrics
+from trainkit.entry.rebuild import (
+    build_criterion,
+    build_forward,
+    build_metrics,
+    data_inputs,
+    write_inputs,
+)
 from trainkit.entry.run_dir import name_run_after_slurm_job, removed_if_unused, resume_command
 from trainkit.entry.run_length import StartLines, length_notes
 from trainkit.loop.trainer import Trainer
@@ -187,3 +194,45 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def build_data(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> tuple[Any, Any, int]:
+    """The loaders ``cfg.data`` (and ``cfg.dataset``: your own dataset, which replaces the
+    built-in one) describe, from :func:`trainkit.data.load_data`; ``cfg.data.num_classes`` is
+    set to the data's class count (models and metrics take ``${data.num_classes}``)."""
+    reader = instantiate(cfg.dataset, _partial_=True) if cfg.get("dataset") is not None else None
+    data = load_data(
+        settings.data, runtime, seed=settings.trainer.seed,
+        channels_last=settings.trainer.channels_last, reader=reader,
+        train_transforms=build_transforms(cfg.data.get("train_transforms"),
+                                          "data.train_transforms"),
+        eval_transforms=build_transforms(cfg.data.get("eval_transforms"), "data.eval_transforms"),
+        eval_max_batches=settings.trainer.eval_max_batches)  # a fixed, spread sample
+    with open_dict(cfg):
+        cfg.data.num_classes = data.num_classes
+    return data
+
+
+def build_transforms(nodes: Any, key: str) -> list[Any] | None:
+    """The transform list config ``key`` gives (its ``_target_`` nodes built); None if unset."""
+    if nodes is None:
+        return None
+    if not OmegaConf.is_list(nodes):
+        raise ConfigError(f"{key} must be a list of _target_ nodes, got {nodes!r}")
+    return [instantiate(node, _convert_="all") for node in nodes]
+
+
+def save_classes(run_dir: str | Path, train_data: Any, runtime: Runtime) -> None:
+    """``<run_dir>/classes.json`` when the loader knows its class names (rank 0 writes it)."""
+    classes = getattr(train_data, "classes", None)
+    if classes is not None and runtime.is_main:
+        write_classes(run_dir, classes)
+
+
+def save_inputs(run_dir: str | Path, cfg: DictConfig, settings: TrainConfig, train_data: Any,
+                runtime: Runtime) -> None:
+    """``<run_dir>/inputs.json``: what an image model takes (mean/std, image size, classes,
+    evaluation transform), derived as export and predict would derive it from the data, so that
+    they need neither the data nor the module of ``dataset._target_`` (rank 0 writes it)."""
+    if runtime.is_main and settings.data.name not in ("tokens", "hf_text"):  # image models only
+        write_inputs(run_dir, data_inputs(cfg, settings, getattr(train_data, "classes", None)))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tests.unit.data.test_data import _data
 from trainkit.data import InMemoryLoader, crop_flip, mix_seed
-from trainkit.data.datasets import TensorData
+from trainkit.data.sources.tensors import TensorData
 
 
 def _reference(images: torch.Tensor, seed: int, padding: int, flip: bool, mode: str

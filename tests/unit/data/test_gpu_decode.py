@@ -24,8 +24,8 @@ from trainkit.data.device.gpu_decode import (
     collate_encoded,
     jpeg_plan,
 )
-from trainkit.data.image_folder import ImageFiles, collate_images
 from trainkit.data.loader.resumable import make_loader
+from trainkit.data.sources.image_folder import ImageFiles, collate_images
 from trainkit.data.transforms import eval_transform, train_transform
 
 SIZES = [(48, 64), (71, 53), (40, 40), (90, 33)]

@@ -35,7 +35,7 @@ from PIL import Image
 
 from trainkit.config import DataConfig
 from trainkit.core.errors import ConfigError, TrainkitError
-from trainkit.data.image_folder import BadFile, ImageBatch, ImageFiles
+from trainkit.data.sources.image_folder import BadFile, ImageBatch, ImageFiles
 from trainkit.data.transforms import (
     RandomResizedCropFlip,
     UnreadableImage,
@@ -120,8 +120,9 @@ def jpeg_plan(data: bytes, transform: Any) -> Plan | None:
 
 
 class JpegFiles(ImageFiles):
-    """:class:`~trainkit.data.image_folder.ImageFiles` whose JPEG samples are :class:`Encoded`
-    (bytes and plan), every other file decoded and transformed here as the CPU path does.
+    """:class:`~trainkit.data.sources.image_folder.ImageFiles` whose JPEG samples are
+    :class:`Encoded` (bytes and plan), every other file decoded and transformed here as the CPU
+    path does.
     ``transform`` is :class:`RandomResizedCropFlip` (training) or :class:`ResizeCenterCrop`."""
 
     def _load(self, path: str) -> Encoded | torch.Tensor:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainkit.core.errors import TrainkitError, command_name, print_error
-from trainkit.data.datasets import MNIST_MD5, cifar10_files
+from trainkit.data.sources.tensors import MNIST_MD5, cifar10_files
 from trainkit.data.tools.checksums import check_md5
 from trainkit.data.tools.download import (
     CIFAR10_FOLDER,

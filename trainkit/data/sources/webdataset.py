@@ -42,7 +42,7 @@ import json
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -58,6 +58,9 @@ from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.resumable import ResumableLoader
 from trainkit.data.remote import is_store_url, open_shard
 from trainkit.data.transforms import IMAGE_SUFFIXES, decode_image, stats_for, transform_for
+
+if TYPE_CHECKING:
+    from trainkit.data.sources import Options
 
 IMAGE_KEYS = tuple(suffix[1:] for suffix in IMAGE_SUFFIXES)
 INDEX = "shards.json"
@@ -325,3 +328,10 @@ def _eval_batches(entries: Sequence[Mapping[str, Any]], runtime: Runtime, worker
     mine = list(entries)[runtime.rank::runtime.world_size]
     return sum(-(-sum(e["samples"] for e in mine[w::max(workers, 1)]) // batch_size)
                for w in range(max(workers, 1)))
+
+
+def load(cfg: DataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+    """:func:`shard_loaders` as :data:`trainkit.data.sources.SOURCES` calls it."""
+    return shard_loaders(cfg, runtime, seed=options.seed, channels_last=options.channels_last,
+                         train_transforms=options.train_transforms,
+                         eval_transforms=options.eval_transforms)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,6 +38,9 @@ from trainkit.core.runtime import Runtime
 from trainkit.data.loader.order import epoch_order
 from trainkit.data.loader.resumable import ResumableLoader
 from trainkit.data.remote import fetch_files
+
+if TYPE_CHECKING:
+    from trainkit.data.sources import Options
 
 DTYPES = ("uint16", "uint32")
 
@@ -156,3 +159,9 @@ def token_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
             TokenLoader(root / "val.bin", batch_size=cfg.eval_batch_size, shuffle=False,
                         max_batches=eval_max_batches, **common),
             cfg.num_classes or vocab)
+
+
+def load(cfg: DataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+    """:func:`token_loaders` as :data:`trainkit.data.sources.SOURCES` calls it."""
+    return token_loaders(cfg, runtime, seed=options.seed,
+                         eval_max_batches=options.eval_max_batches)

@@ -1,9 +1,11 @@
-"""Datasets held as uint8 tensors, read from the files torchvision downloads.
+"""``data=mnist`` and ``data=cifar10``: datasets held as uint8 tensors, read from the files
+torchvision downloads, served from memory (:class:`~trainkit.data.InMemoryLoader`) or through
+the DataLoader path (``data.loader=dataloader``).
 
 Per-sample PIL decoding costs tens of microseconds a sample; holding the set as one tensor and
 gathering batches by index costs next to nothing, which is most of what makes MNIST train in
 seconds on a CPU. CIFAR-10's files are pickles: they are read with a restricted unpickler
-(:mod:`trainkit.data.safe_pickle`), never with ``pickle.load``.
+(:mod:`trainkit.data.sources.safe_pickle`), never with ``pickle.load``.
 """
 
 from __future__ import annotations
@@ -14,12 +16,19 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
+from trainkit.config import DataConfig
 from trainkit.core.errors import TrainkitError, chain_lines
-from trainkit.data.safe_pickle import load_restricted
+from trainkit.core.runtime import Runtime
+from trainkit.data.device.prefetch import DevicePrefetcher
+from trainkit.data.loader.memory import InMemoryLoader
+from trainkit.data.loader.resumable import make_loader
+from trainkit.data.sources.safe_pickle import load_restricted
 from trainkit.data.tools.checksums import check_md5
 from trainkit.data.tools.download import (
     CIFAR10_FOLDER,
@@ -27,6 +36,9 @@ from trainkit.data.tools.download import (
     download_error_lines,
     download_mnist,
 )
+
+if TYPE_CHECKING:
+    from trainkit.data.sources import Options
 
 # md5 of the uncompressed files torchvision leaves in <root>/MNIST/raw.
 MNIST_MD5 = {
@@ -224,3 +236,75 @@ def _read_cifar_batch(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndar
     if len(targets) and not (targets.min() >= 0 and targets.max() < num_classes):
         raise TrainkitError(f"{path} has labels outside 0..{num_classes - 1}")
     return data, targets
+
+
+def load(cfg: DataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+    """The loaders of ``data.name`` (MNIST or CIFAR-10): in memory on the device
+    (``data.loader=memory``, the default; batches augmented there) or through the DataLoader
+    path (workers, pinned memory, the prefetcher)."""
+    read = READERS[cfg.name]
+    train = read(cfg.root, train=True, verify=cfg.verify, download=cfg.download)
+    test = read(cfg.root, train=False, verify=cfg.verify, download=cfg.download)
+    return tensor_loaders(train, test, cfg, runtime, options)
+
+
+def tensor_loaders(train: TensorData, test: TensorData, cfg: DataConfig, runtime: Runtime,
+                   options: Options) -> tuple[Any, Any, int]:
+    """The two splits' loaders, as ``data.loader`` picks them, and the class count."""
+    if cfg.loader == "dataloader":
+        return (_dataloader(train, cfg, runtime, options, training=True),
+                _dataloader(test, cfg, runtime, options, training=False),
+                train.num_classes)
+    common = {"device": runtime.device, "rank": runtime.rank, "world_size": runtime.world_size,
+              "channels_last": options.channels_last}
+    return (
+        InMemoryLoader(train, cfg.batch_size, shuffle=True, seed=options.seed,
+                       drop_last=cfg.drop_last, padding=cfg.random_crop_padding,
+                       flip=cfg.random_flip, pad_mode=cfg.pad_mode, **common),
+        InMemoryLoader(test, cfg.eval_batch_size, shuffle=False,
+                       max_batches=options.eval_max_batches, **common),
+        train.num_classes,
+    )
+
+
+READERS = {"mnist": load_mnist, "cifar10": load_cifar10}  # the built-in datasets, by data.name
+
+
+class ImageSamples(Dataset):
+    """A split as a map-style dataset of ``(uint8 image, label)``, augmented one image at a time
+    with torchvision's transforms (the standard per-sample path)."""
+
+    def __init__(self, data: TensorData, *, padding: int = 0, flip: bool = False,
+                 pad_mode: str = "constant") -> None:
+        from torchvision.transforms import v2  # heavy import: only on this path
+
+        self.images, self.labels = data.images, data.labels
+        ops: list[Any] = []
+        if padding:
+            size = tuple(data.images.shape[-2:])
+            ops.append(v2.RandomCrop(size, padding=padding, padding_mode=pad_mode))
+        if flip:
+            ops.append(v2.RandomHorizontalFlip())
+        self.transform = v2.Compose(ops) if ops else None
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.images[i]
+        return (self.transform(image) if self.transform else image), self.labels[i]
+
+
+def _dataloader(data: TensorData, cfg: DataConfig, runtime: Runtime, options: Options, *,
+                training: bool) -> DevicePrefetcher:
+    samples = ImageSamples(data, padding=cfg.random_crop_padding, flip=cfg.random_flip,
+                           pad_mode=cfg.pad_mode) if training else ImageSamples(data)
+    loader = make_loader(
+        samples, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
+        device=runtime.device, seed=options.seed, rank=runtime.rank,
+        world_size=runtime.world_size,
+        num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
+        drop_last=cfg.drop_last and training,
+        max_batches=None if training else options.eval_max_batches)
+    return DevicePrefetcher(loader, runtime.device, mean=data.mean, std=data.std,
+                            channels_last=options.channels_last)

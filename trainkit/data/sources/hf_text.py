@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
@@ -29,6 +29,9 @@ from trainkit.core.errors import ConfigError, TrainkitError, one_line
 from trainkit.core.runtime import Runtime
 from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.resumable import make_loader
+
+if TYPE_CHECKING:
+    from trainkit.data.sources import Options
 
 EVAL_SPLITS = ("validation", "val", "test")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
@@ -187,3 +190,9 @@ def pad_id(tokenizer: Any) -> int:
         raise ConfigError("the tokenizer has neither a pad nor an end-of-text token: add one "
                           "(tokenizer.pad_token = ...) and save it again")
     return int(pad)
+
+
+def load(cfg: DataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+    """:func:`hf_text_loaders` as :data:`trainkit.data.sources.SOURCES` calls it."""
+    return hf_text_loaders(cfg, runtime, seed=options.seed,
+                           eval_max_batches=options.eval_max_batches)
