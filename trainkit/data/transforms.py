@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from trainkit.config import DataConfig
+from trainkit.config import ImageFields
 from trainkit.core.errors import TrainkitError, one_line
 from trainkit.data.device.prefetch import Normalize, normalize  # noqa: F401  (the device stage's)
 
@@ -139,8 +139,8 @@ def crop_box(height: int, width: int, *, scale: Sequence[float] = (0.08, 1.0),
 
     The same algorithm and distribution (area fraction uniform in ``scale``, log aspect ratio
     uniform in ``ratio``, ten tries, then the centre crop), drawn from Python's ``random``
-    (the loader seeds it per batch) rather than from one-element torch tensors (microseconds
-    each, several per image).
+    (the loader seeds it per batch) rather than from one-element torch tensors (several per
+    image, each far dearer than a Python draw).
     """
     area = height * width
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
@@ -254,7 +254,7 @@ def compose(transforms: Sequence[Callable[..., torch.Tensor]]) -> Transform:
     return v2.Compose(list(transforms))
 
 
-def transform_for(cfg: DataConfig, *, training: bool,
+def transform_for(cfg: ImageFields, *, training: bool,
                   custom: Sequence[Callable[..., torch.Tensor]] | None = None) -> Transform:
     """The transform ``cfg`` describes for training or evaluation: ``custom`` (your
     ``data.train_transforms`` / ``data.eval_transforms``, already built) when given, else
@@ -268,7 +268,7 @@ def transform_for(cfg: DataConfig, *, training: bool,
     return eval_transform(cfg.image_size, crop_pct=cfg.crop_pct)
 
 
-def stats_for(cfg: DataConfig) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def stats_for(cfg: ImageFields) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """``(mean, std)`` of ``cfg`` (``data.mean`` / ``data.std``), ImageNet's where unset."""
     mean, std = default_stats(cfg.channels)
     return (tuple(cfg.mean) if cfg.mean is not None else mean,

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import torch
 from PIL import Image
 
-from trainkit.config import DataConfig
+from trainkit.config import SharedDataConfig
 from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.data.sources.image_folder import BadFile, ImageBatch, ImageFiles
 from trainkit.data.transforms import (
@@ -348,7 +348,7 @@ class JpegDecoder:
         return out.flip(-1) if plan.flip else out
 
 
-def check_gpu_decode(cfg: DataConfig, device: torch.device | str, *, own_dataset: bool,
+def check_gpu_decode(cfg: SharedDataConfig, device: torch.device | str, *, own_dataset: bool,
                      custom_transforms: bool) -> None:
     """``data.decode=gpu``'s preconditions, each a one-line :class:`ConfigError`; nvJPEG is
     tried once here (:func:`probe_nvjpeg`) and its line logged."""

@@ -204,11 +204,11 @@ def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float],
 class Normalize:
     """:func:`normalize` with its constants built once, on ``device``: no host sync per batch.
 
-    One multiply-add, ``x * (1 / (255 std)) - mean / std``, written in ``memory_format``
-    whatever the batch's own layout: on a GPU one kernel reading uint8; on a CPU the cast into
-    the output first (torch's vectorised copy; its mixed-dtype multiply-add is not, and takes
-    1.7x as long), then the multiply-add in place. The constants are made here, once (from
-    host memory: on CUDA a copy the host waits for), never per batch.
+    One multiply-add, ``x * (1 / (255 std)) - mean / std``, written in ``memory_format`` whatever
+    the batch's own layout: on a GPU one kernel reading uint8; on a CPU the cast into the output
+    first (torch's vectorised copy; its mixed-dtype multiply-add is not, and is slower:
+    benchmarks/README.md, data figures), then the multiply-add in place. The constants are made
+    here, once (from host memory: on CUDA a copy the host waits for), never per batch.
     """
 
     def __init__(self, mean: Sequence[float], std: Sequence[float],

@@ -88,13 +88,13 @@ def default_num_workers(procs_per_node: int | None = None) -> int:
 class SeededSamples(Dataset):
     """Wraps a map-style dataset; in a worker, seeds Python, NumPy and torch once per batch.
 
-    A worker's random stream otherwise depends on which batches it loaded before, which changes
-    when a run resumes mid-epoch. Seeding from the batch's own seed makes every draw a function
-    of the batch's place in the run. Once per batch, not per sample: seeding costs microseconds,
-    which per sample would be most of a cheap sample's cost. Only torch's CPU generator is
-    seeded (``torch.manual_seed`` also queues CUDA seeding, ~100x slower; workers do not use
-    CUDA). In the main process (``num_workers=0``) the draws come from the process's own
-    generators, which checkpoints save and restore, so no seeding is needed.
+    A worker's random stream otherwise depends on which batches it loaded before, which changes when
+    a run resumes mid-epoch. Seeding from the batch's own seed makes every draw a function of the
+    batch's place in the run. Once per batch, not per sample: per sample, seeding would be much of a
+    cheap sample's cost. Only torch's CPU generator is seeded (``torch.manual_seed`` also queues
+    CUDA seeding, far dearer; workers do not use CUDA; benchmarks/README.md, data figures). In the
+    main process (``num_workers=0``) the draws come from the process's own generators, which
+    checkpoints save and restore, so no seeding is needed.
     """
 
     def __init__(self, dataset: Dataset) -> None:
@@ -233,14 +233,9 @@ def make_loader(
         >>> loader.set_epoch(2, start_batch=10)  # resume: batches 0-9 are never loaded
     """
     device = torch.device(device)
-    if device.type != "cpu":  # a device missing here is the error, not what pinning would need
-        resolve_device(device)
-    if not isinstance(dataset, Sized):
-        raise ConfigError(f"{type(dataset).__name__} has no len(): make_loader needs a "
-                          "map-style dataset")
     sample = max_batches * batch_size * world_size if max_batches else None
-    check_shard(len(dataset), batch_size, shuffle=shuffle, drop_last=drop_last, rank=rank,
-                world_size=world_size, sample=sample)
+    _check_inputs(dataset, batch_size, device, shuffle=shuffle, drop_last=drop_last, rank=rank,
+                  world_size=world_size, sample=sample)
     num_workers, prefetch_factor, persistent_workers = _workers(
         dataset, batch_size, num_workers, prefetch_factor, persistent_workers, procs_per_node)
     sampler = ResumableBatchSampler(len(dataset), batch_size, shuffle=shuffle,
@@ -255,6 +250,18 @@ def make_loader(
         worker_init_fn=shielded_worker_init(worker_init_fn) if num_workers else None,
     )
     return ResumableLoader(loader, sampler, generator, seed=seed, rank=rank)
+
+
+def _check_inputs(dataset: Dataset, batch_size: int, device: torch.device, *, shuffle: bool,
+                  drop_last: bool, rank: int, world_size: int, sample: int | None) -> None:
+    """One line for a dataset, device or shard no loader could serve."""
+    if device.type != "cpu":  # a device missing here is the error, not what pinning would need
+        resolve_device(device)
+    if not isinstance(dataset, Sized):
+        raise ConfigError(f"{type(dataset).__name__} has no len(): make_loader needs a "
+                          "map-style dataset")
+    check_shard(len(dataset), batch_size, shuffle=shuffle, drop_last=drop_last, rank=rank,
+                world_size=world_size, sample=sample)
 
 
 def _workers(dataset: Dataset, batch_size: int, num_workers: int | None,

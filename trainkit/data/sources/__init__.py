@@ -1,17 +1,26 @@
-"""The sources: one module per kind of data, each a dataset (and its loaders) from its config.
+"""The sources: one module per kind of data, each its dataset (and loaders) from its own config.
 
-:data:`SOURCES` is the one table, keyed by ``data.name``; :func:`load_data` looks the kind up
-and returns the training and evaluation loaders and the class count, which the caller reads
-before it builds the model.
+:data:`SOURCES` is the one table, keyed by ``data.name``: each kind's typed config (the shared
+fields and its own, :mod:`trainkit.config`) and its ``load``. :func:`load_data` looks the kind
+up, hands it its config, and returns the training and evaluation loaders and the class count,
+which the caller reads before it builds the model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
-from trainkit.config import DataConfig
+from trainkit.config import (
+    DatasetConfig,
+    HFTextConfig,
+    ImageFolderConfig,
+    SharedDataConfig,
+    TensorDataConfig,
+    TokensConfig,
+    WebDatasetConfig,
+)
 from trainkit.core.errors import ConfigError
 from trainkit.core.runtime import Runtime
 from trainkit.data.sources import dataset, hf_text, image_folder, tensors, tokens, webdataset
@@ -41,25 +50,36 @@ class Options:
     eval_max_batches: int | None = None
 
 
-Source = Callable[[DataConfig, Runtime, Options], tuple[Any, Any, int]]
-# data.name -> the source that builds it; a reader (dataset._target_) replaces the image kinds'
-SOURCES: dict[str, Source] = {
-    "mnist": tensors.load,
-    "cifar10": tensors.load,
-    "image_folder": image_folder.load,
-    "tokens": tokens.load,
-    "webdataset": webdataset.load,
-    "hf_text": hf_text.load,
+class Source(NamedTuple):
+    """A kind of data: its typed config, and ``load(config, runtime, options)`` returning the
+    training loader, the evaluation loader (or None) and the class count."""
+
+    config: type[SharedDataConfig]
+    load: Callable[[Any, Runtime, Options], tuple[Any, Any, int]]
+
+
+SOURCES: dict[str, Source] = {  # data.name -> its source
+    "mnist": Source(TensorDataConfig, tensors.load),
+    "cifar10": Source(TensorDataConfig, tensors.load),
+    "image_folder": Source(ImageFolderConfig, image_folder.load),
+    "tokens": Source(TokensConfig, tokens.load),
+    "webdataset": Source(WebDatasetConfig, webdataset.load),
+    "hf_text": Source(HFTextConfig, hf_text.load),
 }
+OWN = Source(DatasetConfig, dataset.load)  # a reader (dataset._target_) replaces the image kinds
 STREAMED = ("webdataset", "tokens", "hf_text")  # kinds that never take a reader
 
 
-def load_data(cfg: DataConfig, runtime: Runtime, *, seed: int = 0, channels_last: bool = False,
+def load_data(cfg: SharedDataConfig, runtime: Runtime, *, seed: int = 0,
+              channels_last: bool = False,
               reader: Reader | None = None,
               train_transforms: Sequence[Callable[..., Any]] | None = None,
               eval_transforms: Sequence[Callable[..., Any]] | None = None,
               eval_max_batches: int | None = None) -> Data:
     """The training and evaluation loaders of ``cfg.name``'s source, and its class count.
+
+    ``cfg`` is the ``data`` node (:class:`~trainkit.config.DataConfig`, every source's keys)
+    or a source's own typed config; the source gets its own part of it.
 
     ``reader`` (the entry point's ``dataset._target_``) replaces the built-in images: called
     as ``reader(root=cfg.root, train=...)``, it returns a
@@ -73,20 +93,20 @@ def load_data(cfg: DataConfig, runtime: Runtime, *, seed: int = 0, channels_last
             ``data.num_classes`` other than the data's.
         TrainkitError: the files are missing (offline), corrupt or malformed.
     """
-    if cfg.decode == "gpu":  # JPEGs decoded on the device: its preconditions, one line each
+    if getattr(cfg, "decode", "cpu") == "gpu":  # JPEGs decoded on the device: its preconditions
         from trainkit.data.device.gpu_decode import check_gpu_decode  # (imports image_folder)
 
         check_gpu_decode(cfg, runtime.device, own_dataset=reader is not None,
                          custom_transforms=bool(train_transforms or eval_transforms))
     source = SOURCES.get(cfg.name)
     if reader is not None and cfg.name not in STREAMED:
-        source = dataset.load
+        source = OWN
     if source is None:
         raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(SOURCES)}; "
                           "for your own dataset set dataset._target_ (see the README)")
     options = Options(seed, channels_last, reader, train_transforms, eval_transforms,
                       eval_max_batches)
-    data = Data(*source(cfg, runtime, options))
+    data = Data(*source.load(own_config(cfg, source.config), runtime, options))
     if cfg.num_classes is not None and cfg.num_classes != data.num_classes:
         raise ConfigError(f"data.num_classes={cfg.num_classes} but the data has "
                           f"{data.num_classes} classes: leave data.num_classes unset (null), "
@@ -95,3 +115,11 @@ def load_data(cfg: DataConfig, runtime: Runtime, *, seed: int = 0, channels_last
 
 
 build_loaders = load_data  # the name trainkit's API has had
+
+
+def own_config(cfg: Any, kind: type[SharedDataConfig]) -> Any:
+    """The part of ``cfg`` (the ``data`` node's every key) that a source of ``kind`` reads:
+    a ``kind`` of the shared fields and the source's own."""
+    if isinstance(cfg, kind):
+        return cfg
+    return kind(**{f.name: getattr(cfg, f.name) for f in fields(kind)})

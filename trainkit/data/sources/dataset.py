@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from trainkit.config import DataConfig
+from trainkit.config import DatasetConfig
 from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.runtime import Runtime
 from trainkit.data.device.prefetch import DevicePrefetcher
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from trainkit.data.sources import Options
 
 
-def load(cfg: DataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+def load(cfg: DatasetConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
     """Loaders over the two splits your reader returns (``reader(root=data.root, train=...)``):
     a :class:`TensorData` as the built-in datasets are served, any other map-style dataset
     through :class:`Samples` (the evaluation split may be None)."""
@@ -56,7 +56,7 @@ def load(cfg: DataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any,
     return loaders[0], loaders[1], int(num_classes)
 
 
-def _loader(split: Any, cfg: DataConfig, runtime: Runtime, options: Options,
+def _loader(split: Any, cfg: DatasetConfig, runtime: Runtime, options: Options,
             classes: Sequence[str] | None, *, training: bool) -> DevicePrefetcher:
     """One split's samples (decoded, transformed) through the loader into the device stage."""
     custom = options.train_transforms if training else options.eval_transforms

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset
 
-from trainkit.config import DataConfig
+from trainkit.config import HFTextConfig
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
 from trainkit.core.runtime import Runtime
 from trainkit.data.device.prefetch import DevicePrefetcher
@@ -90,7 +90,7 @@ class PadBatch:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def hf_text_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
+def hf_text_loaders(cfg: HFTextConfig, runtime: Runtime, *, seed: int = 0,
                     eval_max_batches: int | None = None
                     ) -> tuple[DevicePrefetcher, DevicePrefetcher | None, int]:
     """Training and evaluation loaders of ``data.root``'s text, and the class count (the
@@ -192,7 +192,7 @@ def pad_id(tokenizer: Any) -> int:
     return int(pad)
 
 
-def load(cfg: DataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+def load(cfg: HFTextConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
     """:func:`hf_text_loaders` as :data:`trainkit.data.sources.SOURCES` calls it."""
     return hf_text_loaders(cfg, runtime, seed=options.seed,
                            eval_max_batches=options.eval_max_batches)

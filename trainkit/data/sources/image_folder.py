@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from trainkit.config import DataConfig
+from trainkit.config import DatasetConfig, ImageFolderConfig
 from trainkit.core.errors import TrainkitError
 from trainkit.core.objectstore import is_url
 from trainkit.core.runtime import Runtime
@@ -249,7 +249,7 @@ def collate_images(samples: list[Any]) -> ImageBatch:
     return ImageBatch(images, labels, [p for s in samples for p in s[2]], [])
 
 
-def load(cfg: DataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+def load(cfg: ImageFolderConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
     """Training and validation loaders of the image folder at ``cfg.root``, and its class count.
 
     The loaders' ``classes`` attribute names the classes by index. Validation is None when the
@@ -276,7 +276,8 @@ def load(cfg: DataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any,
     return train, val, len(folder.classes)
 
 
-def image_loader(dataset: Dataset, cfg: DataConfig, runtime: Runtime, options: Options,
+def image_loader(dataset: Dataset, cfg: ImageFolderConfig | DatasetConfig, runtime: Runtime,
+                 options: Options,
                  classes: Sequence[str] | None, *, training: bool,
                  transform: Transform | None = None) -> DevicePrefetcher:
     """A split of image samples through the resumable loader (workers, a rank's shard, pinned

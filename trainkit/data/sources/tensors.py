@@ -2,10 +2,9 @@
 torchvision downloads, served from memory (:class:`~trainkit.data.InMemoryLoader`) or through
 the DataLoader path (``data.loader=dataloader``).
 
-Per-sample PIL decoding costs tens of microseconds a sample; holding the set as one tensor and
-gathering batches by index costs next to nothing, which is most of what makes MNIST train in
-seconds on a CPU. CIFAR-10's files are pickles: they are read with a restricted unpickler
-(:mod:`trainkit.data.sources.safe_pickle`), never with ``pickle.load``.
+Holding the set as one tensor and gathering batches by index avoids decoding a sample at a time
+(benchmarks/README.md, data figures). CIFAR-10's files are pickles: they are read with a restricted
+unpickler (:mod:`trainkit.data.sources.safe_pickle`), never with ``pickle.load``.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainkit.config import DataConfig
+from trainkit.config import DatasetConfig, TensorDataConfig
 from trainkit.core.errors import TrainkitError, chain_lines
 from trainkit.core.runtime import Runtime
 from trainkit.data.device.prefetch import DevicePrefetcher
@@ -238,7 +237,7 @@ def _read_cifar_batch(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndar
     return data, targets
 
 
-def load(cfg: DataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+def load(cfg: TensorDataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
     """The loaders of ``data.name`` (MNIST or CIFAR-10): in memory on the device
     (``data.loader=memory``, the default; batches augmented there) or through the DataLoader
     path (workers, pinned memory, the prefetcher)."""
@@ -248,8 +247,8 @@ def load(cfg: DataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any,
     return tensor_loaders(train, test, cfg, runtime, options)
 
 
-def tensor_loaders(train: TensorData, test: TensorData, cfg: DataConfig, runtime: Runtime,
-                   options: Options) -> tuple[Any, Any, int]:
+def tensor_loaders(train: TensorData, test: TensorData, cfg: TensorDataConfig | DatasetConfig,
+                   runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
     """The two splits' loaders, as ``data.loader`` picks them, and the class count."""
     if cfg.loader == "dataloader":
         return (_dataloader(train, cfg, runtime, options, training=True),
@@ -295,8 +294,8 @@ class ImageSamples(Dataset):
         return (self.transform(image) if self.transform else image), self.labels[i]
 
 
-def _dataloader(data: TensorData, cfg: DataConfig, runtime: Runtime, options: Options, *,
-                training: bool) -> DevicePrefetcher:
+def _dataloader(data: TensorData, cfg: TensorDataConfig | DatasetConfig, runtime: Runtime,
+                options: Options, *, training: bool) -> DevicePrefetcher:
     samples = ImageSamples(data, padding=cfg.random_crop_padding, flip=cfg.random_flip,
                            pad_mode=cfg.pad_mode) if training else ImageSamples(data)
     loader = make_loader(

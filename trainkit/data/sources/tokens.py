@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from trainkit.config import DataConfig
+from trainkit.config import TokensConfig
 from trainkit.core.errors import ConfigError
 from trainkit.core.objectstore import is_url
 from trainkit.core.rng import mix_seed
@@ -126,7 +126,7 @@ def corpus_meta(root: Path) -> dict[str, Any]:
     return json.loads(meta.read_text()) if meta.is_file() else {}
 
 
-def token_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
+def token_loaders(cfg: TokensConfig, runtime: Runtime, *, seed: int = 0,
                   eval_max_batches: int | None = None) -> tuple[TokenLoader, TokenLoader, int]:
     """Training and evaluation loaders over ``<data.root>/train.bin`` and ``val.bin``, and the
     vocabulary's size: ``data.num_classes`` when set (at least meta.json's: a model may have
@@ -161,7 +161,7 @@ def token_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
             cfg.num_classes or vocab)
 
 
-def load(cfg: DataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+def load(cfg: TokensConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
     """:func:`token_loaders` as :data:`trainkit.data.sources.SOURCES` calls it."""
     return token_loaders(cfg, runtime, seed=options.seed,
                          eval_max_batches=options.eval_max_batches)

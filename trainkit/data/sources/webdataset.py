@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from trainkit.config import DataConfig
+from trainkit.config import WebDatasetConfig
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
 from trainkit.core.objectstore import filesystem, is_url, join, store_error
 from trainkit.core.rng import mix_seed
@@ -260,13 +260,13 @@ def shard_list(spec: str | Sequence[str] | None, index: Mapping[str, Any], split
     return [url for s in specs for url in wds.shardlists.expand_urls(s)], None
 
 
-def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
+def shard_loaders(cfg: WebDatasetConfig, runtime: Runtime, *, seed: int = 0,
                   channels_last: bool = False, train_transforms: Transforms = None,
                   eval_transforms: Transforms = None) -> tuple[DevicePrefetcher, Any, int]:
     """Training and validation loaders of ``data=webdataset``, and the class count;
     ``train_transforms`` / ``eval_transforms`` replace the default transforms when given."""
-    # Imported here, once: the forked workers have them instead of importing them each (~1 s a
-    # worker); and a missing extra is said before anything starts.
+    # Imported here, once: the forked workers have them instead of importing them each (a slow
+    # import); and a missing extra is said before anything starts.
     _webdataset()
     import torchvision.io  # decode_image's JPEG path
     import torchvision.transforms.v2.functional  # noqa: F401  (the crops and resizes)
@@ -288,7 +288,7 @@ def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
     return loaders[0], loaders[1] if val is not None else None, int(num_classes)
 
 
-def _loader(cfg: DataConfig, runtime: Runtime, seed: int, index: Mapping[str, Any],
+def _loader(cfg: WebDatasetConfig, runtime: Runtime, seed: int, index: Mapping[str, Any],
             custom: Transforms, *, training: bool) -> ShardLoader:
     shards, samples = shard_list(cfg.shards if training else cfg.val_shards, index,
                                  "train" if training else "val",
@@ -330,7 +330,7 @@ def _eval_batches(entries: Sequence[Mapping[str, Any]], runtime: Runtime, worker
                for w in range(max(workers, 1)))
 
 
-def load(cfg: DataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+def load(cfg: WebDatasetConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
     """:func:`shard_loaders` as :data:`trainkit.data.sources.SOURCES` calls it."""
     return shard_loaders(cfg, runtime, seed=options.seed, channels_last=options.channels_last,
                          train_transforms=options.train_transforms,

@@ -79,7 +79,8 @@ def verify(root: Path, names: list[str]) -> list[str]:
     return problems
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: download, verify, tokenize, shards."""
     parser = argparse.ArgumentParser(prog=command_name("trainkit.data"),
                                      description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     shards.add_argument("folder", type=Path, help="train/<class>/ (and val/<class>/) images")
     shards.add_argument("out_dir", type=Path, help="where the shards and shards.json go")
     shards.add_argument("--samples-per-shard", type=int, default=1000)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command of ``python -m trainkit.data``; the exit status (2: a problem)."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "tokenize":
         return _tokenize(args)

@@ -17,7 +17,7 @@ CIFAR10_FOLDER = "cifar-10-batches-py"
 def download_mnist(root: str | Path) -> None:
     """Download MNIST's four files (md5-checked) into ``<root>/MNIST/raw`` with torchvision;
     a failed download leaves no folder it made."""
-    from torchvision.datasets import MNIST  # torchvision import costs ~1 s: only to download
+    from torchvision.datasets import MNIST  # a slow import: only to download
 
     with _no_folders_left_empty(Path(root) / "MNIST" / "raw"):
         MNIST(str(root), train=False, download=True)
