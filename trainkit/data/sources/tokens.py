@@ -1,23 +1,15 @@
 """``data=tokens``: windows of a token corpus read through a memory map (nanoGPT's format).
 
-A corpus is a folder with ``train.bin`` and ``val.bin``, flat arrays of token ids (uint16, or
-uint32), as ``python -m trainkit.data tokenize`` (or nanoGPT's ``prepare.py``) writes them, and
-optionally the ``meta.json`` the former writes (dtype, vocabulary size, checksums); on object
-storage (``data.root`` a URL) they are fetched once into a local cache (:mod:`trainkit.data.
-remote`) and mapped from there. Nothing is read whole:
-each batch gathers its windows from the page cache, so a corpus may be far larger than memory.
+A corpus is a folder of ``train.bin`` and ``val.bin`` (flat uint16 or uint32 token ids) and
+optionally ``meta.json`` (``python -m trainkit.data tokenize`` writes all three); a URL is
+fetched once into a local cache (:mod:`trainkit.data.remote`). Nothing is read whole.
 
-What a run sees, exactly:
-
-* training: an epoch is ``(tokens - 1) // seq_len // (world_size * batch_size)`` batches per rank
-  (as many windows as the file holds end to end, cut to equal shares). Batch ``b`` of ``epoch``
-  on ``rank`` is ``batch_size`` windows of ``seq_len + 1`` tokens at offsets drawn uniformly from
-  a generator seeded with ``(seed, epoch, rank, b)``: a function of its place alone, so a resumed
-  run reads the very windows an uninterrupted one would, without touching the batches before.
-* evaluation: the windows end to end from the file's start (window ``i`` at ``i * seq_len``),
-  rank ``r`` taking windows ``r, r + world_size, ...`` in order; the last batch may be short.
-  With ``max_batches`` (``trainer.eval_max_batches``): ``max_batches * batch_size * world_size``
-  of those windows spread evenly over the whole file, the same at every evaluation.
+Training: an epoch is ``(tokens - 1) // seq_len // (world_size * batch_size)`` batches per
+rank; batch ``b`` is ``batch_size`` windows of ``seq_len + 1`` tokens at offsets drawn from a
+generator seeded with ``(seed, epoch, rank, b)``, so a resumed run reads the very windows an
+uninterrupted one would. Evaluation: the windows end to end (window ``i`` at ``i * seq_len``),
+rank ``r`` taking every world-size-th; with ``max_batches`` that many batches of windows spread
+evenly over the file, the same at every evaluation.
 """
 
 from __future__ import annotations

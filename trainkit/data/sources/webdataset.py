@@ -1,37 +1,16 @@
 """``data=webdataset``: image shards (webdataset tars) streamed by every rank and worker.
 
-Shards are tar files of samples (``<key>.jpg`` or another image, ``<key>.cls``: the class
-index), local paths, any URL webdataset opens (``https://``, ``pipe:aws s3 cp ... -``) or any
-fsspec URL (``s3://``, ``gs://``: streamed through a bounded local cache,
-:mod:`trainkit.data.remote`; ``data.root`` may be such a URL too), given
-as a brace pattern (``train-{000000..000127}.tar``) or a list. ``python -m trainkit.data shards``
-writes them from an image folder, with ``shards.json`` beside them (each shard's sample count,
-the class names), which ``data.root`` points at. Images are decoded and augmented by
-:mod:`trainkit.data.transforms`, as ``data=image_folder`` does, and normalised on the device.
+Shards (``<key>.jpg`` or another image, ``<key>.cls``: the class index) are local paths, URLs
+webdataset opens, or fsspec URLs streamed through a bounded local cache
+(:mod:`trainkit.data.remote`), given as a brace pattern or a list, or listed in the
+``shards.json`` that ``python -m trainkit.data shards`` writes beside them. Images are decoded
+and augmented as ``data=image_folder``'s (:mod:`trainkit.data.transforms`).
 
-What a run sees, exactly (training):
-
-* an epoch is ``data.epoch_samples`` samples per rank (default: the training shards' samples in
-  ``shards.json`` divided by the ranks), cut to whole batches: every rank runs the same number
-  of batches, whatever the shards hold, so DDP never waits on a rank that ran dry.
-* the shard order of epoch ``e`` is a permutation fixed by ``(seed, e)``; rank ``r`` takes shards
-  ``r, r + world_size, ...`` of it, and worker ``w`` of the rank's DataLoader takes every
-  ``num_workers``-th of those from its ``w``-th. Fewer shards than ranks x workers is an error.
-* each worker's samples pass a shuffle buffer (``data.shuffle_buffer``) seeded with
-  ``(seed, epoch, rank, worker)``; a worker whose shards run out before its share of the epoch
-  reads them again (another order, another buffer seed), so with uneven shards a sample may come
-  twice in an epoch and another not at all -- but no rank runs short.
-* batch ``b`` of the rank comes from worker ``b % num_workers`` (the DataLoader's round robin),
-  its augmentation seeded with ``(seed, epoch, rank, b)``.
-
-Resume: the samples, their order and their augmentation are a function of ``(seed, epoch, rank,
-batch)`` for a fixed ``num_workers``: a run resumed at batch ``b`` of an epoch reads on from
-the sample after the last one handed out (the samples before it are read from the tars but not
-decoded) and hands out exactly the batches the uninterrupted run would have. Resuming with
-another ``num_workers`` or world size keeps the epoch's shard order but not its samples.
-
-Evaluation reads the validation shards once each, in order, rank ``r`` taking every
-``world_size``-th; the last batch of each worker may be short.
+The order is a function of ``(seed, epoch, rank, batch)`` for a fixed ``num_workers``: rank
+``r`` takes every world-size-th shard of the epoch's permutation, each worker every
+workers-th of those through a seeded shuffle buffer, and every rank gets the same number of
+batches, so a mid-epoch resume hands out exactly the batches an uninterrupted run would (what
+a run sees, exactly: docs/data.md, "Image shards").
 """
 
 from __future__ import annotations
