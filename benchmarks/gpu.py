@@ -131,7 +131,7 @@ def _measure(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
 
     from tests.helpers.fakes import write_fake_cifar10
     from trainkit.data import DevicePrefetcher, InMemoryLoader, make_loader
-    from trainkit.data.datasets import load_cifar10
+    from trainkit.data.sources.tensors import load_cifar10
     from trainkit.loop.precision import Precision
     from trainkit.models import CifarNet
 

@@ -89,13 +89,13 @@ def trainkit_loader(root: Path, workers: int, batch_size: int) -> Any:
     """The training loader of ``data=image_folder data.root=<root>``, on this machine's device."""
     from trainkit.config import DataConfig
     from trainkit.core.runtime import Runtime
-    from trainkit.data.own_data import image_folder_loaders
+    from trainkit.data import load_data
 
     cfg = DataConfig(name="image_folder", root=str(root), batch_size=batch_size,
                      loader="dataloader", num_workers=workers, random_flip=True,
                      val_fraction=0.0, drop_last=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return image_folder_loaders(cfg, Runtime.from_env(device))[0]
+    return load_data(cfg, Runtime.from_env(device))[0]
 
 
 def webdataset_loader(root: Path, workers: int, batch_size: int) -> Any:
@@ -103,8 +103,8 @@ def webdataset_loader(root: Path, workers: int, batch_size: int) -> Any:
     beside the folder), on this machine's device."""
     from trainkit.config import DataConfig
     from trainkit.core.runtime import Runtime
-    from trainkit.data.shard_writer import write_shards
-    from trainkit.data.shards import shard_loaders
+    from trainkit.data.sources.webdataset import shard_loaders
+    from trainkit.data.tools.shard_writer import write_shards
 
     shards = root.with_name(root.name + "-shards")
     if not (shards / "shards.json").is_file():
@@ -122,7 +122,7 @@ def ceiling(files: list[str], batch_size: int, device: str) -> Callable[[int], f
     normalise each batch to float32 (the part the prefetcher does where the batch lands; on a
     GPU that is the GPU's, off the CPU)."""
     from trainkit.data import transforms as tf
-    from trainkit.data.image_folder import collate_images
+    from trainkit.data.sources.image_folder import collate_images
 
     transform = tf.train_transform(224)
     order = random.Random(0)

@@ -50,7 +50,7 @@ def torchvision_dataset(name: str, root: str) -> Any:
     from torchvision import transforms
     from torchvision.datasets import CIFAR10, MNIST
 
-    from trainkit.data.datasets import CIFAR10_MEAN, CIFAR10_STD, MNIST_MEAN, MNIST_STD
+    from trainkit.data.sources.tensors import CIFAR10_MEAN, CIFAR10_STD, MNIST_MEAN, MNIST_STD
 
     size, padding, flip = AUGMENT[name]
     mean, std = (MNIST_MEAN, MNIST_STD) if name == "mnist" else (CIFAR10_MEAN, CIFAR10_STD)
@@ -76,7 +76,7 @@ def torchvision_dataset(name: str, root: str) -> Any:
 def in_memory_loader(name: str, root: str, batch_size: int) -> Iterable:
     """trainkit's fast path: one uint8 tensor, index gathers, augmentation on the batch."""
     from trainkit.data import InMemoryLoader
-    from trainkit.data.datasets import load_cifar10, load_mnist
+    from trainkit.data.sources.tensors import load_cifar10, load_mnist
 
     read = load_mnist if name == "mnist" else load_cifar10
     data = read(root, train=True, verify=False, download=False)
@@ -181,8 +181,7 @@ def factory_datasets(root: str, quick: bool) -> dict[str, Any]:
     """The datasets ``make_loader`` is timed on: cheap, torchvision, the entry point's."""
     from torch.utils.data import TensorDataset
 
-    from trainkit.data.build import ImageSamples
-    from trainkit.data.datasets import load_mnist
+    from trainkit.data.sources.tensors import ImageSamples, load_mnist
 
     n = 512 if quick else 30_000
     return {

@@ -52,7 +52,7 @@ from torch import nn
 
 from benchmarks.common import alternate, emit, median, ratio, row
 from trainkit import CheckpointConfig, MLflowSink, Trainer, TrainerConfig
-from trainkit.data.resumable import DataPosition, PositionedLoader
+from trainkit.data.loader.resumable import ResumableLoader
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 GOAL_VS_LOOP = 0.98
@@ -74,19 +74,17 @@ def make_batches(steps: int, batch: int = 64) -> Batches:
             for _ in range(steps)]
 
 
-class ResumableList(PositionedLoader):
+class ResumableList(ResumableLoader):
     """The batches as a loader that resumes at any batch (what ``trainer.spike`` needs)."""
 
     def __init__(self, batches: Batches) -> None:
-        self.batches, self.position = batches, DataPosition()
+        self.batches = batches
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __iter__(self) -> Any:
-        for i in range(self.position.begin_pass(), len(self.batches)):
-            self.position.batch = i + 1
-            yield self.batches[i]
+    def _pass(self, epoch: int, start: int) -> Any:
+        return iter(self.batches[start:])
 
 
 def with_spike(batches: Batches, *, on: bool) -> float:

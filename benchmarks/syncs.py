@@ -230,12 +230,12 @@ def loader_syncs(steps: int, log_every: int, device: torch.device | str, root: P
     ``device`` (on the CPU: libjpeg-turbo through the same list call)."""
     from trainkit.config import DataConfig
     from trainkit.core.runtime import Runtime
-    from trainkit.data.own_data import image_folder_loaders
+    from trainkit.data import load_data
 
     device = torch.device(device)
     cfg = DataConfig(name="image_folder", root=str(image_folder(root)), batch_size=2,
                      num_workers=0, image_size=16, decode=decode, download=False, verify=False)
-    train, _, classes = image_folder_loaders(cfg, Runtime(device), seed=0)
+    train, _, classes = load_data(cfg, Runtime(device), seed=0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                           nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, classes))

@@ -137,6 +137,6 @@ class Pictures(torch.utils.data.Dataset):
 def hf_split(root: str, train: bool = True, **kwargs: object) -> object:
     """A Hugging Face ``datasets.Dataset`` from local files (``imagefolder``); ``kwargs`` go to
     ``load_dataset`` (``cache_dir``)."""
-    from trainkit.data.hf import load_split
+    from trainkit.data.sources.dataset import load_split
 
     return load_split(root, train, path="imagefolder", eval_split="validation", **kwargs)

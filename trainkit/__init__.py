@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time: _SOURCES and
         default_num_workers,
         make_loader,
     )
-    from trainkit.data.datasets import TensorData, load_cifar10, load_mnist
+    from trainkit.data.sources.tensors import TensorData, load_cifar10, load_mnist
     from trainkit.distributed.fsdp import shard_model
     from trainkit.distributed.watchdog import EXIT_HUNG, Watchdog
     from trainkit.loop.activations import apply_activation_checkpointing
@@ -111,7 +111,7 @@ _SOURCES = {name: module for module, names in (
     ("trainkit.core.signals", "EXIT_PREEMPTED Preemption"),
     ("trainkit.data", "DevicePrefetcher InMemoryLoader ResumableData ResumableLoader build_loaders"
                       " crop_flip default_num_workers make_loader"),
-    ("trainkit.data.datasets", "TensorData load_cifar10 load_mnist"),
+    ("trainkit.data.sources.tensors", "TensorData load_cifar10 load_mnist"),
     ("trainkit.distributed.fsdp", "shard_model"),
     ("trainkit.distributed.watchdog", "EXIT_HUNG Watchdog"),
     ("trainkit.loop.activations", "apply_activation_checkpointing"),

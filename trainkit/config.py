@@ -225,36 +225,78 @@ class TrainerConfig:
 
 
 @dataclass
-class DataConfig:
-    """Where the data lives and how it is batched."""
+class SharedDataConfig:
+    """What every source reads: where the data is and how it is batched (the seed is the
+    trainer's). A source's typed config is this plus its own fields below; the checks of each
+    part run when a config is made."""
 
     name: str = "mnist"
     root: str = field(default_factory=lambda: os.environ.get("TRAINKIT_DATA_DIR", "./data"))
     batch_size: int = 128
     eval_batch_size: int = 1000
-    loader: str = "memory"  # memory: batches gathered on the device; dataloader: the standard path
-    num_workers: int | None = None  # dataloader path; null: from the CPUs per process
-    pin_memory: bool | None = None  # dataloader path; null: on exactly when training on CUDA
-    verify: bool = True
-    download: bool = True
+    num_workers: int | None = None  # loader workers; null: from the CPUs per process
+    pin_memory: bool | None = None  # null: on exactly when training on CUDA
     drop_last: bool = False  # training loader: drop a short last batch
-    # Training augmentation, applied to the whole batch on the device: random translation by up
-    # to this many pixels (random crop with padding; 0: off) and horizontal flips.
-    random_crop_padding: int = 0
-    random_flip: bool = False
-    pad_mode: str = "constant"  # what translation uncovers: constant (zeros) or reflect
     # Known once the data is read (an image folder's class folders); model and metrics configs
     # take it as ${data.num_classes}. null: from the data; a number: checked against the data.
     num_classes: int | None = None
-    # Image files (data=image_folder, trainkit.data.transforms): decoded to `channels` (3: RGB,
-    # 1: grayscale); training: random-resized crop to image_size (area fraction in `scale`,
-    # aspect ratio in `ratio`) and random_flip; evaluation: resize to image_size / crop_pct,
-    # centre crop. mean/std on the 0-1 scale; null: ImageNet's.
+    # data.root (or shards) an fsspec URL (s3://...; trainkit.data.remote): the local copies of
+    # shards are kept within this many GiB, least recently used removed first; 0: no copies
+    cache_gb: float = 10.0
+
+    def __post_init__(self) -> None:
+        for part in reversed(type(self).__mro__):  # each part's own checks, once
+            check = part.__dict__.get("_check")
+            if check is not None:
+                check(self)
+
+    def _check(self) -> None:
+        _check_int("data.batch_size", self.batch_size, minimum=1)
+        _check_int("data.eval_batch_size", self.eval_batch_size, minimum=1)
+        if self.num_workers is not None:
+            _check_int("data.num_workers", self.num_workers, minimum=0)
+        if self.num_classes is not None:
+            _check_int("data.num_classes", self.num_classes, minimum=1)
+        if isinstance(self.cache_gb, bool) or not self.cache_gb >= 0:
+            raise ConfigError(f"data.cache_gb must be >= 0, got {self.cache_gb!r}")
+
+
+@dataclass
+class TensorFields:
+    """``data=mnist`` / ``data=cifar10`` (and a reader's ``TensorData``): the files' checks and
+    the in-memory loader's batch augmentation on the device."""
+
+    loader: str = "memory"  # memory: batches gathered on the device; dataloader: the standard path
+    verify: bool = True
+    download: bool = True
+    # Random translation by up to this many pixels (random crop with padding; 0: off) and
+    # horizontal flips; what translation uncovers: constant (zeros) or reflect.
+    random_crop_padding: int = 0
+    random_flip: bool = False
+    pad_mode: str = "constant"
+
+    def _check(self) -> None:
+        _check_choice("data.loader", self.loader, LOADERS)
+        _check_int("data.random_crop_padding", self.random_crop_padding, minimum=0)
+        if self.pad_mode not in PAD_MODES:
+            raise ConfigError(f"data.pad_mode={self.pad_mode!r} is not one of "
+                              f"{', '.join(PAD_MODES)}")
+
+
+@dataclass
+class ImageFields:
+    """Image files (``data=image_folder``, ``data=webdataset``, your own Dataset;
+    trainkit.data.transforms): decoded to ``channels`` (3: RGB, 1: grayscale); training:
+    random-resized crop to ``image_size`` (area fraction in ``scale``, aspect ratio in
+    ``ratio``) and ``random_flip``; evaluation: resize to ``image_size / crop_pct``, centre crop.
+    ``mean``/``std`` on the 0-1 scale; null: ImageNet's."""
+
     image_size: int = 224
     channels: int = 3
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
     ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
     crop_pct: float = 0.875
+    random_flip: bool = False
     mean: list[float] | None = None
     std: list[float] | None = None
     # Lists of `_target_` nodes (torchvision.transforms.v2 or any callable) applied to the uint8
@@ -265,60 +307,19 @@ class DataConfig:
     skip_corrupt: bool = False  # an unreadable file: skip it (counted), instead of stopping
     # JPEGs of data=image_folder: "cpu" decodes and crops in the loader's workers; "gpu" (CUDA
     # only) has the workers read the bytes and draw the crops, and decodes each batch on the GPU
-    # in one nvJPEG call (trainkit.data.gpu_decode); other formats are decoded in the workers.
+    # in one nvJPEG call (trainkit.data.device.gpu_decode); other formats decoded in the workers.
     decode: str = "cpu"
     # dataset._target_ returning a Hugging Face datasets.Dataset: its image and label columns
     image_column: str = "image"
     label_column: str = "label"
-    # data.name=tokens (trainkit.data.tokens): tokens of context per window, and the token
-    # files' dtype (null: meta.json's, else uint16)
-    seq_len: int = 256
-    token_dtype: str | None = None
-    # data.name=hf_text (trainkit.data.hf_text): the tokenizer's folder (the model's), and the
-    # column of the texts (data.label_column: their classes; absent: causal language modelling)
-    tokenizer: str | None = None
-    text_column: str = "text"
-    # data.name=webdataset (trainkit.data.shards): training and validation shards, a brace
-    # pattern or a list of paths/URLs (null: <root>/shards.json's); training samples per rank in
-    # an epoch (null: shards.json's total / ranks); the shuffle buffer's samples per worker
-    shards: Any = None
-    val_shards: Any = None
-    epoch_samples: int | None = None
-    shuffle_buffer: int = 1000
-    # data.root (or shards) an fsspec URL (s3://...; trainkit.data.remote): the local copies of
-    # shards are kept within this many GiB, least recently used removed first; 0: no copies
-    cache_gb: float = 10.0
 
-    def __post_init__(self) -> None:
-        _check_int("data.batch_size", self.batch_size, minimum=1)
-        _check_int("data.eval_batch_size", self.eval_batch_size, minimum=1)
-        if self.num_workers is not None:
-            _check_int("data.num_workers", self.num_workers, minimum=0)
-        _check_choice("data.loader", self.loader, LOADERS)
-        _check_int("data.random_crop_padding", self.random_crop_padding, minimum=0)
-        if self.pad_mode not in PAD_MODES:
-            raise ConfigError(f"data.pad_mode={self.pad_mode!r} is not one of "
-                              f"{', '.join(PAD_MODES)}")
-        self._check_images()
-        _check_int("data.seq_len", self.seq_len, minimum=1)
-        if self.epoch_samples is not None:
-            _check_int("data.epoch_samples", self.epoch_samples, minimum=1)
-        _check_int("data.shuffle_buffer", self.shuffle_buffer, minimum=1)
-        if isinstance(self.cache_gb, bool) or not self.cache_gb >= 0:
-            raise ConfigError(f"data.cache_gb must be >= 0, got {self.cache_gb!r}")
-        if self.token_dtype not in (None, "uint16", "uint32"):
-            raise ConfigError(f"data.token_dtype={self.token_dtype!r}: use uint16, uint32 or "
-                              "null (from meta.json)")
-
-    def _check_images(self) -> None:
-        if self.num_classes is not None:
-            _check_int("data.num_classes", self.num_classes, minimum=1)
+    def _check(self) -> None:
         _check_int("data.image_size", self.image_size, minimum=1)
         if self.channels not in (1, 3):
             raise ConfigError(f"data.channels={self.channels!r}: use 3 (RGB) or 1 (grayscale)")
-        for key, pair, low in (("scale", self.scale, 0.0), ("ratio", self.ratio, 0.0)):
+        for key, pair in (("scale", self.scale), ("ratio", self.ratio)):
             pair = [float(v) for v in pair]
-            if len(pair) != 2 or not low < pair[0] <= pair[1]:
+            if len(pair) != 2 or not 0.0 < pair[0] <= pair[1]:
                 raise ConfigError(f"data.{key} must be [low, high] with 0 < low <= high, got "
                                   f"{list(pair)}")
             setattr(self, key, pair)
@@ -336,7 +337,93 @@ class DataConfig:
         _check_bool("data.skip_corrupt", self.skip_corrupt)
         if self.decode not in DECODERS:
             raise ConfigError(f"data.decode={self.decode!r}: use 'cpu' or 'gpu' (CUDA)")
-        _check_choice("data.pad_mode", self.pad_mode, PAD_MODES)
+
+
+@dataclass
+class TokenFields:
+    """``data=tokens`` (trainkit.data.sources.tokens): tokens of context per window, and the
+    token files' dtype (null: meta.json's, else uint16)."""
+
+    seq_len: int = 256
+    token_dtype: str | None = None
+
+    def _check(self) -> None:
+        _check_int("data.seq_len", self.seq_len, minimum=1)
+        if self.token_dtype not in (None, "uint16", "uint32"):
+            raise ConfigError(f"data.token_dtype={self.token_dtype!r}: use uint16, uint32 or "
+                              "null (from meta.json)")
+
+
+@dataclass
+class TextFields:
+    """``data=hf_text`` (trainkit.data.sources.hf_text): the tokenizer's folder (the model's),
+    the column of the texts, of their classes (absent: causal language modelling), tokens per
+    text."""
+
+    tokenizer: str | None = None
+    text_column: str = "text"
+    label_column: str = "label"
+    seq_len: int = 256
+
+    def _check(self) -> None:
+        _check_int("data.seq_len", self.seq_len, minimum=1)
+
+
+@dataclass
+class ShardFields:
+    """``data=webdataset`` (trainkit.data.sources.webdataset): training and validation shards, a
+    brace pattern or a list of paths/URLs (null: <root>/shards.json's); training samples per
+    rank in an epoch (null: shards.json's total / ranks); the shuffle buffer's samples per
+    worker."""
+
+    shards: Any = None
+    val_shards: Any = None
+    epoch_samples: int | None = None
+    shuffle_buffer: int = 1000
+
+    def _check(self) -> None:
+        if self.epoch_samples is not None:
+            _check_int("data.epoch_samples", self.epoch_samples, minimum=1)
+        _check_int("data.shuffle_buffer", self.shuffle_buffer, minimum=1)
+
+
+# Each source's typed config: the shared fields and its own (trainkit.data.sources.SOURCES);
+# the shared part is the last base, so that its fields come first.
+@dataclass
+class TensorDataConfig(TensorFields, SharedDataConfig):
+    """``data=mnist`` and ``data=cifar10``."""
+
+
+@dataclass
+class ImageFolderConfig(ImageFields, SharedDataConfig):
+    """``data=image_folder``."""
+
+
+@dataclass
+class DatasetConfig(ImageFields, TensorFields, SharedDataConfig):
+    """Your own dataset (``dataset._target_``): image samples, or a ``TensorData``."""
+
+
+@dataclass
+class WebDatasetConfig(ShardFields, ImageFields, SharedDataConfig):
+    """``data=webdataset``."""
+
+
+@dataclass
+class TokensConfig(TokenFields, SharedDataConfig):
+    """``data=tokens``."""
+
+
+@dataclass
+class HFTextConfig(TextFields, SharedDataConfig):
+    """``data=hf_text``."""
+
+
+@dataclass
+class DataConfig(ShardFields, TextFields, TokenFields, ImageFields, TensorFields,
+                 SharedDataConfig):
+    """The ``data`` node users type (every source's keys, ``data.name`` picks the source);
+    :func:`trainkit.data.load_data` hands the source its own typed config of these."""
 
 
 @dataclass

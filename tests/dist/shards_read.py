@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trainkit.config import DataConfig
-from trainkit.data.shards import shard_loaders
+from trainkit.data.sources.webdataset import shard_loaders
 from trainkit.core.runtime import Runtime
 
 stop = threading.Event()
@@ -39,7 +39,7 @@ def main() -> int:
     cfg = DataConfig(name="webdataset", root=args.root, batch_size=3, num_workers=2,
                      image_size=8, shuffle_buffer=4)
     train, _, _ = shard_loaders(cfg, runtime, seed=5)
-    loader = train.loader.loader  # the ShardLoader: batches with their sample keys
+    loader = train.loader  # the ShardLoader: batches with their sample keys
     rank = runtime.rank
     state = args.out / f"state{rank}.json"
     epoch, start = json.loads(state.read_text()).values() if args.resume else (0, 0)

@@ -16,7 +16,7 @@ from tests.conftest import REPO, offline_env, tiny_run
 from tests.integration.test_after_training import write_pngs
 from trainkit import load_model
 from trainkit.checkpoint.consolidate import load_full
-from trainkit.data.datasets import load_mnist
+from trainkit.data.sources.tensors import load_mnist
 from trainkit.entry import cli
 from trainkit.entry.evaluate import evaluate_run
 from trainkit.entry.export import export_run

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, offline_env
-from trainkit.data.tokenize import tokenize
+from trainkit.data.tools.tokenize import tokenize
 
 pytestmark = pytest.mark.dist
 

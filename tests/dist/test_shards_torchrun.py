@@ -19,8 +19,8 @@ import torch
 from tests.conftest import REPO, offline_env
 from tests.image_files import make_folder
 from trainkit.config import DataConfig
-from trainkit.data.shard_writer import write_shards
-from trainkit.data.shards import shard_loaders
+from trainkit.data.tools.shard_writer import write_shards
+from trainkit.data.sources.webdataset import shard_loaders
 from trainkit.core.runtime import Runtime
 
 pytestmark = pytest.mark.dist
@@ -86,7 +86,7 @@ def uninterrupted(root: Path, rank: int) -> list[tuple[int, list[str]]]:
     cfg = DataConfig(name="webdataset", root=str(root), batch_size=3, num_workers=2,
                      image_size=8, shuffle_buffer=4)
     runtime = Runtime(torch.device("cpu"), rank=rank, world_size=2)
-    loader = shard_loaders(cfg, runtime, seed=5)[0].loader.loader
+    loader = shard_loaders(cfg, runtime, seed=5)[0].loader
     read = []
     for epoch in (0, 1):
         loader.set_epoch(epoch)

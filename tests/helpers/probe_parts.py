@@ -2,7 +2,7 @@
 heavy model.
 
 Both are readers for the entry point's ``dataset._target_`` (``reader(root, train)`` returns a
-:class:`~trainkit.data.datasets.TensorData`). The slow one's images sleep in ``__getitem__``: each
+:class:`~trainkit.TensorData`). The slow one's images sleep in ``__getitem__``: each
 sample read by the DataLoader path costs ``SLEEP_S``, as a decoded JPEG would; the in-memory
 loader gathers a whole batch with one index and pays it once a batch.
 """
@@ -14,7 +14,7 @@ import time
 import torch
 from torch import nn
 
-from trainkit.data.datasets import TensorData
+from trainkit.data.sources.tensors import TensorData
 
 SLEEP_S = 0.004
 

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from trainkit.data.resumable import DataPosition, PositionedLoader
+from trainkit.data.loader.resumable import ResumableLoader
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -38,20 +38,18 @@ def batches(n: int, poison: tuple[int, ...] = (), *, split: int = 0, nan: tuple[
     return out
 
 
-class ListLoader(PositionedLoader):
+class ListLoader(ResumableLoader):
     """A list of batches served in order, resumable at any batch (trainkit's resume protocol)."""
 
     def __init__(self, data: list[Batch]) -> None:
-        self.data, self.position = data, DataPosition()
+        self.data = data
         self.batch_size = len(data[0][1])
 
     def __len__(self) -> int:
         return len(self.data)
 
-    def __iter__(self) -> Iterator[Any]:
-        for i in range(self.position.begin_pass(), len(self.data)):
-            self.position.batch = i + 1
-            yield self.data[i]
+    def _pass(self, epoch: int, start: int) -> Iterator[Any]:
+        return iter(self.data[start:])
 
 
 def net() -> nn.Module:

@@ -23,8 +23,8 @@ from tests.image_files import make_folder
 from trainkit import load_model
 from trainkit.checkpoint.export import read_inputs
 from trainkit.core.runtime import Runtime
-from trainkit.data.datasets import TensorData, load_mnist
-from trainkit.data.memory import InMemoryLoader
+from trainkit.data.loader.memory import InMemoryLoader
+from trainkit.data.sources.tensors import TensorData, load_mnist
 from trainkit.entry import cli
 from trainkit.entry.build import build_data, data_inputs, rebuild, run_classes
 from trainkit.entry.evaluate import evaluate_run

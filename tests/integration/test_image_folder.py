@@ -200,7 +200,7 @@ def _mnist_as_png(raw_root: Path, out: Path) -> Path:
     """Real MNIST written out as ``train/<digit>/*.png`` and ``val/<digit>/*.png``."""
     from PIL import Image
 
-    from trainkit.data.datasets import load_mnist
+    from trainkit.data.sources.tensors import load_mnist
 
     for split, train in (("train", True), ("val", False)):
         data = load_mnist(raw_root, train=train, download=False)

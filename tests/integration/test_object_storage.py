@@ -217,8 +217,8 @@ def test_tokens_from_the_bucket_are_fetched_once_checked_and_read_as_local_ones(
         tmp_path: Path, s3: S3) -> None:
     from trainkit.config import DataConfig
     from trainkit.core.errors import ConfigError
-    from trainkit.data.tokenize import tokenize
-    from trainkit.data.tokens import token_loaders
+    from trainkit.data.sources.tokens import token_loaders
+    from trainkit.data.tools.tokenize import tokenize
 
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
     tokenize([tmp_path / "text.txt"], tmp_path / "corpus")
@@ -260,7 +260,7 @@ def test_shards_from_the_bucket_stream_the_local_batches_and_resume_mid_epoch(
     from tests.image_files import make_folder
     from trainkit.config import DataConfig
     from trainkit.data.__main__ import main as data_main
-    from trainkit.data.shards import shard_loaders
+    from trainkit.data.sources.webdataset import shard_loaders
 
     make_folder(tmp_path / "images", classes=2, per_class=6, val_per_class=2, sizes=(10, 14))
     assert data_main(["shards", str(tmp_path / "images"), str(tmp_path / "shards"),
@@ -288,7 +288,7 @@ def test_shards_from_the_bucket_stream_the_local_batches_and_resume_mid_epoch(
 def test_an_image_folder_from_the_bucket_lists_the_local_files_from_its_copy(
         tmp_path: Path, s3: S3) -> None:
     from tests.image_files import make_folder
-    from trainkit.data.image_folder import read_image_folder
+    from trainkit.data.sources.image_folder import read_image_folder
 
     make_folder(tmp_path / "images", classes=2, per_class=3, val_per_class=1, sizes=(10, 14))
     _bucket(s3).put(str(tmp_path / "images"), "runs/images", recursive=True)
@@ -305,13 +305,13 @@ def test_an_image_folder_from_the_bucket_lists_the_local_files_from_its_copy(
 
 
 def _pass(loader: object, epoch: int, start: int = 0) -> list:
-    inner = loader.loader.loader
+    inner = loader.loader
     inner.set_epoch(epoch, start)
     return [(batch.keys, batch.images.sum().item()) for batch in inner]
 
 
 def _shard_cache() -> Path:
-    from trainkit.data.checksums import cache_dir
+    from trainkit.data.tools.checksums import cache_dir
 
     return cache_dir() / "remote" / "shards"
 
@@ -362,7 +362,7 @@ def _from_the_bucket_like_local(tmp_path: Path, s3: S3, local: Path, url: str,
 
 def test_data_tokens_trains_from_the_bucket_as_from_local_files_and_resumes_mid_epoch(
         tmp_path: Path, s3: S3) -> None:
-    from trainkit.data.tokenize import tokenize
+    from trainkit.data.tools.tokenize import tokenize
 
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 300)
     tokenize([tmp_path / "text.txt"], tmp_path / "corpus")

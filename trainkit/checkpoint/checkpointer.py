@@ -31,7 +31,7 @@ from trainkit.core import rng, schedules
 from trainkit.core.errors import TrainkitError
 from trainkit.core.objectstore import is_url
 from trainkit.core.runtime import Runtime
-from trainkit.data.resumable import ResumableData
+from trainkit.data.loader.resumable import ResumableData
 from trainkit.distributed import ddp, group
 from trainkit.distributed.watchdog import Watchdog, watched
 from trainkit.observe.sinks import tracker_runs

@@ -68,7 +68,7 @@ class Normalized(nn.Module):
     """``model`` with the data's normalisation in front: uint8 images in, outputs out.
 
     The same operations, in the same float32 arithmetic, as the run's loaders
-    (:class:`~trainkit.data.memory.InMemoryLoader`, or :func:`trainkit.data.transforms.normalize`
+    (:class:`~trainkit.data.InMemoryLoader`, or :func:`trainkit.data.transforms.normalize`
     for image files), so its outputs equal the run's own.
     """
 
@@ -81,7 +81,7 @@ class Normalized(nn.Module):
             self.register_buffer("a", torch.tensor([1 / (255 * s) for s in std]).view(shape))
             self.register_buffer("b", torch.tensor([-m / s for m, s in zip(mean, std)]
                                                    ).view(shape))
-        else:  # trainkit.data.memory.InMemoryLoader's
+        else:  # trainkit.data.loader.memory.InMemoryLoader's
             self.register_buffer("a", torch.tensor(mean).view(shape) * 255)
             self.register_buffer("b", torch.tensor(std).view(shape) * 255)
 

@@ -1,40 +1,38 @@
-"""Feeding the device: in-memory loaders, a DataLoader factory, a device prefetcher.
+"""Feeding the device in three stages: source -> loader -> device.
 
-Two paths, one interface -- :class:`ResumableData`: ``len``, iteration,
-``set_epoch(epoch, start_batch)``, ``state_dict``, ``load_state_dict``:
+* ``sources/`` -- one module per kind of data (tensors, image_folder, dataset, webdataset,
+  tokens, hf_text), registered in :data:`SOURCES` by ``data.name``; :func:`load_data` builds
+  a run's loaders and reads its class count.
+* ``loader/`` -- :class:`ResumableLoader`, the one owner of the position (epoch, batch): the
+  DataLoader variant (:func:`make_loader`: workers, pinning, a rank's shard, per-batch seeds)
+  and the in-memory one (:class:`InMemoryLoader`); all resume mid-epoch exactly
+  (:class:`ResumableData`).
+* ``device/`` -- :class:`DevicePrefetcher`: the copy ahead of use, GPU decoding, the bad-file
+  check and normalisation on the device.
 
-* :class:`InMemoryLoader` -- the whole split as one uint8 tensor (on the GPU when training
-  there), batches by index gather, augmentation on the batch on the device. The fast path.
-* :func:`make_loader` -> :class:`ResumableLoader` -- torch's DataLoader over any map-style
-  dataset with sensible workers, pinning, seeding and resumable sharded order; wrap it in
-  :class:`DevicePrefetcher` to overlap copies with compute. The standard path, done right.
-* :class:`TokenLoader` -- windows of a memory-mapped token corpus (``data=tokens``); image
-  shards stream through :mod:`trainkit.data.shards` (``data=webdataset``).
-
-``python -m trainkit.data download|verify`` fetches and checks the files for offline clusters;
-``tokenize`` and ``shards`` write token corpora and image shards. The commands after training
-(``trainkit.entry``) read a split, its class names and image files through the names exported
-here (``READERS``, ``TensorData``, ``Samples``, ``load_image``, ...), not the modules inside.
+``python -m trainkit.data`` runs the offline tools (``tools/``: download, verify, tokenize,
+shards). The commands after training (``trainkit.entry``) read a split, its class names and
+image files through the names exported here, not the modules inside.
 """
 
 from trainkit.core.rng import mix_seed
-from trainkit.data.augment import crop_flip
-from trainkit.data.build import READERS, build_loaders
 from trainkit.data.classes import read_classes, write_classes
-from trainkit.data.datasets import TensorData
-from trainkit.data.image_folder import read_image_folder
-from trainkit.data.loaders import (
+from trainkit.data.device.prefetch import DevicePrefetcher
+from trainkit.data.loader.augment import crop_flip
+from trainkit.data.loader.memory import InMemoryLoader
+from trainkit.data.loader.order import epoch_order
+from trainkit.data.loader.resumable import (
     ResumableBatchSampler,
+    ResumableData,
     ResumableLoader,
     default_num_workers,
     make_loader,
 )
-from trainkit.data.memory import InMemoryLoader
-from trainkit.data.order import epoch_order
-from trainkit.data.own_data import Samples
-from trainkit.data.prefetch import DevicePrefetcher
-from trainkit.data.resumable import ResumableData
-from trainkit.data.tokens import TokenLoader
+from trainkit.data.sources import SOURCES, Data, build_loaders, load_data
+from trainkit.data.sources.dataset import Samples
+from trainkit.data.sources.image_folder import read_image_folder
+from trainkit.data.sources.tensors import READERS, TensorData
+from trainkit.data.sources.tokens import TokenLoader
 from trainkit.data.transforms import (
     IMAGE_SUFFIXES,
     UnreadableImage,
@@ -46,6 +44,8 @@ from trainkit.data.transforms import (
 __all__ = [
     "IMAGE_SUFFIXES",
     "READERS",
+    "SOURCES",
+    "Data",
     "DevicePrefetcher",
     "InMemoryLoader",
     "ResumableBatchSampler",
@@ -59,6 +59,7 @@ __all__ = [
     "crop_flip",
     "default_num_workers",
     "epoch_order",
+    "load_data",
     "load_image",
     "make_loader",
     "mix_seed",

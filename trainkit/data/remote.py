@@ -28,7 +28,7 @@ from typing import IO, Any
 
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
 from trainkit.core.objectstore import filesystem, join, store_error
-from trainkit.data.checksums import cache_dir
+from trainkit.data.tools.checksums import cache_dir
 
 _CHUNK = 1 << 22
 # http(s) and pipe: stay webdataset's own (gopen); the other protocols go through fsspec here

@@ -12,9 +12,10 @@ and export), so training, evaluation and serving see the same pixels:
   antialiased resize reads only the cropped pixels.
 * :func:`eval_transform` -- resize the short side to ``image_size / crop_pct``, centre crop
   (timm's convention).
-* :func:`normalize` / :class:`Normalize` -- uint8 batch to float, ``(x / 255 - mean) / std`` in
-  one fused operation on the device, its constants built once per loader: samples stay uint8
-  (a quarter of the bytes) through workers, pinned memory and the host-to-device copy.
+
+Samples stay uint8 (a quarter of the bytes) through workers, pinned memory and the copy; the
+device stage normalises them (:class:`~trainkit.data.device.prefetch.Normalize`, kept importable
+from here).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from trainkit.config import DataConfig
+from trainkit.config import ImageFields
 from trainkit.core.errors import TrainkitError, one_line
+from trainkit.data.device.prefetch import Normalize, normalize  # noqa: F401  (the device stage's)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -137,8 +139,8 @@ def crop_box(height: int, width: int, *, scale: Sequence[float] = (0.08, 1.0),
 
     The same algorithm and distribution (area fraction uniform in ``scale``, log aspect ratio
     uniform in ``ratio``, ten tries, then the centre crop), drawn from Python's ``random``
-    (the loader seeds it per batch) rather than from one-element torch tensors (microseconds
-    each, several per image).
+    (the loader seeds it per batch) rather than from one-element torch tensors (several per
+    image, each far dearer than a Python draw).
     """
     area = height * width
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
@@ -252,50 +254,7 @@ def compose(transforms: Sequence[Callable[..., torch.Tensor]]) -> Transform:
     return v2.Compose(list(transforms))
 
 
-def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *,
-              memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-    """``(images / 255 - mean) / std`` as float32 for a uint8 ``[B, C, H, W]`` batch.
-
-    Builds its constants on each call (on CUDA a blocking copy from host memory): for a loader's
-    every batch use one :class:`Normalize`, which builds them once. Float input is returned as
-    it is.
-    """
-    if images.dtype != torch.uint8:
-        return images
-    return Normalize(mean, std, images.device)(images, memory_format=memory_format)
-
-
-class Normalize:
-    """:func:`normalize` with its constants built once, on ``device``: no host sync per batch.
-
-    One multiply-add, ``x * (1 / (255 std)) - mean / std``, written in ``memory_format``
-    whatever the batch's own layout: on a GPU one kernel reading uint8; on a CPU the cast into
-    the output first (torch's vectorised copy; its mixed-dtype multiply-add is not, and takes
-    1.7x as long), then the multiply-add in place. The constants are made here, once (from
-    host memory: on CUDA a copy the host waits for), never per batch.
-    """
-
-    def __init__(self, mean: Sequence[float], std: Sequence[float],
-                 device: torch.device | str) -> None:
-        self.mean, self.std, self.device = tuple(mean), tuple(std), torch.device(device)
-        scale = torch.tensor([1 / (255 * s) for s in self.std], dtype=torch.float32)
-        shift = torch.tensor([-m / s for m, s in zip(self.mean, self.std)], dtype=torch.float32)
-        self.scale = scale.view(1, -1, 1, 1).to(self.device)
-        self.shift = shift.view(1, -1, 1, 1).to(self.device)
-
-    def __call__(self, images: torch.Tensor, *,
-                 memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-        if images.dtype != torch.uint8:
-            return images
-        out = torch.empty(images.shape, dtype=torch.float32, device=images.device,
-                          memory_format=memory_format)
-        if images.device.type == "cpu":
-            out.copy_(images)
-            return torch.addcmul(self.shift, out, self.scale, out=out)
-        return torch.addcmul(self.shift, images, self.scale, out=out)
-
-
-def transform_for(cfg: DataConfig, *, training: bool,
+def transform_for(cfg: ImageFields, *, training: bool,
                   custom: Sequence[Callable[..., torch.Tensor]] | None = None) -> Transform:
     """The transform ``cfg`` describes for training or evaluation: ``custom`` (your
     ``data.train_transforms`` / ``data.eval_transforms``, already built) when given, else
@@ -309,7 +268,7 @@ def transform_for(cfg: DataConfig, *, training: bool,
     return eval_transform(cfg.image_size, crop_pct=cfg.crop_pct)
 
 
-def stats_for(cfg: DataConfig) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def stats_for(cfg: ImageFields) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """``(mean, std)`` of ``cfg`` (``data.mean`` / ``data.std``), ImageNet's where unset."""
     mean, std = default_stats(cfg.channels)
     return (tuple(cfg.mean) if cfg.mean is not None else mean,

@@ -33,8 +33,9 @@ from trainkit.core.runtime import Runtime
 from trainkit.core.schema import check_known_keys
 from trainkit.data import (
     READERS,
+    Data,
     TensorData,
-    build_loaders,
+    load_data,
     read_classes,
     stats_for,
     transform_for,
@@ -83,28 +84,18 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
                     build_criterion(cfg), build_forward(cfg))
 
 
-def build_data(cfg: DictConfig, settings: TrainConfig, runtime: Runtime
-               ) -> tuple[Any, Any, int]:
-    """The training and evaluation loaders, and the data's class count (which the model and
-    metrics take as ``${data.num_classes}``).
-
-    Raises:
-        ConfigError: ``data.num_classes`` was set to another count than the data has.
-    """
-    # your own dataset (a `dataset._target_` node) replaces the built-in one named by data.name
+def build_data(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Data:
+    """The training and evaluation loaders and the data's class count (which the model and
+    metrics take as ``${data.num_classes}``), from :func:`trainkit.data.load_data`; your own
+    dataset (a ``dataset._target_`` node) replaces the built-in one named by ``data.name``."""
     reader = instantiate(cfg.dataset, _partial_=True) if cfg.get("dataset") is not None else None
-    train_data, val_data, num_classes = build_loaders(
+    return load_data(
         settings.data, runtime, seed=settings.trainer.seed,
         channels_last=settings.trainer.channels_last, reader=reader,
         train_transforms=build_transforms(cfg.data.get("train_transforms"),
                                           "data.train_transforms"),
         eval_transforms=build_transforms(cfg.data.get("eval_transforms"), "data.eval_transforms"),
         eval_max_batches=settings.trainer.eval_max_batches)  # a fixed, spread sample
-    asked = settings.data.num_classes
-    if asked is not None and asked != num_classes:
-        raise ConfigError(f"data.num_classes={asked} but the data has {num_classes} classes: "
-                          "leave data.num_classes unset (null), it is read from the data")
-    return train_data, val_data, num_classes
 
 
 def build_transforms(nodes: Any, key: str) -> list[Any] | None:

@@ -30,7 +30,7 @@ from trainkit.checkpoint.export import DTYPES, FORMATS, export
 from trainkit.checkpoint.select import WEIGHTS
 from trainkit.checkpoint.text_export import export_adapters, export_text
 from trainkit.core.errors import TrainkitError, command_name, help_text
-from trainkit.data.hf_text import load_tokenizer
+from trainkit.data.sources.hf_text import load_tokenizer
 from trainkit.entry.build import Rebuilt, model_inputs, rebuild, run_classes
 from trainkit.entry.cli import split_args
 from trainkit.entry.errors import errors_as_one_line

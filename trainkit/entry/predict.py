@@ -146,7 +146,7 @@ def _readable(read: Callable[[int], torch.Tensor], index: list[int], names: list
 def _predict_text(run: Any, options: dict[str, str], runtime: Runtime) -> dict[str, Any] | None:
     """A Hugging Face text run's rows (:func:`trainkit.models.hf.classify` or ``generate``)
     over ``inputs=test|train`` (the run's split's texts) or a text file (one input a line)."""
-    from trainkit.data.hf_text import EVAL_SPLITS, load_tokenizer, read_splits
+    from trainkit.data.sources.hf_text import EVAL_SPLITS, load_tokenizer, read_splits
     from trainkit.models import hf
 
     data, spec = run.settings.data, options["inputs"]

@@ -23,7 +23,7 @@ from trainkit.config import SpikeConfig
 from trainkit.core import rng
 from trainkit.core.errors import TrainkitError
 from trainkit.core.tree import tree_map
-from trainkit.data.resumable import ResumableData
+from trainkit.data.loader.resumable import ResumableData
 from trainkit.distributed import group
 
 log = logging.getLogger("trainkit")

@@ -19,7 +19,7 @@ import torch
 
 from trainkit.core.device import GIB, move_to_device
 from trainkit.core.errors import TrainkitError
-from trainkit.data.resumable import set_epoch
+from trainkit.data.loader.resumable import set_epoch
 from trainkit.distributed import group
 from trainkit.loop.step import WindowStep, batch_size, windows
 from trainkit.observe.metrics import StepMeter

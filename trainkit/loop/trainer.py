@@ -30,7 +30,7 @@ from trainkit.core import rng
 from trainkit.core.cuda_settings import apply_device_settings
 from trainkit.core.runtime import Runtime
 from trainkit.core.signals import Preemption
-from trainkit.data.resumable import set_epoch
+from trainkit.data.loader.resumable import set_epoch
 from trainkit.distributed import ddp, group, strategy
 from trainkit.distributed.watchdog import Watchdog, watched
 from trainkit.loop import evaluation

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
-from trainkit.data.hf_text import load_tokenizer, pad_id
+from trainkit.data.sources.hf_text import load_tokenizer, pad_id
 
 TASKS = ("classification", "causal_lm")
 

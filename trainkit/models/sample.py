@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainkit.data.tokenize import Tokenizer, get_tokenizer
+from trainkit.data.tools.tokenize import Tokenizer, get_tokenizer
 from trainkit.models.gpt import generate
 
 

@@ -140,7 +140,7 @@ class Advisor:
 
 def input_hint(data: Any) -> str:
     """The setting most likely to feed ``data`` faster, in the entry point's words."""
-    from trainkit.data.memory import InMemoryLoader
+    from trainkit.data.loader.memory import InMemoryLoader
 
     if isinstance(data, InMemoryLoader):
         return ("a larger data.batch_size (the in-memory loader's gather and augmentation run "

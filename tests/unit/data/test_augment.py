@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tests.unit.data.test_data import _data
 from trainkit.data import InMemoryLoader, crop_flip, mix_seed
-from trainkit.data.datasets import TensorData
+from trainkit.data.sources.tensors import TensorData
 
 
 def _reference(images: torch.Tensor, seed: int, padding: int, flip: bool, mode: str
@@ -141,7 +141,7 @@ def test_data_config_checks_augmentation_ranges() -> None:
 @pytest.mark.parametrize("mode", ["constant", "reflect"])
 def test_gpu_gather_path_equals_cpu_unfold_path(mode: str) -> None:
     # the CUDA path (one gather) runs on CPU tensors too: check it against the CPU path
-    from trainkit.data.augment import _by_gather, _by_unfold
+    from trainkit.data.loader.augment import _by_gather, _by_unfold
 
     g = torch.Generator().manual_seed(2)
     images = torch.randint(0, 256, (50, 3, 9, 11), dtype=torch.uint8, generator=g)
@@ -161,6 +161,6 @@ def test_draws_on_the_gpu_match_per_image_pad_crop_flip_there() -> None:
     shifts = torch.randint(-4, 5, (2, 64), generator=g, device="cuda")
     flips = torch.randint(0, 2, (64,), generator=g, device="cuda").bool()
     got = crop_flip(images.cuda(), torch.Generator("cuda").manual_seed(5), padding=4, flip=True)
-    from trainkit.data.augment import _by_unfold
+    from trainkit.data.loader.augment import _by_unfold
 
     assert torch.equal(got.cpu(), _by_unfold(images, shifts.cpu(), flips.cpu(), 4, "constant"))

@@ -1,4 +1,4 @@
-"""md5 checks remembered per file version (trainkit.data.checksums)."""
+"""md5 checks remembered per file version (trainkit.data.tools.checksums)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainkit.core.errors import TrainkitError
-from trainkit.data.checksums import cache_dir, check_md5
+from trainkit.data.tools.checksums import cache_dir, check_md5
 
 
 def _file(tmp_path: Path, content: bytes = b"official contents") -> tuple[Path, str]:

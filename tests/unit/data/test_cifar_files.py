@@ -13,8 +13,8 @@ import torch
 
 from tests.helpers.fakes import fake_cifar_arrays, py2_pickle, write_py2_pickle
 from trainkit.core.errors import LINE_LIMIT, TrainkitError
-from trainkit.data.datasets import load_cifar10
-from trainkit.data.safe_pickle import load_restricted
+from trainkit.data.sources.safe_pickle import load_restricted
+from trainkit.data.sources.tensors import load_cifar10
 
 FOLDER = "cifar-10-batches-py"
 

@@ -7,7 +7,7 @@ from trainkit.config import DataConfig
 from trainkit.core.errors import ConfigError
 from trainkit.core.runtime import Runtime
 from trainkit.data import InMemoryLoader, build_loaders
-from trainkit.data.datasets import TensorData
+from trainkit.data.sources.tensors import TensorData
 
 
 def _data(n: int = 100) -> TensorData:

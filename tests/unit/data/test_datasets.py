@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers.fakes import fake_mnist_arrays, write_fake_mnist
 from trainkit.core.errors import LINE_LIMIT, TrainkitError
-from trainkit.data.datasets import MNIST_MD5, load_mnist
+from trainkit.data.sources.tensors import MNIST_MD5, load_mnist
 
 
 def test_reads_torchvision_layout_as_uint8_tensors(mnist_root: Path) -> None:

@@ -13,8 +13,8 @@ from torch import nn
 from trainkit.config import DataConfig
 from trainkit.core.runtime import Runtime
 from trainkit.data import InMemoryLoader, build_loaders, make_loader
-from trainkit.data.datasets import TensorData
-from trainkit.data.order import evaluation_sample
+from trainkit.data.loader.order import evaluation_sample
+from trainkit.data.sources.tensors import TensorData
 from trainkit.loop.evaluation import evaluate
 from trainkit.loop.precision import Precision
 from trainkit.models.gpt import lm_forward, lm_loss

@@ -16,16 +16,16 @@ from PIL import Image
 
 from tests.image_files import picture, truncate
 from trainkit.core.errors import TrainkitError
-from trainkit.data.gpu_decode import (
+from trainkit.data import DevicePrefetcher
+from trainkit.data.device.gpu_decode import (
     Encoded,
     JpegDecoder,
     JpegFiles,
     collate_encoded,
     jpeg_plan,
 )
-from trainkit.data.image_folder import ImageFiles, collate_images
-from trainkit.data.image_loader import ImageLoader
-from trainkit.data.loaders import make_loader
+from trainkit.data.loader.resumable import make_loader
+from trainkit.data.sources.image_folder import ImageFiles, collate_images
 from trainkit.data.transforms import eval_transform, train_transform
 
 SIZES = [(48, 64), (71, 53), (40, 40), (90, 33)]
@@ -155,7 +155,8 @@ def test_the_image_loader_serves_the_cpu_paths_batches_through_a_worker(
         loader = make_loader(kind(files, labels, transform), 4, shuffle=True, seed=3,
                              num_workers=1, collate_fn=collate)
         decoder = JpegDecoder("cpu", channels=3, transform=transform) if gpu else None
-        images = ImageLoader(loader, "cpu", mean=stats[0], std=stats[1], decoder=decoder)
+        images = DevicePrefetcher(loader, "cpu", mean=stats[0], std=stats[1], decoder=decoder,
+                                  normalize_float=False)
         images.set_epoch(1)
         return list(images)
 
@@ -220,7 +221,7 @@ def test_a_file_the_device_refuses_still_decodes_on_the_cpu(jpegs: list[str]) ->
 
 def test_nvjpeg_is_probed_once_in_one_line() -> None:
     from trainkit.core.errors import ConfigError
-    from trainkit.data.gpu_decode import probe_nvjpeg
+    from trainkit.data.device.gpu_decode import probe_nvjpeg
 
     assert probe_nvjpeg("cpu").startswith("data.decode=gpu: torchvision ")
 
@@ -256,7 +257,7 @@ def test_decoded_images_are_allocated_on_a_stream_of_their_own_and_ordered_befor
     it: the images must come from a stream that runs nothing else, the user's stream must wait
     for it, and each image must record its use there (else a block freed by the last batch, its
     resize still queued, is written over)."""
-    from trainkit.data.gpu_decode import StreamOrder
+    from trainkit.data.device.gpu_decode import StreamOrder
 
     events: list[str] = []
     ours, user = _Stream("ours", events), _Stream("user", events)

@@ -1,5 +1,5 @@
-"""trainkit.data.hf.load_split on real ``datasets`` imagefolder datasets built from files (no
-network; the cache in the test's folder)."""
+"""trainkit.data.sources.dataset.load_split on real ``datasets`` imagefolder datasets built
+from files (no network; the cache in the test's folder)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from tests.image_files import make_folder, picture
 from trainkit.config import DataConfig
 from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.runtime import Runtime
-from trainkit.data.hf import load_split
-from trainkit.data.own_data import dataset_loaders
+from trainkit.data import load_data
+from trainkit.data.sources.dataset import load_split
 
 datasets = pytest.importorskip("datasets")
 
@@ -85,7 +85,8 @@ def test_skip_corrupt_skips_a_bad_sample_of_a_hugging_face_dataset_logs_and_coun
     def batches(skip: bool) -> tuple[list, object]:
         cfg = DataConfig(name="image_folder", root="unused", batch_size=3, eval_batch_size=3,
                          loader="dataloader", num_workers=0, image_size=16, skip_corrupt=skip)
-        train, _, _ = dataset_loaders(split, None, cfg, Runtime(torch.device("cpu")))
+        train, _, _ = load_data(cfg, Runtime(torch.device("cpu")),
+                                reader=lambda root, train: split if train else None)
         train.set_epoch(0)
         return [labels for _, labels in train], train
 

@@ -12,7 +12,12 @@ import torch
 from tests.image_files import make_folder, truncate
 from trainkit.core.errors import TrainkitError
 from trainkit.data.classes import check_same_classes, read_classes, write_classes
-from trainkit.data.image_folder import BadFile, ImageFiles, collate_images, read_image_folder
+from trainkit.data.sources.image_folder import (
+    BadFile,
+    ImageFiles,
+    collate_images,
+    read_image_folder,
+)
 from trainkit.data.transforms import train_transform
 
 

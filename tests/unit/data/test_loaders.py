@@ -239,7 +239,7 @@ def test_a_shielded_worker_still_obeys_its_parents_sigterm() -> None:
 def test_every_trainkit_loader_implements_the_resume_protocol(mnist_root: Path) -> None:
     """One protocol (ResumableData) for the Trainer to rely on, not duck typing."""
     from trainkit.data import DevicePrefetcher, InMemoryLoader, ResumableData
-    from trainkit.data.datasets import load_mnist
+    from trainkit.data.sources.tensors import load_mnist
 
     data = load_mnist(mnist_root, train=True, verify=False, download=False)
     dataset = torch.utils.data.TensorDataset(data.images, data.labels)

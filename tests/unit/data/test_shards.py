@@ -15,7 +15,7 @@ from trainkit.config import DataConfig
 from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.runtime import Runtime
 from trainkit.data.__main__ import main as data_main
-from trainkit.data.shards import shard_loaders
+from trainkit.data.sources.webdataset import shard_loaders
 
 CPU = Runtime(torch.device("cpu"))
 
@@ -59,7 +59,7 @@ def test_shards_command_refuses_to_overwrite(shards: Path, capsys: pytest.Captur
 
 def test_epoch_is_fixed_batches_and_resume_hands_out_the_same_batches(shards: Path) -> None:
     train, val, classes = shard_loaders(config(shards), CPU, seed=1)
-    loader = train.loader.loader
+    loader = train.loader  # the ShardLoader inside the device stage
     assert classes == 2 and len(train) == 10 // 2  # all 10 samples, batches of 2
     loader.set_epoch(3)
     whole = [b.keys for b in loader]

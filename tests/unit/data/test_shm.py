@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from trainkit.core.errors import ConfigError
 from trainkit.data import make_loader
-from trainkit.data.shm import fit_shared_memory, plan_workers, shm_free_bytes
+from trainkit.data.loader.shm import fit_shared_memory, plan_workers, shm_free_bytes
 
 MiB = 2**20
 
@@ -72,7 +72,7 @@ def test_the_batch_is_sized_from_a_sample_without_moving_the_random_streams(capl
 def test_make_loader_fits_its_workers_to_the_free_shm(monkeypatch) -> None:
     assert shm_free_bytes("/no/such/shm") is None
     # This machine's /dev/shm as a default Docker container would have it after other use
-    monkeypatch.setattr("trainkit.data.shm.shm_free_bytes", lambda: 20 * MiB)
+    monkeypatch.setattr("trainkit.data.loader.shm.shm_free_bytes", lambda: 20 * MiB)
     # 2 workers x prefetch 2 x 6 MiB: only 3 batches fit
     loader = make_loader(RandomImages(), 128, shuffle=True, num_workers=2)
     assert (loader.loader.num_workers, loader.loader.prefetch_factor) == (2, 1)

@@ -13,8 +13,8 @@ import torch
 
 from trainkit.core.errors import ConfigError
 from trainkit.data.__main__ import main as data_main
-from trainkit.data.tokenize import tokenize
-from trainkit.data.tokens import TokenLoader
+from trainkit.data.sources.tokens import TokenLoader
+from trainkit.data.tools.tokenize import tokenize
 
 
 def token_file(path: Path, n: int, dtype: str = "uint16") -> np.ndarray:

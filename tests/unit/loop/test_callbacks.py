@@ -19,7 +19,7 @@ from tests.conftest import assert_same_weights, last_checkpoint
 from trainkit import Callback, CheckpointConfig, EarlyStopping, Trainer, TrainerConfig
 from trainkit.core.errors import LINE_LIMIT, TrainkitError
 from trainkit.data import InMemoryLoader
-from trainkit.data.datasets import TensorData
+from trainkit.data.sources.tensors import TensorData
 from trainkit.loop.callbacks import CallbackError
 
 

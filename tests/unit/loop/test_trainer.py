@@ -23,7 +23,7 @@ from trainkit import (
 )
 from trainkit.core.errors import TrainkitError
 from trainkit.data import InMemoryLoader
-from trainkit.data.datasets import TensorData
+from trainkit.data.sources.tensors import TensorData
 from trainkit.loop.trainer import NonFiniteLossError
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from trainkit import CheckpointConfig, Trainer, TrainerConfig, seed_everything
 from trainkit.core.errors import ConfigError
 from trainkit.data import InMemoryLoader
-from trainkit.data.datasets import TensorData
+from trainkit.data.sources.tensors import TensorData
 from trainkit.models import GPT
 from trainkit.models.param_groups import (
     apply_freeze,

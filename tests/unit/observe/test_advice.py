@@ -7,7 +7,7 @@ import torch
 
 from trainkit.core.device import GIB
 from trainkit.data import InMemoryLoader, make_loader
-from trainkit.data.datasets import TensorData
+from trainkit.data.sources.tensors import TensorData
 from trainkit.observe.advice import PREFIX, Advisor, input_hint
 
 CPU = torch.device("cpu")

@@ -1,28 +1,43 @@
-"""Datasets held as uint8 tensors, read from the files torchvision downloads.
+"""``data=mnist`` and ``data=cifar10``: datasets held as uint8 tensors, read from the files
+torchvision downloads, served from memory (:class:`~trainkit.data.InMemoryLoader`) or through
+the DataLoader path (``data.loader=dataloader``).
 
-Per-sample PIL decoding costs tens of microseconds a sample; holding the set as one tensor and
-gathering batches by index costs next to nothing, which is most of what makes MNIST train in
-seconds on a CPU. CIFAR-10's files are pickles: they are read with a restricted unpickler
-(:mod:`trainkit.data.safe_pickle`), never with ``pickle.load``.
+Holding the set as one tensor and gathering batches by index avoids decoding a sample at a time
+(benchmarks/README.md, data figures). CIFAR-10's files are pickles: they are read with a restricted
+unpickler (:mod:`trainkit.data.sources.safe_pickle`), never with ``pickle.load``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
+from trainkit.config import DatasetConfig, TensorDataConfig
 from trainkit.core.errors import TrainkitError, chain_lines
-from trainkit.data.checksums import check_md5
-from trainkit.data.safe_pickle import load_restricted
+from trainkit.core.runtime import Runtime
+from trainkit.data.device.prefetch import DevicePrefetcher
+from trainkit.data.loader.memory import InMemoryLoader
+from trainkit.data.loader.resumable import make_loader
+from trainkit.data.sources.safe_pickle import load_restricted
+from trainkit.data.tools.checksums import check_md5
+from trainkit.data.tools.download import (
+    CIFAR10_FOLDER,
+    download_cifar10,
+    download_error_lines,
+    download_mnist,
+)
+
+if TYPE_CHECKING:
+    from trainkit.data.sources import Options
 
 # md5 of the uncompressed files torchvision leaves in <root>/MNIST/raw.
 MNIST_MD5 = {
@@ -33,7 +48,6 @@ MNIST_MD5 = {
 }
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-CIFAR10_FOLDER = "cifar-10-batches-py"
 
 
 @dataclass(frozen=True)
@@ -195,62 +209,6 @@ def load_cifar10(
     return TensorData(images, labels, CIFAR10_MEAN, CIFAR10_STD, num_classes=len(names))
 
 
-def download_mnist(root: str | Path) -> None:
-    """Download MNIST's four files (md5-checked) into ``<root>/MNIST/raw`` with torchvision;
-    a failed download leaves no folder it made."""
-    from torchvision.datasets import MNIST  # torchvision import costs ~1 s: only to download
-
-    with _no_folders_left_empty(Path(root) / "MNIST" / "raw"):
-        MNIST(str(root), train=False, download=True)
-
-
-def download_cifar10(root: str | Path) -> None:
-    """Download and unpack torchvision's CIFAR-10 archive (md5-checked) under ``root``;
-    a failed download leaves no folder it made."""
-    from torchvision.datasets import CIFAR10
-    from torchvision.datasets.utils import download_and_extract_archive
-
-    with _no_folders_left_empty(Path(root) / CIFAR10_FOLDER):
-        download_and_extract_archive(CIFAR10.url, str(root), filename=CIFAR10.filename,
-                                     md5=CIFAR10.tgz_md5)
-
-
-@contextlib.contextmanager
-def _no_folders_left_empty(folder: Path) -> Iterator[None]:
-    """On an error, remove the folders on the way to ``folder`` that the block made and left
-    empty (an offline download's ``MNIST/raw``), deepest first; none that existed before."""
-    made = [path for path in (folder, *folder.parents) if not path.exists()]
-    try:
-        yield
-    except BaseException:
-        for path in made:
-            try:
-                if path.is_dir():  # (the block may not have got as far as making it)
-                    path.rmdir()
-            except OSError:  # not empty: keep it and the folders above it
-                break
-        raise
-
-
-# torchvision's MNIST names each mirror it tried and its error: offline, the same error each time
-_MIRROR_TRIED = re.compile(r"Tried (\S+), got: (.*?)(?= Tried \S+, got: |$)")
-
-
-def download_error_lines(err: BaseException) -> list[str]:
-    """``err`` and its causes as :func:`~trainkit.core.errors.chain_lines`, each error said once:
-    mirrors that all failed alike are named together with the one error, and a cause the line
-    before already quotes (``URLError: <urlopen error X>`` of ``OSError: X``) is left out."""
-    lines: list[str] = []
-    for line in chain_lines(err):
-        tried = _MIRROR_TRIED.findall(line)
-        if len(tried) > 1 and len({why for _, why in tried}) == 1:
-            mirrors = ", ".join(mirror for mirror, _ in tried)
-            line = f"{line[:line.index(' Tried ')]} every mirror ({mirrors}) failed: {tried[0][1]}"
-        if not (lines and line.split(": ", 1)[-1] in lines[-1]):
-            lines.append(line)
-    return lines
-
-
 def _read_pickle(path: Path) -> object:
     try:
         with open(path, "rb") as f:
@@ -277,3 +235,75 @@ def _read_cifar_batch(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndar
     if len(targets) and not (targets.min() >= 0 and targets.max() < num_classes):
         raise TrainkitError(f"{path} has labels outside 0..{num_classes - 1}")
     return data, targets
+
+
+def load(cfg: TensorDataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+    """The loaders of ``data.name`` (MNIST or CIFAR-10): in memory on the device
+    (``data.loader=memory``, the default; batches augmented there) or through the DataLoader
+    path (workers, pinned memory, the prefetcher)."""
+    read = READERS[cfg.name]
+    train = read(cfg.root, train=True, verify=cfg.verify, download=cfg.download)
+    test = read(cfg.root, train=False, verify=cfg.verify, download=cfg.download)
+    return tensor_loaders(train, test, cfg, runtime, options)
+
+
+def tensor_loaders(train: TensorData, test: TensorData, cfg: TensorDataConfig | DatasetConfig,
+                   runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+    """The two splits' loaders, as ``data.loader`` picks them, and the class count."""
+    if cfg.loader == "dataloader":
+        return (_dataloader(train, cfg, runtime, options, training=True),
+                _dataloader(test, cfg, runtime, options, training=False),
+                train.num_classes)
+    common = {"device": runtime.device, "rank": runtime.rank, "world_size": runtime.world_size,
+              "channels_last": options.channels_last}
+    return (
+        InMemoryLoader(train, cfg.batch_size, shuffle=True, seed=options.seed,
+                       drop_last=cfg.drop_last, padding=cfg.random_crop_padding,
+                       flip=cfg.random_flip, pad_mode=cfg.pad_mode, **common),
+        InMemoryLoader(test, cfg.eval_batch_size, shuffle=False,
+                       max_batches=options.eval_max_batches, **common),
+        train.num_classes,
+    )
+
+
+READERS = {"mnist": load_mnist, "cifar10": load_cifar10}  # the built-in datasets, by data.name
+
+
+class ImageSamples(Dataset):
+    """A split as a map-style dataset of ``(uint8 image, label)``, augmented one image at a time
+    with torchvision's transforms (the standard per-sample path)."""
+
+    def __init__(self, data: TensorData, *, padding: int = 0, flip: bool = False,
+                 pad_mode: str = "constant") -> None:
+        from torchvision.transforms import v2  # heavy import: only on this path
+
+        self.images, self.labels = data.images, data.labels
+        ops: list[Any] = []
+        if padding:
+            size = tuple(data.images.shape[-2:])
+            ops.append(v2.RandomCrop(size, padding=padding, padding_mode=pad_mode))
+        if flip:
+            ops.append(v2.RandomHorizontalFlip())
+        self.transform = v2.Compose(ops) if ops else None
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.images[i]
+        return (self.transform(image) if self.transform else image), self.labels[i]
+
+
+def _dataloader(data: TensorData, cfg: TensorDataConfig | DatasetConfig, runtime: Runtime,
+                options: Options, *, training: bool) -> DevicePrefetcher:
+    samples = ImageSamples(data, padding=cfg.random_crop_padding, flip=cfg.random_flip,
+                           pad_mode=cfg.pad_mode) if training else ImageSamples(data)
+    loader = make_loader(
+        samples, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
+        device=runtime.device, seed=options.seed, rank=runtime.rank,
+        world_size=runtime.world_size,
+        num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
+        drop_last=cfg.drop_last and training,
+        max_batches=None if training else options.eval_max_batches)
+    return DevicePrefetcher(loader, runtime.device, mean=data.mean, std=data.std,
+                            channels_last=options.channels_last)

@@ -86,8 +86,8 @@ def _by_gather(images: torch.Tensor, shifts: torch.Tensor, flips: torch.Tensor, 
 def _by_unfold(images: torch.Tensor, shifts: torch.Tensor, flips: torch.Tensor, padding: int,
                pad_mode: str) -> torch.Tensor:
     """Every crop of the padded batch is a view (two unfolds); one indexing copy takes each
-    image's own. On a CPU this beats a gather of single pixels (an offset computed per element,
-    ~20 us an image) several times over."""
+    image's own. On a CPU this beats a gather of single pixels (an offset computed per element;
+    benchmarks/README.md, data figures)."""
     b, _, h, w = images.shape
     p = padding
     if pad_mode == "constant":

@@ -1,37 +1,16 @@
 """``data=webdataset``: image shards (webdataset tars) streamed by every rank and worker.
 
-Shards are tar files of samples (``<key>.jpg`` or another image, ``<key>.cls``: the class
-index), local paths, any URL webdataset opens (``https://``, ``pipe:aws s3 cp ... -``) or any
-fsspec URL (``s3://``, ``gs://``: streamed through a bounded local cache,
-:mod:`trainkit.data.remote`; ``data.root`` may be such a URL too), given
-as a brace pattern (``train-{000000..000127}.tar``) or a list. ``python -m trainkit.data shards``
-writes them from an image folder, with ``shards.json`` beside them (each shard's sample count,
-the class names), which ``data.root`` points at. Images are decoded and augmented by
-:mod:`trainkit.data.transforms`, as ``data=image_folder`` does, and normalised on the device.
+Shards (``<key>.jpg`` or another image, ``<key>.cls``: the class index) are local paths, URLs
+webdataset opens, or fsspec URLs streamed through a bounded local cache
+(:mod:`trainkit.data.remote`), given as a brace pattern or a list, or listed in the
+``shards.json`` that ``python -m trainkit.data shards`` writes beside them. Images are decoded
+and augmented as ``data=image_folder``'s (:mod:`trainkit.data.transforms`).
 
-What a run sees, exactly (training):
-
-* an epoch is ``data.epoch_samples`` samples per rank (default: the training shards' samples in
-  ``shards.json`` divided by the ranks), cut to whole batches: every rank runs the same number
-  of batches, whatever the shards hold, so DDP never waits on a rank that ran dry.
-* the shard order of epoch ``e`` is a permutation fixed by ``(seed, e)``; rank ``r`` takes shards
-  ``r, r + world_size, ...`` of it, and worker ``w`` of the rank's DataLoader takes every
-  ``num_workers``-th of those from its ``w``-th. Fewer shards than ranks x workers is an error.
-* each worker's samples pass a shuffle buffer (``data.shuffle_buffer``) seeded with
-  ``(seed, epoch, rank, worker)``; a worker whose shards run out before its share of the epoch
-  reads them again (another order, another buffer seed), so with uneven shards a sample may come
-  twice in an epoch and another not at all -- but no rank runs short.
-* batch ``b`` of the rank comes from worker ``b % num_workers`` (the DataLoader's round robin),
-  its augmentation seeded with ``(seed, epoch, rank, b)``.
-
-Resume: the samples, their order and their augmentation are a function of ``(seed, epoch, rank,
-batch)`` for a fixed ``num_workers``: a run resumed at batch ``b`` of an epoch reads on from
-the sample after the last one handed out (the samples before it are read from the tars but not
-decoded) and hands out exactly the batches the uninterrupted run would have. Resuming with
-another ``num_workers`` or world size keeps the epoch's shard order but not its samples.
-
-Evaluation reads the validation shards once each, in order, rank ``r`` taking every
-``world_size``-th; the last batch of each worker may be short.
+The order is a function of ``(seed, epoch, rank, batch)`` for a fixed ``num_workers``: rank
+``r`` takes every world-size-th shard of the epoch's permutation, each worker every
+workers-th of those through a seeded shuffle buffer, and every rank gets the same number of
+batches, so a mid-epoch resume hands out exactly the batches an uninterrupted run would (what
+a run sees, exactly: docs/data.md, "Image shards").
 """
 
 from __future__ import annotations
@@ -42,22 +21,25 @@ import json
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from trainkit.config import DataConfig
+from trainkit.config import WebDatasetConfig
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
 from trainkit.core.objectstore import filesystem, is_url, join, store_error
 from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
 from trainkit.core.signals import shielded_worker_init
-from trainkit.data.image_loader import ImageLoader
+from trainkit.data.device.prefetch import DevicePrefetcher
+from trainkit.data.loader.resumable import ResumableLoader
 from trainkit.data.remote import is_store_url, open_shard
-from trainkit.data.resumable import DataPosition, MappedBatches, PositionedLoader
 from trainkit.data.transforms import IMAGE_SUFFIXES, decode_image, stats_for, transform_for
+
+if TYPE_CHECKING:
+    from trainkit.data.sources import Options
 
 IMAGE_KEYS = tuple(suffix[1:] for suffix in IMAGE_SUFFIXES)
 INDEX = "shards.json"
@@ -193,13 +175,12 @@ def _label(sample: Mapping[str, Any]) -> int:
     return int(sample["cls"])
 
 
-class ShardLoader(PositionedLoader):
+class ShardLoader(ResumableLoader):
     """One rank's :class:`ShardBatch` es; the resume protocol of every trainkit loader."""
 
     def __init__(self, stream: ShardStream, *, num_workers: int, batches: int | None) -> None:
         self.stream, self.num_workers, self._batches = stream, num_workers, batches
         self.batch_size = stream.batch_size
-        self.position = DataPosition()
         # persistent workers: started once, each pass's epoch and start read from shared memory
         self.loader = DataLoader(stream, batch_size=None, num_workers=num_workers,
                                  persistent_workers=num_workers > 0,
@@ -211,12 +192,9 @@ class ShardLoader(PositionedLoader):
             raise TypeError("the batch count of these shards is unknown (no shards.json)")
         return self._batches
 
-    def __iter__(self) -> Iterator[ShardBatch]:
-        self.stream.start = self.position.begin_pass()
-        self.stream.epoch = self.position.epoch
-        for batch in self.loader:
-            self.position.batch += 1
-            yield batch
+    def _pass(self, epoch: int, start: int) -> Iterator[ShardBatch]:
+        self.stream.start, self.stream.epoch = start, epoch
+        return iter(self.loader)
 
 
 def _opened(shards: Iterator[dict[str, Any]], cache_bytes: int) -> Iterator[dict[str, Any]]:
@@ -261,13 +239,13 @@ def shard_list(spec: str | Sequence[str] | None, index: Mapping[str, Any], split
     return [url for s in specs for url in wds.shardlists.expand_urls(s)], None
 
 
-def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
+def shard_loaders(cfg: WebDatasetConfig, runtime: Runtime, *, seed: int = 0,
                   channels_last: bool = False, train_transforms: Transforms = None,
-                  eval_transforms: Transforms = None) -> tuple[ImageLoader, Any, int]:
+                  eval_transforms: Transforms = None) -> tuple[DevicePrefetcher, Any, int]:
     """Training and validation loaders of ``data=webdataset``, and the class count;
     ``train_transforms`` / ``eval_transforms`` replace the default transforms when given."""
-    # Imported here, once: the forked workers have them instead of importing them each (~1 s a
-    # worker); and a missing extra is said before anything starts.
+    # Imported here, once: the forked workers have them instead of importing them each (a slow
+    # import); and a missing extra is said before anything starts.
     _webdataset()
     import torchvision.io  # decode_image's JPEG path
     import torchvision.transforms.v2.functional  # noqa: F401  (the crops and resizes)
@@ -281,20 +259,15 @@ def shard_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
     train = _loader(cfg, runtime, seed, index, train_transforms, training=True)
     val = (_loader(cfg, runtime, seed, index, eval_transforms, training=False)
            if cfg.val_shards is not None or index.get("val") else None)
-    # ImageLoader, as for an image folder: the class names go to classes.json and into every
-    # checkpoint, and a resume on shards of other classes is refused
-    loaders = [ImageLoader(MappedBatches(loader, _pair), runtime.device, mean=mean, std=std,
-                           classes=classes, channels_last=channels_last)
+    # as for an image folder: the class names go to classes.json and into every checkpoint,
+    # and a resume on shards of other classes is refused
+    loaders = [DevicePrefetcher(loader, runtime.device, mean=mean, std=std, classes=classes,
+                                channels_last=channels_last, normalize_float=False)
                for loader in (train, val) if loader is not None]
     return loaders[0], loaders[1] if val is not None else None, int(num_classes)
 
 
-def _pair(batch: ShardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """A :class:`ShardBatch` as ``(images, labels)``, for the device prefetcher."""
-    return batch.images, batch.labels
-
-
-def _loader(cfg: DataConfig, runtime: Runtime, seed: int, index: Mapping[str, Any],
+def _loader(cfg: WebDatasetConfig, runtime: Runtime, seed: int, index: Mapping[str, Any],
             custom: Transforms, *, training: bool) -> ShardLoader:
     shards, samples = shard_list(cfg.shards if training else cfg.val_shards, index,
                                  "train" if training else "val",
@@ -334,3 +307,10 @@ def _eval_batches(entries: Sequence[Mapping[str, Any]], runtime: Runtime, worker
     mine = list(entries)[runtime.rank::runtime.world_size]
     return sum(-(-sum(e["samples"] for e in mine[w::max(workers, 1)]) // batch_size)
                for w in range(max(workers, 1)))
+
+
+def load(cfg: WebDatasetConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+    """:func:`shard_loaders` as :data:`trainkit.data.sources.SOURCES` calls it."""
+    return shard_loaders(cfg, runtime, seed=options.seed, channels_last=options.channels_last,
+                         train_transforms=options.train_transforms,
+                         eval_transforms=options.eval_transforms)

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from trainkit.core.errors import ConfigError
-from trainkit.data.image_folder import Split, read_image_folder
-from trainkit.data.shards import INDEX, _webdataset
+from trainkit.data.sources.image_folder import Split, read_image_folder
+from trainkit.data.sources.webdataset import INDEX, _webdataset
 
 
 def write_shards(folder: str | Path, out_dir: str | Path, samples_per_shard: int, *,

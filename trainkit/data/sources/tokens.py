@@ -1,23 +1,15 @@
 """``data=tokens``: windows of a token corpus read through a memory map (nanoGPT's format).
 
-A corpus is a folder with ``train.bin`` and ``val.bin``, flat arrays of token ids (uint16, or
-uint32), as ``python -m trainkit.data tokenize`` (or nanoGPT's ``prepare.py``) writes them, and
-optionally the ``meta.json`` the former writes (dtype, vocabulary size, checksums); on object
-storage (``data.root`` a URL) they are fetched once into a local cache (:mod:`trainkit.data.
-remote`) and mapped from there. Nothing is read whole:
-each batch gathers its windows from the page cache, so a corpus may be far larger than memory.
+A corpus is a folder of ``train.bin`` and ``val.bin`` (flat uint16 or uint32 token ids) and
+optionally ``meta.json`` (``python -m trainkit.data tokenize`` writes all three); a URL is
+fetched once into a local cache (:mod:`trainkit.data.remote`). Nothing is read whole.
 
-What a run sees, exactly:
-
-* training: an epoch is ``(tokens - 1) // seq_len // (world_size * batch_size)`` batches per rank
-  (as many windows as the file holds end to end, cut to equal shares). Batch ``b`` of ``epoch``
-  on ``rank`` is ``batch_size`` windows of ``seq_len + 1`` tokens at offsets drawn uniformly from
-  a generator seeded with ``(seed, epoch, rank, b)``: a function of its place alone, so a resumed
-  run reads the very windows an uninterrupted one would, without touching the batches before.
-* evaluation: the windows end to end from the file's start (window ``i`` at ``i * seq_len``),
-  rank ``r`` taking windows ``r, r + world_size, ...`` in order; the last batch may be short.
-  With ``max_batches`` (``trainer.eval_max_batches``): ``max_batches * batch_size * world_size``
-  of those windows spread evenly over the whole file, the same at every evaluation.
+Training: an epoch is ``(tokens - 1) // seq_len // (world_size * batch_size)`` batches per
+rank; batch ``b`` is ``batch_size`` windows of ``seq_len + 1`` tokens at offsets drawn from a
+generator seeded with ``(seed, epoch, rank, b)``, so a resumed run reads the very windows an
+uninterrupted one would. Evaluation: the windows end to end (window ``i`` at ``i * seq_len``),
+rank ``r`` taking every world-size-th; with ``max_batches`` that many batches of windows spread
+evenly over the file, the same at every evaluation.
 """
 
 from __future__ import annotations
@@ -25,24 +17,27 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from trainkit.config import DataConfig
+from trainkit.config import TokensConfig
 from trainkit.core.errors import ConfigError
 from trainkit.core.objectstore import is_url
 from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
-from trainkit.data.order import epoch_order
+from trainkit.data.loader.order import epoch_order
+from trainkit.data.loader.resumable import ResumableLoader
 from trainkit.data.remote import fetch_files
-from trainkit.data.resumable import DataPosition, PositionedLoader
+
+if TYPE_CHECKING:
+    from trainkit.data.sources import Options
 
 DTYPES = ("uint16", "uint32")
 
 
-class TokenLoader(PositionedLoader):
+class TokenLoader(ResumableLoader):
     """Batches ``{"tokens": int64 [batch, seq_len + 1]}`` from a memory-mapped token file.
 
     A :class:`~trainkit.data.ResumableData`: ``set_epoch(epoch, start_batch)`` points it
@@ -94,7 +89,6 @@ class TokenLoader(PositionedLoader):
                 f"{seq_len + 1} for each of {world_size} rank(s); lower data.batch_size or "
                 "data.seq_len, or give a larger corpus")
         self._span = np.arange(seq_len + 1)
-        self.position = DataPosition()
 
     def __len__(self) -> int:
         return self._batches
@@ -107,15 +101,14 @@ class TokenLoader(PositionedLoader):
         high = len(self.tokens) - self.seq_len  # the last window ends at the file's last token
         return torch.randint(high, (self.batch_size,), generator=generator).numpy()
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def _pass(self, epoch: int, start: int) -> Iterator[dict[str, torch.Tensor]]:
         cuda = self.device.type == "cuda"
-        for b in range(self.position.begin_pass(), self._batches):
+        for b in range(start, self._batches):
             # one gather from the memory map: only these windows' pages are read
-            rows = self.tokens[self.offsets(self.position.epoch, b)[:, None] + self._span]
+            rows = self.tokens[self.offsets(epoch, b)[:, None] + self._span]
             tokens = torch.from_numpy(rows.astype(np.int64))
             if cuda:
                 tokens = tokens.pin_memory().to(self.device, non_blocking=True)
-            self.position.batch += 1
             yield {"tokens": tokens}
 
 
@@ -125,7 +118,7 @@ def corpus_meta(root: Path) -> dict[str, Any]:
     return json.loads(meta.read_text()) if meta.is_file() else {}
 
 
-def token_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
+def token_loaders(cfg: TokensConfig, runtime: Runtime, *, seed: int = 0,
                   eval_max_batches: int | None = None) -> tuple[TokenLoader, TokenLoader, int]:
     """Training and evaluation loaders over ``<data.root>/train.bin`` and ``val.bin``, and the
     vocabulary's size: ``data.num_classes`` when set (at least meta.json's: a model may have
@@ -158,3 +151,9 @@ def token_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
             TokenLoader(root / "val.bin", batch_size=cfg.eval_batch_size, shuffle=False,
                         max_batches=eval_max_batches, **common),
             cfg.num_classes or vocab)
+
+
+def load(cfg: TokensConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+    """:func:`token_loaders` as :data:`trainkit.data.sources.SOURCES` calls it."""
+    return token_loaders(cfg, runtime, seed=options.seed,
+                         eval_max_batches=options.eval_max_batches)

@@ -19,16 +19,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
 
-from trainkit.config import DataConfig
+from trainkit.config import HFTextConfig
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
 from trainkit.core.runtime import Runtime
-from trainkit.data.loaders import make_loader
-from trainkit.data.prefetch import DevicePrefetcher
+from trainkit.data.device.prefetch import DevicePrefetcher
+from trainkit.data.loader.resumable import make_loader
+
+if TYPE_CHECKING:
+    from trainkit.data.sources import Options
 
 EVAL_SPLITS = ("validation", "val", "test")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
@@ -87,16 +90,9 @@ class PadBatch:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-class TextLoader(DevicePrefetcher):
-    """Batches of a :class:`TextSamples` on the device; ``classes``: the class names (None for
-    a causal language model's data)."""
-
-    classes: list[str] | None = None
-
-
-def hf_text_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
+def hf_text_loaders(cfg: HFTextConfig, runtime: Runtime, *, seed: int = 0,
                     eval_max_batches: int | None = None
-                    ) -> tuple[TextLoader, TextLoader | None, int]:
+                    ) -> tuple[DevicePrefetcher, DevicePrefetcher | None, int]:
     """Training and evaluation loaders of ``data.root``'s text, and the class count (the
     tokenizer's vocabulary for causal language modelling); ``eval_max_batches`` bounds the
     evaluation to samples spread evenly over its split."""
@@ -115,7 +111,7 @@ def hf_text_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
     common = {"tokenizer": tokenizer, "seq_len": cfg.seq_len, "text_column": cfg.text_column,
               "label_column": label, "classes": classes}
 
-    def load(split: Any, training: bool) -> TextLoader:
+    def load(split: Any, training: bool) -> DevicePrefetcher:
         samples = TextSamples(split, **common)
         loader = make_loader(
             samples, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
@@ -123,9 +119,7 @@ def hf_text_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
             num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
             drop_last=cfg.drop_last and training, collate_fn=PadBatch(pad_id(tokenizer)),
             max_batches=None if training else eval_max_batches)
-        text = TextLoader(loader, runtime.device)
-        text.classes = classes
-        return text
+        return DevicePrefetcher(loader, runtime.device, classes=classes)
 
     count = len(classes) if classes else len(tokenizer)
     return load(train, True), (load(val, False) if val is not None else None), count
@@ -196,3 +190,9 @@ def pad_id(tokenizer: Any) -> int:
         raise ConfigError("the tokenizer has neither a pad nor an end-of-text token: add one "
                           "(tokenizer.pad_token = ...) and save it again")
     return int(pad)
+
+
+def load(cfg: HFTextConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+    """:func:`hf_text_loaders` as :data:`trainkit.data.sources.SOURCES` calls it."""
+    return hf_text_loaders(cfg, runtime, seed=options.seed,
+                           eval_max_batches=options.eval_max_batches)

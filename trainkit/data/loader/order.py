@@ -7,9 +7,14 @@ epoch and ``b``: the permutation is recomputed, nothing is replayed. A bounded e
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import NamedTuple
+
 import torch
+from torch.utils.data import Sampler
 
 from trainkit.core.errors import ConfigError
+from trainkit.core.rng import mix_seed
 
 
 def evaluation_sample(n: int, size: int | None) -> torch.Tensor:
@@ -72,3 +77,59 @@ def check_shard(n: int, batch_size: int, *, shuffle: bool, drop_last: bool, rank
             f"batch_size={batch_size} is larger than this rank's {size} samples and drop_last is "
             "on: an epoch would have no batch; lower the batch size or turn drop_last off"
         )
+
+
+class SeededBatch(NamedTuple):
+    """One batch as the sampler hands it to a worker: its indices, and the seed of its draws."""
+
+    seed: int
+    indices: list[int]
+
+
+class ResumableBatchSampler(Sampler[SeededBatch]):
+    """Batches of this rank's shard in an order fixed by ``(seed, epoch)``, each with a seed.
+
+    Like ``DistributedSampler`` + ``BatchSampler`` but resumable: ``set_epoch(epoch, start)``
+    makes the next pass start at batch ``start`` of the shard, without touching the batches
+    before it. ``len()`` is the batches left in that pass. Batch ``b`` carries the seed
+    ``mix_seed(seed, epoch, rank, b)``, a function of its place alone (see :class:`SeededSamples`).
+    Without shuffling, ``sample`` bounds an epoch to that many samples spread evenly over the
+    dataset (:func:`evaluation_sample`).
+    """
+
+    def __init__(self, n: int, batch_size: int, *, shuffle: bool, drop_last: bool = False,
+                 seed: int = 0, rank: int = 0, world_size: int = 1,
+                 sample: int | None = None) -> None:
+        self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
+        self.seed, self.rank, self.world_size, self.sample = seed, rank, world_size, sample
+        self.epoch = 0
+        self.start = 0
+
+    @property
+    def num_samples(self) -> int:
+        """Samples of this rank's whole shard per epoch."""
+        return shard_size(self.n, shuffle=self.shuffle, rank=self.rank,
+                          world_size=self.world_size, sample=self.sample)
+
+    @property
+    def num_batches(self) -> int:
+        """Batches of this rank's whole shard per epoch."""
+        full, rest = divmod(self.num_samples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Serve ``epoch`` from batch ``start`` on (for the next pass only)."""
+        self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        return max(0, self.num_batches - self.start)
+
+    def __iter__(self) -> Iterator[SeededBatch]:
+        order = epoch_order(self.n, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
+                            rank=self.rank, world_size=self.world_size,
+                            sample=self.sample).tolist()
+        start, self.start = self.start, 0
+        size = self.batch_size
+        for b in range(start, self.num_batches):
+            yield SeededBatch(mix_seed(self.seed, self.epoch, self.rank, b),
+                              order[b * size:(b + 1) * size])

@@ -8,24 +8,26 @@ the batches an uninterrupted run would have seen.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from trainkit.core.errors import ConfigError
 from trainkit.core.rng import mix_seed
-from trainkit.data.augment import PAD_MODES, crop_flip
-from trainkit.data.datasets import TensorData
-from trainkit.data.order import check_shard, epoch_order, shard_size
-from trainkit.data.resumable import DataPosition, PositionedLoader, saved_position
+from trainkit.data.loader.augment import PAD_MODES, crop_flip
+from trainkit.data.loader.order import check_shard, epoch_order, shard_size
+from trainkit.data.loader.resumable import ResumableLoader
+
+if TYPE_CHECKING:
+    from trainkit.data.sources.tensors import TensorData
 
 
-class InMemoryLoader(PositionedLoader):
+class InMemoryLoader(ResumableLoader):
     """Batches ``(images, labels)`` from a :class:`TensorData`, augmented and normalised on device.
 
     The uint8 data is moved to ``device`` once (GPU-resident on CUDA: no host copies per step);
     every batch is one index gather, an optional augmentation gather, a cast and normalisation
-    there.
+    there. The resumable loader's in-memory variant: its state also holds the seed.
 
     Args:
         data: the split to serve.
@@ -50,6 +52,8 @@ class InMemoryLoader(PositionedLoader):
         >>> loader.set_epoch(3)
         >>> x, y = next(iter(loader))
     """
+
+    saved_settings = ("seed",)
 
     def __init__(
         self,
@@ -81,17 +85,10 @@ class InMemoryLoader(PositionedLoader):
         shape = (1, -1, 1, 1)
         self._mean = torch.tensor(data.mean, device=self.device).view(shape) * 255
         self._std = torch.tensor(data.std, device=self.device).view(shape) * 255
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
+        self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
+        self.seed, self.rank, self.world_size = seed, rank, world_size
         self.channels_last = channels_last
-        self.padding = padding
-        self.flip = flip
-        self.pad_mode = pad_mode
-        self.position = DataPosition()
+        self.padding, self.flip, self.pad_mode = padding, flip, pad_mode
 
     @property
     def num_samples(self) -> int:
@@ -107,34 +104,22 @@ class InMemoryLoader(PositionedLoader):
         full, rest = divmod(self.num_samples, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
-    def state_dict(self) -> dict[str, int]:
-        """Where the loader is: the epoch and the batches of it already handed out."""
-        return {**self.position.state_dict(), "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s position with the next iteration."""
-        if state.get("seed", self.seed) != self.seed:
-            raise ConfigError(f"loader state has seed {state['seed']}, this loader {self.seed}: "
-                              "the order would differ; resume with the same seed")
-        self.set_epoch(*saved_position(state))
-
     def order(self, epoch: int) -> torch.Tensor:
         """The sample indices this rank visits in ``epoch``, in order."""
         return epoch_order(len(self.labels), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                            rank=self.rank, world_size=self.world_size, sample=self.sample)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = self.order(self.position.epoch).to(self.device)
-        for b in range(self.position.begin_pass(), len(self)):
-            batch = self._batch(order[b * self.batch_size : (b + 1) * self.batch_size], b)
-            self.position.batch = b + 1
-            yield batch
+    def _pass(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = self.order(epoch).to(self.device)
+        for b in range(start, len(self)):
+            yield self._batch(order[b * self.batch_size : (b + 1) * self.batch_size], epoch, b)
 
-    def _batch(self, index: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        images = self.images.index_select(0, index)  # ~15x faster than images[index] on CPU
+    def _batch(self, index: torch.Tensor, epoch: int,
+               b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        images = self.images.index_select(0, index)  # faster than images[index] on CPU
         if self.augments:
             generator = torch.Generator(self.device).manual_seed(  # draws without a copy
-                mix_seed(self.seed, self.position.epoch, b, self.rank))
+                mix_seed(self.seed, epoch, b, self.rank))
             images = crop_flip(images, generator, padding=self.padding, flip=self.flip,
                                pad_mode=self.pad_mode)
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format

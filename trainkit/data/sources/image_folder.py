@@ -6,7 +6,7 @@ map-style dataset over one split: each sample a decoded, transformed uint8 ``[C,
 and its label. Bad files never raise inside a loader worker (where the error would arrive as a
 traceback wrapped in another): the sample comes back as a :class:`BadFile`, and
 :func:`collate_images` carries it to the main process, which stops with one line or, with
-``skip_corrupt``, counts it (:mod:`trainkit.data.image_loader`).
+``skip_corrupt``, counts it (:class:`~trainkit.data.DevicePrefetcher`).
 """
 
 from __future__ import annotations
@@ -15,16 +15,29 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from trainkit.config import DatasetConfig, ImageFolderConfig
 from trainkit.core.errors import TrainkitError
 from trainkit.core.objectstore import is_url
+from trainkit.core.runtime import Runtime
+from trainkit.data.device.prefetch import DevicePrefetcher
+from trainkit.data.loader.resumable import make_loader
 from trainkit.data.remote import fetch_tree
-from trainkit.data.transforms import IMAGE_SUFFIXES, UnreadableImage, load_image
+from trainkit.data.transforms import (
+    IMAGE_SUFFIXES,
+    UnreadableImage,
+    load_image,
+    stats_for,
+    transform_for,
+)
+
+if TYPE_CHECKING:
+    from trainkit.data.sources import Options
 
 Transform = Callable[[torch.Tensor], Any]
 
@@ -234,3 +247,56 @@ def collate_images(samples: list[Any]) -> ImageBatch:
         images = default_collate([s[0] for s in samples])
     labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
     return ImageBatch(images, labels, [p for s in samples for p in s[2]], [])
+
+
+def load(cfg: ImageFolderConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+    """Training and validation loaders of the image folder at ``cfg.root``, and its class count.
+
+    The loaders' ``classes`` attribute names the classes by index. Validation is None when the
+    folder has no ``val/`` and ``cfg.val_fraction`` is 0; ``options.eval_max_batches`` bounds
+    it to files spread evenly over it (every class, not the first ones).
+    """
+    folder = read_image_folder(cfg.root, val_fraction=cfg.val_fraction, seed=options.seed)
+    files_kind: Any = ImageFiles
+    if cfg.decode == "gpu":  # JPEGs decoded on the device (trainkit.data.device.gpu_decode)
+        from trainkit.data.device.gpu_decode import JpegFiles
+
+        files_kind = JpegFiles
+
+    def split_loader(split: Split, training: bool) -> DevicePrefetcher:
+        custom = options.train_transforms if training else options.eval_transforms
+        transform = transform_for(cfg, training=training, custom=custom)
+        files = files_kind(split.files, split.labels, transform, channels=cfg.channels,
+                           skip_corrupt=cfg.skip_corrupt)
+        return image_loader(files, cfg, runtime, options, folder.classes, training=training,
+                            transform=transform)
+
+    train = split_loader(folder.train, True)
+    val = split_loader(folder.val, False) if folder.val is not None else None
+    return train, val, len(folder.classes)
+
+
+def image_loader(dataset: Dataset, cfg: ImageFolderConfig | DatasetConfig, runtime: Runtime,
+                 options: Options,
+                 classes: Sequence[str] | None, *, training: bool,
+                 transform: Transform | None = None) -> DevicePrefetcher:
+    """A split of image samples through the resumable loader (workers, a rank's shard, pinned
+    memory) into the device stage; with ``data.decode=gpu`` its JPEGs are decoded there."""
+    collate: Callable[[list[Any]], Any] = collate_images
+    decoder = None
+    if cfg.decode == "gpu" and options.reader is None:
+        from trainkit.data.device.gpu_decode import JpegDecoder, collate_encoded
+
+        collate = collate_encoded
+        decoder = JpegDecoder(runtime.device, channels=cfg.channels, transform=transform,
+                              skip_corrupt=cfg.skip_corrupt)
+    mean, std = stats_for(cfg)
+    loader = make_loader(
+        dataset, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
+        device=runtime.device, seed=options.seed, rank=runtime.rank,
+        world_size=runtime.world_size, num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
+        drop_last=cfg.drop_last and training, collate_fn=collate,
+        max_batches=None if training else options.eval_max_batches)
+    return DevicePrefetcher(loader, runtime.device, mean=mean, std=std, classes=classes,
+                            channels_last=options.channels_last, normalize_float=False,
+                            decoder=decoder)

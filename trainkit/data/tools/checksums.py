@@ -1,6 +1,6 @@
 """md5 checks of dataset files, remembered per file version so that a run checks once.
 
-Hashing MNIST's 55 MB takes ~0.1 s, which every run paid again for files that had not changed.
+Hashing a dataset's files costs time every run paid again for files that had not changed.
 A file whose md5 matched is recorded with its size and modification time in
 ``<cache>/verified.json`` (``$TRAINKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/trainkit``, else
 ``~/.cache/trainkit``); while both stay the same, the next run accepts it without hashing.

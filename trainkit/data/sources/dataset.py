@@ -1,125 +1,70 @@
-"""Loaders for data that is not a built-in tensor set: image folders and any map-style Dataset.
+"""Your own dataset (``dataset._target_``): a torch ``Dataset``, a Hugging Face
+``datasets.Dataset``, or a :class:`~trainkit.data.sources.tensors.TensorData`.
 
-* ``data=image_folder``: :func:`image_folder_loaders` reads the folder
-  (:mod:`trainkit.data.image_folder`) and decodes and transforms in the loader's workers.
-* ``dataset._target_`` returning a torch ``Dataset`` or a Hugging Face ``datasets.Dataset``:
-  :func:`dataset_loaders` wraps it in :class:`Samples`, which turns each sample into
-  ``(image, label)``: encoded bytes and PIL images are decoded and transformed as image folders
-  are; tensors and arrays are taken as they are (your dataset transformed them); your
-  ``data.train_transforms`` / ``data.eval_transforms`` apply to all.
-
-Both go through :func:`~trainkit.data.make_loader` (workers, pinned memory, each rank its shard,
-exact mid-epoch resume) and :class:`~trainkit.data.image_loader.ImageLoader` (the device
-prefetcher, normalisation on the device, bad-file handling, class names in checkpoints).
+:class:`Samples` turns each sample into ``(image, label)``: encoded bytes and PIL images are
+decoded and transformed as image folders are; tensors and arrays are taken as they are (your
+dataset transformed them); ``data.train_transforms`` / ``data.eval_transforms`` apply to all.
+:func:`load_split` is a ready ``dataset._target_`` for anything ``datasets`` loads from local
+files (``pip install trainkit[hf]``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from trainkit.config import DataConfig
-from trainkit.core.errors import ConfigError
+from trainkit.config import DatasetConfig
+from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.runtime import Runtime
-from trainkit.data.gpu_decode import JpegDecoder, JpegFiles, collate_encoded
-from trainkit.data.image_folder import BadFile, ImageFiles, collate_images, read_image_folder
-from trainkit.data.image_loader import ImageLoader
-from trainkit.data.loaders import make_loader
+from trainkit.data.device.prefetch import DevicePrefetcher
+from trainkit.data.sources.image_folder import BadFile, image_loader
+from trainkit.data.sources.tensors import TensorData, tensor_loaders
 from trainkit.data.transforms import (
     UnreadableImage,
     decode_image,
     pil_to_tensor,
-    stats_for,
     transform_for,
 )
 
-Transforms = Sequence[Callable[..., Any]] | None
+if TYPE_CHECKING:
+    from trainkit.data.sources import Options
 
 
-def image_folder_loaders(cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
-                         channels_last: bool = False, train_transforms: Transforms = None,
-                         eval_transforms: Transforms = None,
-                         eval_max_batches: int | None = None) -> tuple[ImageLoader, Any, int]:
-    """Training and validation loaders of the image folder at ``cfg.root``, and its class count.
-
-    The loaders' ``classes`` attribute names the classes by index. Validation is None when the
-    folder has no ``val/`` and ``cfg.val_fraction`` is 0; ``eval_max_batches`` bounds it to
-    files spread evenly over it (every class, not the first ones).
-    """
-    folder = read_image_folder(cfg.root, val_fraction=cfg.val_fraction, seed=seed)
-    gpu = cfg.decode == "gpu"  # JPEGs decoded on the device (trainkit.data.gpu_decode)
-
-    def load(split: Any, training: bool) -> ImageLoader:
-        transform = transform_for(cfg, training=training,
-                                  custom=train_transforms if training else eval_transforms)
-        files = (JpegFiles if gpu else ImageFiles)(split.files, split.labels, transform,
-                                                   channels=cfg.channels,
-                                                   skip_corrupt=cfg.skip_corrupt)
-        decoder = JpegDecoder(runtime.device, channels=cfg.channels, transform=transform,
-                              skip_corrupt=cfg.skip_corrupt) if gpu else None
-        return _loader(files, cfg, runtime, seed, channels_last, folder.classes,
-                       training=training, decoder=decoder,
-                       max_batches=None if training else eval_max_batches)
-
-    train = load(folder.train, True)
-    val = load(folder.val, False) if folder.val is not None else None
-    return train, val, len(folder.classes)
-
-
-def dataset_loaders(train: Any, val: Any, cfg: DataConfig, runtime: Runtime, *, seed: int = 0,
-                    channels_last: bool = False, train_transforms: Transforms = None,
-                    eval_transforms: Transforms = None,
-                    eval_max_batches: int | None = None) -> tuple[ImageLoader, Any, int]:
-    """Loaders over your own map-style datasets (a torch ``Dataset`` or a Hugging Face
-    ``datasets.Dataset``); ``val`` may be None, ``eval_max_batches`` bounds it to samples
-    spread evenly over it.
-
-    The class count is ``cfg.num_classes`` when set, else the dataset's: ``classes`` (torchvision's
-    datasets), ``num_classes``, or the label column's ``ClassLabel`` names.
-
-    Raises:
-        ConfigError: the class count cannot be told from the dataset and is not set.
-    """
+def load(cfg: DatasetConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
+    """Loaders over the two splits your reader returns (``reader(root=data.root, train=...)``):
+    a :class:`TensorData` as the built-in datasets are served, any other map-style dataset
+    through :class:`Samples` (the evaluation split may be None)."""
+    assert options.reader is not None  # load_data picks this source for a reader only
+    train = options.reader(root=cfg.root, train=True)
+    val = options.reader(root=cfg.root, train=False)
+    if isinstance(train, TensorData):
+        return tensor_loaders(train, val, cfg, runtime, options)
     classes = class_names(train, cfg.image_column, cfg.label_column)
     num_classes = cfg.num_classes or (len(classes) if classes else
                                       getattr(train, "num_classes", None))
     if not num_classes:
         raise ConfigError(f"cannot tell the number of classes of {type(train).__name__}: set "
                           "data.num_classes (or give the dataset a `classes` list)")
-    loaders = []
-    for dataset, training in ((train, True), (val, False)):
-        if dataset is None:
-            loaders.append(None)
-            continue
-        custom = train_transforms if training else eval_transforms
-        samples = Samples(dataset, transform_for(cfg, training=training, custom=custom),
-                          channels=cfg.channels, image_column=cfg.image_column,
-                          label_column=cfg.label_column, transform_all=bool(custom),
-                          skip_corrupt=cfg.skip_corrupt)
-        loaders.append(_loader(samples, cfg, runtime, seed, channels_last, classes,
-                               training=training,
-                               max_batches=None if training else eval_max_batches))
+    loaders = [_loader(split, cfg, runtime, options, classes, training=training)
+               if split is not None else None for split, training in ((train, True), (val, False))]
     return loaders[0], loaders[1], int(num_classes)
 
 
-def _loader(dataset: Dataset, cfg: DataConfig, runtime: Runtime, seed: int,
-            channels_last: bool, classes: Sequence[str] | None, *,
-            training: bool, decoder: JpegDecoder | None = None,
-            max_batches: int | None = None) -> ImageLoader:
-    mean, std = stats_for(cfg)
-    collate = collate_encoded if decoder is not None else collate_images
-    loader = make_loader(
-        dataset, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
-        device=runtime.device, seed=seed, rank=runtime.rank, world_size=runtime.world_size,
-        num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
-        drop_last=cfg.drop_last and training, collate_fn=collate, max_batches=max_batches)
-    return ImageLoader(loader, runtime.device, mean=mean, std=std, classes=classes,
-                       channels_last=channels_last, decoder=decoder)
+def _loader(split: Any, cfg: DatasetConfig, runtime: Runtime, options: Options,
+            classes: Sequence[str] | None, *, training: bool) -> DevicePrefetcher:
+    """One split's samples (decoded, transformed) through the loader into the device stage."""
+    custom = options.train_transforms if training else options.eval_transforms
+    samples = Samples(split, transform_for(cfg, training=training, custom=custom),
+                      channels=cfg.channels, image_column=cfg.image_column,
+                      label_column=cfg.label_column, transform_all=bool(custom),
+                      skip_corrupt=cfg.skip_corrupt)
+    return image_loader(samples, cfg, runtime, options, classes, training=training)
 
 
 def class_names(dataset: Any, image_column: str = "image",
@@ -145,7 +90,7 @@ class Samples(Dataset):
     become uint8 tensors and get ``transform``; tensors and arrays get it only when
     ``transform_all`` (your own transform lists), else pass as they are. A sample that cannot be
     decoded is a :class:`BadFile`, or with ``skip_corrupt`` the next readable sample, carrying
-    the skipped one's name, as :class:`~trainkit.data.image_folder.ImageFiles` does.
+    the skipped one's name, as :class:`~trainkit.data.sources.image_folder.ImageFiles` does.
     """
 
     def __init__(self, dataset: Any, transform: Callable[[torch.Tensor], Any], *,
@@ -221,3 +166,61 @@ def _undecoded(dataset: Any, image_column: str) -> Any:
 
         return dataset.cast_column(image_column, ImageFeature(decode=False))
     return dataset
+
+
+SPLITS_TO_EVALUATE = ("validation", "test")  # tried in this order when eval_split is not given
+
+
+def load_split(root: str | None = None, train: bool = True, *, path: str,
+               train_split: str = "train", eval_split: str | None = None,
+               val_fraction: float = 0.1, seed: int = 0, **kwargs: Any) -> Any:
+    """One split of ``datasets.load_dataset(path, **kwargs)`` (or ``load_from_disk(path)``).
+
+    Args:
+        root: ``data.root``; used as ``data_dir`` when neither it nor ``data_files`` is given.
+        train: the training split, else the evaluation split.
+        path: ``load_dataset``'s path: a builder (``parquet``, ``imagefolder``, ...) or a folder
+            saved with ``save_to_disk`` (then loaded with ``load_from_disk``).
+        train_split: the training split's name.
+        eval_split: the evaluation split's name; None: ``validation``, else ``test``, else
+            ``val_fraction`` of the training split held out (and left out of training).
+        val_fraction, seed: the held-out fraction and the seed that picks it.
+        kwargs: more ``load_dataset`` arguments (``data_files``, ``data_dir``, ``cache_dir``...).
+
+    Raises:
+        TrainkitError: ``datasets`` is not installed, or a split named is not in the dataset.
+    """
+    try:
+        import datasets
+    except ImportError:
+        raise TrainkitError("a Hugging Face dataset needs the datasets package: "
+                            "pip install 'trainkit[hf]'") from None
+    if (Path(path) / "dataset_dict.json").is_file():  # saved with DatasetDict.save_to_disk
+        splits = datasets.load_from_disk(path)
+    else:
+        if root and "data_files" not in kwargs and "data_dir" not in kwargs:
+            kwargs["data_dir"] = root
+        splits = datasets.load_dataset(path, **kwargs)
+    names = list(splits)
+    if eval_split is None:  # validation, else test, else None: held out of the training split
+        eval_split = next((name for name in SPLITS_TO_EVALUATE if name in names), None)
+    for key, name in (("train_split", train_split), ("eval_split", eval_split)):
+        if name is not None and name not in names:
+            raise ConfigError(f"the dataset {path} has no split {name!r} (its splits: "
+                              f"{', '.join(names)}): set +dataset.{key}= to one of them")
+    if eval_split is None:
+        return _hold_out(splits[train_split], val_fraction, seed)[0 if train else 1]
+    return splits[train_split if train else eval_split]
+
+
+def _hold_out(split: Any, fraction: float, seed: int) -> tuple[Any, Any]:
+    """``split`` as (training, held-out ``fraction``), per class when a column is a
+    ``ClassLabel`` (each class keeps its share, as image folders' ``val_fraction``)."""
+    if not 0 < fraction < 1:
+        raise ConfigError(f"dataset.val_fraction={fraction}: the dataset has no validation or "
+                          "test split to evaluate on; hold out a fraction in (0, 1)")
+    labels = [name for name, feature in split.features.items()
+              if type(feature).__name__ == "ClassLabel"]
+    parts = split.train_test_split(test_size=fraction, seed=seed,
+                                   stratify_by_column=labels[0] if labels else None)
+    return parts["train"], parts["test"]

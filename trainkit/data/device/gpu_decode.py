@@ -1,23 +1,14 @@
 """``data.decode=gpu``: an image folder's JPEGs decoded on the GPU, a batch in one nvJPEG call.
 
-The loader's workers do the cheap part (:class:`JpegFiles`): read the file's bytes and its JPEG
-header only (size, EXIF orientation), and draw the training crop with the same code and the
-same random numbers as the CPU path (:func:`~trainkit.data.transforms.crop_box`, then the flip),
-in the oriented image's coordinates. A file that is not a baseline RGB or grayscale JPEG (PNG,
-WebP, CMYK or progressive JPEG, ...) is decoded and transformed in the worker as on the CPU path
-and travels finished. :func:`collate_encoded` packs a batch's bytes into one tensor.
-
-On the device (:class:`JpegDecoder`, which the :class:`~trainkit.data.image_loader.ImageLoader`
-calls before normalising): one ``torchvision.io.decode_jpeg(list, device=...)`` call for the
-batch's JPEGs, then per image the EXIF orientation (nvJPEG ignores EXIF), the crop, the same
-:func:`~trainkit.data.transforms.resize` as the CPU path and the flip -- or, evaluating, the
-same :class:`~trainkit.data.transforms.ResizeCenterCrop`; :class:`StreamOrder` orders nvJPEG's
-stream against the prefetcher's. A JPEG nvJPEG refuses is decoded on the CPU instead; an
-out-of-memory error, a device error or a torchvision without nvJPEG is raised, never hidden by
-that fallback (:func:`fatal`). :func:`probe_nvjpeg` tries nvJPEG once at the start. On the CPU
-these steps give exactly the CPU path's pixels; on CUDA, nvJPEG's IDCT and chroma upsampling
-and the resize computed in float differ from libjpeg-turbo and the uint8 CPU kernel by a grey
-level or two.
+Workers (:class:`JpegFiles`) read each file's bytes and JPEG header and draw the training crop
+with the CPU path's code and random numbers; other files (PNG, CMYK or progressive JPEG, ...)
+are decoded in the worker as on the CPU path. On the device (:class:`JpegDecoder`, called by
+the :class:`~trainkit.data.DevicePrefetcher` before normalising): one ``decode_jpeg`` call per
+batch, then per image the EXIF orientation (nvJPEG ignores it), the crop, the CPU path's resize
+and flip (or ``ResizeCenterCrop``). A JPEG nvJPEG refuses is decoded on the CPU instead; an
+out-of-memory or device error is raised, never hidden by that fallback (:func:`fatal`). On the
+CPU the pixels equal the CPU path's; on CUDA they may differ by a grey level or two (nvJPEG's
+IDCT and upsampling, a float resize).
 """
 
 from __future__ import annotations
@@ -33,9 +24,9 @@ from typing import Any, NamedTuple
 import torch
 from PIL import Image
 
-from trainkit.config import DataConfig
+from trainkit.config import SharedDataConfig
 from trainkit.core.errors import ConfigError, TrainkitError
-from trainkit.data.image_folder import BadFile, ImageBatch, ImageFiles
+from trainkit.data.sources.image_folder import BadFile, ImageBatch, ImageFiles
 from trainkit.data.transforms import (
     RandomResizedCropFlip,
     UnreadableImage,
@@ -120,8 +111,9 @@ def jpeg_plan(data: bytes, transform: Any) -> Plan | None:
 
 
 class JpegFiles(ImageFiles):
-    """:class:`~trainkit.data.image_folder.ImageFiles` whose JPEG samples are :class:`Encoded`
-    (bytes and plan), every other file decoded and transformed here as the CPU path does.
+    """:class:`~trainkit.data.sources.image_folder.ImageFiles` whose JPEG samples are
+    :class:`Encoded` (bytes and plan), every other file decoded and transformed here as the CPU
+    path does.
     ``transform`` is :class:`RandomResizedCropFlip` (training) or :class:`ResizeCenterCrop`."""
 
     def _load(self, path: str) -> Encoded | torch.Tensor:
@@ -347,7 +339,7 @@ class JpegDecoder:
         return out.flip(-1) if plan.flip else out
 
 
-def check_gpu_decode(cfg: DataConfig, device: torch.device | str, *, own_dataset: bool,
+def check_gpu_decode(cfg: SharedDataConfig, device: torch.device | str, *, own_dataset: bool,
                      custom_transforms: bool) -> None:
     """``data.decode=gpu``'s preconditions, each a one-line :class:`ConfigError`; nvJPEG is
     tried once here (:func:`probe_nvjpeg`) and its line logged."""

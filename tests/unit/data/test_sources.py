@@ -1,0 +1,49 @@
+"""The sources' table: each kind gets its own typed config, the shared fields and its own only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from trainkit.config import DataConfig, SharedDataConfig, TokensConfig
+from trainkit.core.errors import ConfigError
+from trainkit.data import SOURCES
+from trainkit.data.sources import own_config
+
+SHARED = {f.name for f in dataclasses.fields(SharedDataConfig)}
+
+
+def _fields(kind: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(kind)}
+
+
+def test_every_source_config_holds_the_shared_fields_and_no_other_kinds() -> None:
+    assert set(SOURCES) == {"mnist", "cifar10", "image_folder", "tokens", "webdataset",
+                            "hf_text"}
+    for name, source in SOURCES.items():
+        assert _fields(source.config) >= SHARED, name
+    image_folder = _fields(SOURCES["image_folder"].config)
+    tokens = _fields(SOURCES["tokens"].config)
+    assert "image_size" in image_folder and "seq_len" not in image_folder
+    assert tokens == SHARED | {"seq_len", "token_dtype"}
+    assert "shards" in _fields(SOURCES["webdataset"].config)
+    assert "shards" not in image_folder | tokens
+    # the node users type keeps every key of every source
+    assert _fields(DataConfig) == set().union(*(_fields(s.config) for s in SOURCES.values()))
+
+
+def test_a_source_gets_its_part_of_the_data_node_with_the_values_given() -> None:
+    node = DataConfig(name="tokens", root="corpus", batch_size=4, seq_len=16, image_size=64)
+    own = own_config(node, TokensConfig)
+    assert type(own) is TokensConfig
+    assert (own.root, own.batch_size, own.seq_len) == ("corpus", 4, 16)
+    assert not hasattr(own, "image_size")
+    assert own_config(own, TokensConfig) is own  # a typed config is taken as it is
+
+
+def test_a_source_config_checks_its_own_fields() -> None:
+    with pytest.raises(ConfigError, match=r"data\.seq_len"):
+        TokensConfig(seq_len=0)
+    with pytest.raises(ConfigError, match=r"data\.batch_size"):
+        TokensConfig(batch_size=0)

@@ -1,0 +1,1 @@
+"""The device stage: batches copied to the device ahead of use, decoded, checked, normalised."""

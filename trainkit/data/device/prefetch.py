@@ -1,0 +1,231 @@
+"""The device stage: each batch checked, copied to the device ahead of use, decoded, normalised.
+
+On CUDA, while the model computes on batch ``i`` the prefetcher has already queued the copy
+(and decoding, and normalisation) of batch ``i+1`` on its own stream; the compute stream waits
+for that stream only when it takes the batch. Elsewhere it copies and normalises in line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from trainkit.core.device import move_to_device
+from trainkit.core.errors import TrainkitError
+from trainkit.core.tree import tensors
+from trainkit.data.classes import STATE_KEY, check_same_classes
+from trainkit.data.loader.resumable import ResumableData, saved_position, set_epoch
+
+log = logging.getLogger("trainkit")
+
+
+class DevicePrefetcher:
+    """Wraps a loader; yields its batches on ``device``, the first tensor normalised there.
+
+    Batches are ``(inputs, ...)`` tuples or lists, or a batch of image files (``images``,
+    ``labels``, and the files ``skipped`` or ``bad``): a bad file stops the run here, in the
+    main process, with one line; a skipped one (``data.skip_corrupt``) is counted and logged
+    once. uint8 inputs are cast and scaled to 0-1 on the device (a quarter of the bytes over
+    PCIe), then ``(x - mean) / std`` when ``mean`` and ``std`` are given. Pin the loader's
+    memory (``make_loader`` does on CUDA) or the copies cannot overlap.
+
+    The position is the wrapped loader's (less a batch this holds in flight): ``len``,
+    ``set_epoch(epoch, start_batch)``, ``state_dict`` and ``load_state_dict`` pass through,
+    so the Trainer treats it as the loader itself. Its state also keeps the class names (a
+    resume on other classes is refused) and the files skipped so far.
+
+    Args:
+        loader: any iterable of batches.
+        device: where the batches go.
+        mean, std: per-channel statistics on the 0-1 scale; None skips normalisation.
+        channels_last: make 4-D inputs NHWC-strided on the device.
+        normalize_float: also normalise float inputs with ``mean``/``std``; False takes them
+            as they are (transforms that normalised already).
+        classes: class names by index, kept in :meth:`state_dict` (None: none known).
+        decoder: ``data.decode=gpu``'s :class:`~trainkit.data.device.gpu_decode.JpegDecoder`,
+            which decodes each batch on the device before normalisation.
+
+    Example:
+        >>> loader = DevicePrefetcher(make_loader(ds, 256, shuffle=True, device="cuda"),
+        ...                           "cuda", mean=(0.49, 0.48, 0.45), std=(0.25, 0.24, 0.26))
+        ... # doctest: +SKIP
+    """
+
+    def __init__(self, loader: Iterable[Any], device: torch.device | str, *,
+                 mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
+                 channels_last: bool = False, normalize_float: bool = True,
+                 classes: Sequence[str] | None = None, decoder: Any = None) -> None:
+        if (mean is None) != (std is None):
+            raise ValueError("give both mean and std, or neither")
+        self.loader, self.device = loader, torch.device(device)
+        self.channels_last, self.normalize_float = channels_last, normalize_float
+        self.classes = list(classes) if classes is not None else None
+        self.decoder = decoder
+        self.skipped: set[str] = set()
+        self._mean = self._std = None
+        self._normalize: Normalize | None = None
+        if mean is not None and std is not None:
+            # every constant on the device once, here: built per batch, each would be a copy
+            # from pageable host memory that the host waits for
+            self._normalize = Normalize(mean, std, self.device)
+            self._mean = torch.tensor(mean).view(1, -1, 1, 1).to(self.device)
+            self._std = torch.tensor(std).view(1, -1, 1, 1).to(self.device)
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._ahead = 0  # batches taken from the loader and not yet handed out
+
+    @property
+    def dataset(self) -> Any:
+        return getattr(self.loader, "dataset", None)
+
+    @property
+    def batch_size(self) -> int | None:
+        return getattr(self.loader, "batch_size", None)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Forward the resume protocol to the wrapped loader."""
+        set_epoch(self.loader, epoch, start_batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position (a batch in flight not counted), the class names, and the
+        files skipped so far (sorted)."""
+        state: dict[str, Any] = {}
+        if isinstance(self.loader, ResumableData):
+            state = dict(self.loader.state_dict())
+            state["batch"] -= self._ahead
+        if self.classes is not None:
+            state[STATE_KEY] = self.classes
+        if self.skipped:
+            state["skipped_files"] = sorted(self.skipped)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s position (and its count of skipped files)."""
+        self.resume_check(state)
+        self.set_epoch(*saved_position(state))
+
+    def resume_check(self, saved: Mapping[str, Any]) -> None:
+        """A checkpoint's loader state against this loader: the same classes (else one line),
+        and the files it skipped are counted on. The checkpointer calls this on resume."""
+        if self.classes is not None:
+            check_same_classes(saved.get(STATE_KEY), self.classes)
+        self.skipped.update(saved.get("skipped_files", ()))
+
+    def report(self) -> dict[str, Any]:
+        """What ``summary.json`` says of the data: ``data/skipped_files`` (this rank's)."""
+        return {"data/skipped_files": len(self.skipped)}
+
+    def note_skipped(self, paths: Sequence[str]) -> None:
+        """Count files a batch skipped; each new one is logged once."""
+        for path in paths:
+            if path not in self.skipped:
+                self.skipped.add(path)
+                log.warning("skipped unreadable file %s (data.skip_corrupt=true; %d so far)",
+                            path, len(self.skipped))
+
+    def __iter__(self) -> Iterator[Any]:
+        self._ahead = 0
+        if self._stream is None:
+            for batch in self.loader:
+                yield self._prepare(move_to_device(self._checked(batch), self.device))
+            return
+        yield from self._iter_cuda(self._stream)
+
+    def _iter_cuda(self, stream: torch.cuda.Stream) -> Iterator[Any]:
+        batches = iter(self.loader)
+        upcoming = self._preload(batches, stream)
+        while upcoming is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(stream)  # the copy and normalisation are done before use
+            for tensor in tensors(upcoming):
+                # Allocated on the side stream, used on this one: without this the caching
+                # allocator could hand the memory to the next copy while compute still reads it.
+                tensor.record_stream(current)
+            batch, upcoming = upcoming, self._preload(batches, stream)
+            self._ahead = 1 if upcoming is not None else 0
+            yield batch
+        self._ahead = 0
+
+    def _preload(self, batches: Iterator[Any], stream: torch.cuda.Stream) -> Any:
+        try:
+            batch = self._checked(next(batches))
+        except StopIteration:
+            return None
+        with torch.cuda.stream(stream):
+            # non_blocking copies from pinned memory: this returns before the bytes arrive
+            return self._prepare(move_to_device(batch, self.device))
+
+    def _checked(self, batch: Any) -> Any:
+        """A batch of image files as ``(images, labels)``: a bad file stops the run here, in
+        the main process, with one line; skipped ones are counted."""
+        if not (hasattr(batch, "images") and hasattr(batch, "labels")):
+            return batch
+        if getattr(batch, "bad", None):
+            raise TrainkitError(batch.bad[0].message)
+        self.note_skipped(getattr(batch, "skipped", ()))
+        return batch.images, batch.labels
+
+    def _prepare(self, batch: Any) -> Any:
+        if self.decoder is not None:
+            batch = self.decoder(batch[0], batch[1], self.note_skipped)
+        if not isinstance(batch, (tuple, list)) or not batch:
+            return batch
+        x = batch[0]
+        if isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
+            layout = torch.channels_last if self.channels_last and x.dim() == 4 else (
+                torch.contiguous_format)
+            x = (self._normalize(x, memory_format=layout) if self._normalize is not None
+                 else x.float().div_(255))
+        elif isinstance(x, torch.Tensor) and self._mean is not None and self.normalize_float:
+            x = (x - self._mean) / self._std
+        if self.channels_last and isinstance(x, torch.Tensor) and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return type(batch)([x, *batch[1:]]) if isinstance(batch, list) else (x, *batch[1:])
+
+
+def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *,
+              memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    """``(images / 255 - mean) / std`` as float32 for a uint8 ``[B, C, H, W]`` batch.
+
+    Builds its constants on each call (on CUDA a blocking copy from host memory): for a loader's
+    every batch use one :class:`Normalize`, which builds them once. Float input is returned as
+    it is.
+    """
+    if images.dtype != torch.uint8:
+        return images
+    return Normalize(mean, std, images.device)(images, memory_format=memory_format)
+
+
+class Normalize:
+    """:func:`normalize` with its constants built once, on ``device``: no host sync per batch.
+
+    One multiply-add, ``x * (1 / (255 std)) - mean / std``, written in ``memory_format`` whatever
+    the batch's own layout: on a GPU one kernel reading uint8; on a CPU the cast into the output
+    first (torch's vectorised copy; its mixed-dtype multiply-add is not, and is slower:
+    benchmarks/README.md, data figures), then the multiply-add in place. The constants are made
+    here, once (from host memory: on CUDA a copy the host waits for), never per batch.
+    """
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float],
+                 device: torch.device | str) -> None:
+        self.mean, self.std, self.device = tuple(mean), tuple(std), torch.device(device)
+        scale = torch.tensor([1 / (255 * s) for s in self.std], dtype=torch.float32)
+        shift = torch.tensor([-m / s for m, s in zip(self.mean, self.std)], dtype=torch.float32)
+        self.scale = scale.view(1, -1, 1, 1).to(self.device)
+        self.shift = shift.view(1, -1, 1, 1).to(self.device)
+
+    def __call__(self, images: torch.Tensor, *,
+                 memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+        if images.dtype != torch.uint8:
+            return images
+        out = torch.empty(images.shape, dtype=torch.float32, device=images.device,
+                          memory_format=memory_format)
+        if images.device.type == "cpu":
+            out.copy_(images)
+            return torch.addcmul(self.shift, out, self.scale, out=out)
+        return torch.addcmul(self.shift, images, self.scale, out=out)

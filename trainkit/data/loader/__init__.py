@@ -1,0 +1,1 @@
+"""The loader stage: one resumable loader that owns the position (order, workers, seeds)."""

@@ -1,0 +1,298 @@
+"""The one resumable loader: it owns the position (epoch, batches handed out, the next start).
+
+:class:`ResumableLoader` serves a pass of any epoch from any batch without loading the batches
+before it, and reports where it is (``state_dict``). Its default variant wraps torch's
+DataLoader (:func:`make_loader`: workers, pinning, a rank's shard, random transforms seeded per
+batch from ``(seed, epoch, rank, batch)``); the in-memory, token and shard loaders are variants
+that only say how a pass is served (:meth:`ResumableLoader._pass`). The Trainer keeps its own
+copy of the position in its state and points the loader there at the start of every epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Iterator, Mapping, Sized
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from trainkit.core.device import resolve_device
+from trainkit.core.errors import ConfigError, TrainkitError
+from trainkit.core.rng import mix_seed
+from trainkit.core.signals import shielded_worker_init
+from trainkit.data.loader.order import ResumableBatchSampler, SeededBatch, check_shard
+from trainkit.data.loader.shm import fit_shared_memory
+
+
+@runtime_checkable
+class ResumableData(Protocol):
+    """What a loader needs to resume exactly mid-epoch; every trainkit loader has it.
+    ``len()`` is always the whole epoch's batch count."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """The next pass serves ``epoch`` from batch ``start_batch`` on."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """At least ``{"epoch": e, "batch": b}``: b batches of epoch e were handed out."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s position with the next pass."""
+
+
+def saved_position(state: Mapping[str, Any]) -> tuple[int, int]:
+    """``(epoch, batch)`` from a loader's :meth:`~ResumableData.state_dict`."""
+    return int(state["epoch"]), int(state["batch"])
+
+
+def set_epoch(data: Any, epoch: int, start_batch: int) -> None:
+    """Point any loader at an epoch and, when resuming, a batch inside it.
+
+    A :class:`ResumableData` skips the batches before ``start_batch`` without loading them; any
+    other loader with a ``set_epoch(epoch)`` (``DistributedSampler``'s, on the loader or its
+    sampler) gets the epoch, and ``start_batch > 0`` is an error for it.
+    """
+    if isinstance(data, ResumableData):
+        data.set_epoch(epoch, start_batch)
+        return
+    inner = getattr(data, "set_epoch", None) or getattr(getattr(data, "sampler", None),
+                                                        "set_epoch", None)
+    if inner is not None:
+        inner(epoch)
+    if start_batch:
+        raise TrainkitError(
+            f"cannot resume inside an epoch with a {type(data).__name__}: it cannot start at "
+            f"batch {start_batch}; use trainkit's loaders or checkpoint at epoch ends"
+        )
+
+
+def default_num_workers(procs_per_node: int | None = None) -> int:
+    """Loader workers per process: the CPUs this process may use, shared among the processes on
+    the node (``LOCAL_WORLD_SIZE`` under torchrun), less one for the process itself; at most 8.
+    """
+    if procs_per_node is None:
+        procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    try:
+        cpus = len(os.sched_getaffinity(0))  # respects taskset / cgroup CPU sets
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        cpus = os.cpu_count() or 1
+    return max(0, min(8, cpus // max(1, procs_per_node) - 1))
+
+
+class SeededSamples(Dataset):
+    """Wraps a map-style dataset; in a worker, seeds Python, NumPy and torch once per batch.
+
+    A worker's random stream otherwise depends on which batches it loaded before, which changes when
+    a run resumes mid-epoch. Seeding from the batch's own seed makes every draw a function of the
+    batch's place in the run. Once per batch, not per sample: per sample, seeding would be much of a
+    cheap sample's cost. Only torch's CPU generator is seeded (``torch.manual_seed`` also queues
+    CUDA seeding, far dearer; workers do not use CUDA; benchmarks/README.md, data figures). In the
+    main process (``num_workers=0``) the draws come from the process's own generators, which
+    checkpoints save and restore, so no seeding is needed.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, batch: SeededBatch) -> list[Any]:
+        # The DataLoader's fetcher hands a whole batch here (torch >= 2.0 calls __getitems__).
+        if get_worker_info() is not None:
+            random.seed(batch.seed)
+            np.random.seed(batch.seed % 2**32)
+            torch.default_generator.manual_seed(batch.seed)
+        many = getattr(self.dataset, "__getitems__", None)
+        return many(batch.indices) if many else [self.dataset[i] for i in batch.indices]
+
+
+class ResumableLoader:
+    """A loader the Trainer can point at any batch of any epoch: ``set_epoch(e, b)``.
+
+    It owns the position: ``epoch``, ``batch`` (batches of it handed out) and where the next
+    pass starts (a resume offset applies to one pass only). Build the DataLoader variant with
+    :func:`make_loader`; a variant of another kind (:class:`~trainkit.data.InMemoryLoader`,
+    :class:`~trainkit.data.TokenLoader`) overrides ``__len__`` and :meth:`_pass` only.
+    ``len()`` is always the whole epoch's batch count, also right after a mid-epoch
+    ``set_epoch``.
+    """
+
+    epoch: int = 0
+    batch: int = 0
+    _start: int = 0
+    seed: int = 0
+    saved_settings: tuple[str, ...] = ()  # settings in the state a resume must match
+
+    def __init__(self, loader: DataLoader, sampler: ResumableBatchSampler,
+                 generator: torch.Generator, *, seed: int, rank: int) -> None:
+        self.loader, self.sampler, self._generator = loader, sampler, generator
+        self.batch_size, self.drop_last = sampler.batch_size, sampler.drop_last
+        self.seed, self._rank = seed, rank
+        self.set_epoch(0)
+
+    @property
+    def dataset(self) -> Dataset:
+        return self.loader.dataset.dataset  # inside SeededSamples
+
+    def __len__(self) -> int:
+        return self.sampler.num_batches
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Serve ``epoch`` from batch ``start_batch`` on; the batches before are never loaded."""
+        self.epoch, self.batch, self._start = epoch, start_batch, start_batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch and the batches of it already handed out (and :attr:`saved_settings`)."""
+        return {"epoch": self.epoch, "batch": self.batch,
+                **{key: getattr(self, key) for key in self.saved_settings}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s position with the next pass."""
+        for key in self.saved_settings:
+            if state.get(key, getattr(self, key)) != getattr(self, key):
+                raise ConfigError(f"loader state has {key} {state[key]}, this loader "
+                                  f"{getattr(self, key)}: the order would differ; resume with "
+                                  f"the same {key}")
+        self.set_epoch(*saved_position(state))
+
+    def __iter__(self) -> Iterator[Any]:
+        start, self._start = self._start, 0
+        self.batch = start
+        for batch in self._pass(self.epoch, start):
+            self.batch += 1
+            yield batch
+
+    def _pass(self, epoch: int, start: int) -> Iterator[Any]:
+        """The batches ``start, start + 1, ...`` of ``epoch`` (a variant's one job)."""
+        self.sampler.set_epoch(epoch, start)  # the sampler skips the batches before `start`
+        # Workers' base seeds come from this generator; per-batch seeds (SeededSamples) make
+        # transforms exact, this keeps anything else a worker draws tied to (seed, rank, epoch).
+        self._generator.manual_seed(mix_seed(self.seed, self._rank, epoch))
+        return iter(self.loader)
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int | None = None,
+    pin_memory: bool | None = None,
+    persistent_workers: bool | None = None,
+    prefetch_factor: int | None = None,
+    drop_last: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    worker_init_fn: Callable[[int], None] | None = None,
+    procs_per_node: int | None = None,
+    max_batches: int | None = None,
+) -> ResumableLoader:
+    """A DataLoader over a map-style ``dataset`` with the settings a careful user would pick.
+
+    Args:
+        dataset: any map-style dataset (``__getitem__`` and ``__len__``).
+        batch_size: samples per batch on this rank.
+        shuffle: a new order every epoch, fixed by ``(seed, epoch)``.
+        device: where batches will go; pinned memory is used when it is CUDA.
+        seed: fixes the order and, with rank and epoch, the workers' random streams.
+        rank, world_size: each rank gets a disjoint shard (when shuffling, cut to equal sizes).
+        num_workers: worker processes; None picks :func:`default_num_workers`.
+        pin_memory: None means on exactly when ``device`` is CUDA.
+        persistent_workers: keep workers between epochs; None means on whenever there are any.
+        prefetch_factor: batches each worker loads ahead; None leaves torch's default (2).
+        drop_last: drop a last batch smaller than ``batch_size``.
+        collate_fn: how samples become a batch; None is torch's default.
+        worker_init_fn: your own ``worker_init_fn(worker_id)``; it runs in each worker after
+            trainkit's, which makes the worker survive preemption signals sent to the whole
+            process group (the main process stops the run and then the workers).
+        procs_per_node: processes sharing this node's CPUs (default: ``LOCAL_WORLD_SIZE``).
+        max_batches: evaluation (``shuffle=False``) only: at most this many batches per rank,
+            of samples spread evenly over the dataset, the same every pass
+            (``trainer.eval_max_batches``); None: the whole dataset.
+
+    Raises:
+        ConfigError: settings no loader can honour (negative workers, a prefetch factor or
+            persistent workers without workers, a batch larger than the shard with drop_last...).
+        TrainkitError: ``device`` does not exist here (``cuda`` on a machine without CUDA).
+
+    Example:
+        >>> loader = make_loader(dataset, 256, shuffle=True, device="cuda")  # doctest: +SKIP
+        >>> loader.set_epoch(2, start_batch=10)  # resume: batches 0-9 are never loaded
+    """
+    device = torch.device(device)
+    sample = max_batches * batch_size * world_size if max_batches else None
+    _check_inputs(dataset, batch_size, device, shuffle=shuffle, drop_last=drop_last, rank=rank,
+                  world_size=world_size, sample=sample)
+    num_workers, prefetch_factor, persistent_workers = _workers(
+        dataset, batch_size, num_workers, prefetch_factor, persistent_workers, procs_per_node)
+    sampler = ResumableBatchSampler(len(dataset), batch_size, shuffle=shuffle,
+                                    drop_last=drop_last, seed=seed, rank=rank,
+                                    world_size=world_size, sample=sample)
+    generator = torch.Generator()
+    loader = DataLoader(
+        SeededSamples(dataset), batch_sampler=sampler, num_workers=num_workers,
+        pin_memory=_pinning(pin_memory, device), collate_fn=collate_fn,
+        persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+        generator=generator,
+        worker_init_fn=shielded_worker_init(worker_init_fn) if num_workers else None,
+    )
+    return ResumableLoader(loader, sampler, generator, seed=seed, rank=rank)
+
+
+def _check_inputs(dataset: Dataset, batch_size: int, device: torch.device, *, shuffle: bool,
+                  drop_last: bool, rank: int, world_size: int, sample: int | None) -> None:
+    """One line for a dataset, device or shard no loader could serve."""
+    if device.type != "cpu":  # a device missing here is the error, not what pinning would need
+        resolve_device(device)
+    if not isinstance(dataset, Sized):
+        raise ConfigError(f"{type(dataset).__name__} has no len(): make_loader needs a "
+                          "map-style dataset")
+    check_shard(len(dataset), batch_size, shuffle=shuffle, drop_last=drop_last, rank=rank,
+                world_size=world_size, sample=sample)
+
+
+def _workers(dataset: Dataset, batch_size: int, num_workers: int | None,
+             prefetch_factor: int | None, persistent_workers: bool | None,
+             procs_per_node: int | None) -> tuple[int, int | None, bool]:
+    """``(num_workers, prefetch_factor, persistent_workers)`` checked, defaulted, and fitted to
+    the shared memory the workers' batches in flight need."""
+    if num_workers is None:
+        num_workers = default_num_workers(procs_per_node)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ConfigError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+    if num_workers == 0 and prefetch_factor is not None:
+        raise ConfigError(f"prefetch_factor={prefetch_factor} needs worker processes, but "
+                          "num_workers=0 loads in the main process; drop one of the two")
+    if prefetch_factor is not None and prefetch_factor < 1:
+        raise ConfigError(f"prefetch_factor must be >= 1, got {prefetch_factor}")
+    if num_workers == 0 and persistent_workers:
+        raise ConfigError("persistent_workers=true needs num_workers >= 1")
+    if persistent_workers is None:
+        persistent_workers = num_workers > 0
+    # Workers' batches in flight must fit in /dev/shm (64 MB in a default Docker container).
+    num_workers, prefetch_factor = fit_shared_memory(dataset, batch_size, num_workers,
+                                                     prefetch_factor)
+    return num_workers, prefetch_factor, persistent_workers
+
+
+def _pinning(pin_memory: bool | None, device: torch.device) -> bool:
+    """Pinned memory: exactly when the batches go to CUDA, unless set (and then possible)."""
+    if pin_memory is None:
+        return device.type == "cuda"
+    if pin_memory and not torch.cuda.is_available():
+        raise ConfigError("pin_memory=true needs CUDA, which is not available here; "
+                          "leave it unset (null) to pin exactly when training on CUDA")
+    return pin_memory

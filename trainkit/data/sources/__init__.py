@@ -1,0 +1,125 @@
+"""The sources: one module per kind of data, each its dataset (and loaders) from its own config.
+
+:data:`SOURCES` is the one table, keyed by ``data.name``: each kind's typed config (the shared
+fields and its own, :mod:`trainkit.config`) and its ``load``. :func:`load_data` looks the kind
+up, hands it its config, and returns the training and evaluation loaders and the class count,
+which the caller reads before it builds the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
+
+from trainkit.config import (
+    DatasetConfig,
+    HFTextConfig,
+    ImageFolderConfig,
+    SharedDataConfig,
+    TensorDataConfig,
+    TokensConfig,
+    WebDatasetConfig,
+)
+from trainkit.core.errors import ConfigError
+from trainkit.core.runtime import Runtime
+from trainkit.data.sources import dataset, hf_text, image_folder, tensors, tokens, webdataset
+
+# A user's own dataset: called as ``reader(root=data.root, train=True/False)``, returns one split:
+Reader = Callable[..., Any]  # TensorData, a torch Dataset or a datasets.Dataset
+
+
+class Data(NamedTuple):
+    """What a source gives: the loaders (``val`` may be None) and the number of classes."""
+
+    train: Any
+    val: Any
+    num_classes: int
+
+
+@dataclass(frozen=True)
+class Options:
+    """What every source may take besides its config: the run's seed and layout, your own
+    reader and transforms (built callables), and a bound on evaluation batches per rank."""
+
+    seed: int = 0
+    channels_last: bool = False
+    reader: Reader | None = None
+    train_transforms: Sequence[Callable[..., Any]] | None = None
+    eval_transforms: Sequence[Callable[..., Any]] | None = None
+    eval_max_batches: int | None = None
+
+
+class Source(NamedTuple):
+    """A kind of data: its typed config, and ``load(config, runtime, options)`` returning the
+    training loader, the evaluation loader (or None) and the class count."""
+
+    config: type[SharedDataConfig]
+    load: Callable[[Any, Runtime, Options], tuple[Any, Any, int]]
+
+
+SOURCES: dict[str, Source] = {  # data.name -> its source
+    "mnist": Source(TensorDataConfig, tensors.load),
+    "cifar10": Source(TensorDataConfig, tensors.load),
+    "image_folder": Source(ImageFolderConfig, image_folder.load),
+    "tokens": Source(TokensConfig, tokens.load),
+    "webdataset": Source(WebDatasetConfig, webdataset.load),
+    "hf_text": Source(HFTextConfig, hf_text.load),
+}
+OWN = Source(DatasetConfig, dataset.load)  # a reader (dataset._target_) replaces the image kinds
+STREAMED = ("webdataset", "tokens", "hf_text")  # kinds that never take a reader
+
+
+def load_data(cfg: SharedDataConfig, runtime: Runtime, *, seed: int = 0,
+              channels_last: bool = False,
+              reader: Reader | None = None,
+              train_transforms: Sequence[Callable[..., Any]] | None = None,
+              eval_transforms: Sequence[Callable[..., Any]] | None = None,
+              eval_max_batches: int | None = None) -> Data:
+    """The training and evaluation loaders of ``cfg.name``'s source, and its class count.
+
+    ``cfg`` is the ``data`` node (:class:`~trainkit.config.DataConfig`, every source's keys)
+    or a source's own typed config; the source gets its own part of it.
+
+    ``reader`` (the entry point's ``dataset._target_``) replaces the built-in images: called
+    as ``reader(root=cfg.root, train=...)``, it returns a
+    :class:`~trainkit.data.sources.tensors.TensorData` or any map-style ``Dataset`` (torch's,
+    or Hugging Face's). ``train_transforms`` / ``eval_transforms`` (callables) replace the
+    default transforms of image files. ``eval_max_batches`` (``trainer.eval_max_batches``)
+    bounds evaluation to that many batches per rank, spread evenly over the split.
+
+    Raises:
+        ConfigError: an unknown ``data.name``, a batch size the data cannot fill, or a
+            ``data.num_classes`` other than the data's.
+        TrainkitError: the files are missing (offline), corrupt or malformed.
+    """
+    if getattr(cfg, "decode", "cpu") == "gpu":  # JPEGs decoded on the device: its preconditions
+        from trainkit.data.device.gpu_decode import check_gpu_decode  # (imports image_folder)
+
+        check_gpu_decode(cfg, runtime.device, own_dataset=reader is not None,
+                         custom_transforms=bool(train_transforms or eval_transforms))
+    source = SOURCES.get(cfg.name)
+    if reader is not None and cfg.name not in STREAMED:
+        source = OWN
+    if source is None:
+        raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(SOURCES)}; "
+                          "for your own dataset set dataset._target_ (see the README)")
+    options = Options(seed, channels_last, reader, train_transforms, eval_transforms,
+                      eval_max_batches)
+    data = Data(*source.load(own_config(cfg, source.config), runtime, options))
+    if cfg.num_classes is not None and cfg.num_classes != data.num_classes:
+        raise ConfigError(f"data.num_classes={cfg.num_classes} but the data has "
+                          f"{data.num_classes} classes: leave data.num_classes unset (null), "
+                          "it is read from the data")
+    return data
+
+
+build_loaders = load_data  # the name trainkit's API has had
+
+
+def own_config(cfg: Any, kind: type[SharedDataConfig]) -> Any:
+    """The part of ``cfg`` (the ``data`` node's every key) that a source of ``kind`` reads:
+    a ``kind`` of the shared fields and the source's own."""
+    if isinstance(cfg, kind):
+        return cfg
+    return kind(**{f.name: getattr(cfg, f.name) for f in fields(kind)})

@@ -1,0 +1,1 @@
+"""Offline tools behind ``python -m trainkit.data``: downloads, checksums, token corpora, shards."""
