@@ -63,6 +63,7 @@ from trainkit.loop.step import (
 from trainkit.loop.train_state import TrainState
 from trainkit.models.param_groups import apply_freeze, describe
 from trainkit.observe.advice import Advisor
+from trainkit.observe.flops import FlopsMeter
 from trainkit.observe.logging import Progress, log_start, log_window, setup_logging
 from trainkit.observe.metrics import StepMeter, startup_seconds
 from trainkit.observe.profile import profilers
@@ -196,6 +197,9 @@ class Trainer:
         apply_freeze(model, self.config, 0, world_size=self.runtime.world_size)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(model, self.config.activation_checkpointing)
+        # FLOPs counted on a meta copy of the model as it computes (recomputation included)
+        self.flops = FlopsMeter(model, self.runtime.device, self.precision.mode,
+                                self.config.peak_tflops)
         return strategy.prepare_model(model, optimizer, self.config, self.runtime,
                                       self.precision.mode)
 
@@ -247,7 +251,8 @@ class Trainer:
                           self.run_config or asdict(cfg))
         return Run(model, optimizer, scheduler, ema, data, criterion, forward, total_steps,
                     stop_at_step, report,  # a token loader's meter counts tokens/s too
-                    StepMeter(self.runtime.device, getattr(data, "tokens_per_sample", None)),
+                    StepMeter(self.runtime.device, getattr(data, "tokens_per_sample", None),
+                              self.flops),
                     Progress(total_steps, self.state.global_step, enabled=None if main else False),
                     LogSchedule(cfg.log_every_n_steps, cfg.log_every_n_seconds),
                     EvalSchedule(cfg.eval_every_n_steps, cfg.eval_every_n_epochs, total_steps),
@@ -271,7 +276,7 @@ class Trainer:
         extra = {"stop_reason": self.state.stop_reason} if status == "stopped" else {}
         # best: checkpoint.monitor's best checkpoint, or None; the data's skipped files
         summary = run.report.finish(status, results, **extra, best=self.checkpointer.best(),
-                                   **getattr(run.data, "report", dict)())
+                                   **getattr(run.data, "report", dict)(), **self.flops.summary())
         run.report.hparams(self.run_config or asdict(self.config), results)
         self.callbacks.fire("on_fit_end", self, summary)
         return summary
@@ -295,6 +300,7 @@ class Trainer:
             forward=run.forward, device=self.runtime.device, clip_val=cfg.gradient_clip_val,
             clip_algorithm=cfg.gradient_clip_algorithm,
             agree=run.vote.nonfinite if run.vote.active else None, scalars=run.meter.own)
+        run.step.wrap_forward_once(self.flops.counting(run.criterion))  # FLOPs: the first step
         # trainer.micro_batch_size: each batch split (and, in auto, retried on out-of-memory)
         run.step = micro_batched(run.step, cfg, state, model, self._profilers)
         run.step = run.spike.wrap(run.step) if run.spike else run.step  # sees each loss
