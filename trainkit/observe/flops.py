@@ -85,32 +85,43 @@ def count_step(model: nn.Module, batch: Any, forward: Callable[..., Any],
     return FlopCount(int(counter.get_total_flops()) - recompute, recompute)
 
 
-def measure_matmul_tflops(device: torch.device, kind: str = "fp32", size: int = 1024,
-                          seconds: float = 0.1) -> float:
-    """TFLOP/s of a ``size``-square matmul in ``kind``'s dtype on ``device``: the best of the
-    repetitions that fill ``seconds`` after one warm-up. Measured once per process for each
-    device, kind and CPU thread count, then remembered.
+def measure_matmul_tflops(device: torch.device, kind: str = "fp32",
+                          seconds: float = 0.2) -> float:
+    """The best TFLOP/s of square matmuls in ``kind``'s dtype on ``device``, over growing sizes
+    (a CPU's cache favours smaller ones, a GPU's width larger ones) within about ``seconds``.
+    Measured once per process for each device, kind and CPU thread count, then remembered.
 
     The operands come from a generator of their own: the global RNG streams are untouched.
     """
     key = (str(device), kind, torch.get_num_threads())
     if key not in _measured:
-        generator = torch.Generator().manual_seed(0)
-        a, b = (torch.randn(size, size, generator=generator).to(device, DTYPES[kind])
-                for _ in range(2))
-        best, spent = float("inf"), 0.0
-        for repeat in range(1000):
-            _sync(device)
-            start = time.perf_counter()
-            torch.mm(a, b)
-            _sync(device)
-            took = time.perf_counter() - start
-            if repeat:  # the first is the warm-up
-                best, spent = min(best, took), spent + took
-                if spent >= seconds and repeat >= 3:
-                    break
-        _measured[key] = 2 * size ** 3 / best / 1e12
+        sizes = (256, 512, 1024, 2048) if device.type == "cpu" else (2048, 4096, 8192)
+        best = 0.0
+        for size in sizes:
+            took = _best_matmul_seconds(device, DTYPES[kind], size, seconds / len(sizes))
+            best = max(best, 2 * size ** 3 / took / 1e12)
+            if 8 * took > seconds / len(sizes) / 3:  # the next size (8x the work): < 3 would fit
+                break
+        _measured[key] = best
     return _measured[key]
+
+
+def _best_matmul_seconds(device: torch.device, dtype: torch.dtype, size: int,
+                         budget: float) -> float:
+    """The fastest of the ``size``-square matmuls that fill ``budget`` s (>= 2, after a warm-up)."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
+    best, spent, repeat = float("inf"), 0.0, 0
+    while repeat < 3 or spent < budget:
+        _sync(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        took = time.perf_counter() - start
+        if repeat:  # the first is the warm-up
+            best, spent = min(best, took), spent + took
+        repeat += 1
+    return best
 
 
 def _sync(device: torch.device) -> None:
@@ -152,7 +163,7 @@ class FlopsMeter:
         self.device, self.precision, self.override = device, precision, peak_tflops
         try:
             self._copy: nn.Module | None = meta_copy(model)
-        except Exception as err:  # noqa: BLE001 -- a model deepcopy cannot copy: no MFU, said
+        except Exception as err:  # any model deepcopy cannot copy: no MFU, and a line why
             self._copy = None
             log.info("FLOPs not counted: the model cannot be copied to the meta device (%s)",
                      _first_line(err))
@@ -183,11 +194,12 @@ class FlopsMeter:
         samples = next(tensors(batch)).shape[0]
         try:
             total = count_step(model, batch, forward, criterion)
-            self.per_sample = FlopCount(total.model // samples, total.recompute // samples)
-            self.peak = device_peak(self.device, self.precision, self.override)
-        except Exception as err:  # noqa: BLE001 -- a forward that needs real values: no MFU
+        except Exception as err:  # a forward that needs real values: no MFU, and a line why
             log.info("FLOPs not counted: the forward does not run on meta tensors (%s)",
                      _first_line(err))
+        else:
+            self.per_sample = FlopCount(total.model // samples, total.recompute // samples)
+            self.peak = device_peak(self.device, self.precision, self.override)
         self.count_seconds += time.perf_counter() - started
         return self.per_sample
 
