@@ -300,7 +300,7 @@ class Trainer:
             forward=run.forward, device=self.runtime.device, clip_val=cfg.gradient_clip_val,
             clip_algorithm=cfg.gradient_clip_algorithm,
             agree=run.vote.nonfinite if run.vote.active else None, scalars=run.meter.own)
-        run.step.wrap_forward_once(self.flops.counting(run.criterion))  # FLOPs: the first step
+        run.step.wrap_forward_once(self.flops.counting)  # FLOPs counted in the first step
         # trainer.micro_batch_size: each batch split (and, in auto, retried on out-of-memory)
         run.step = micro_batched(run.step, cfg, state, model, self._profilers)
         run.step = run.spike.wrap(run.step) if run.spike else run.step  # sees each loss

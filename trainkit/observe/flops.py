@@ -55,13 +55,14 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def count_step(model: nn.Module, batch: Any, forward: Callable[..., Any],
-               criterion: Callable[[Any, Any], torch.Tensor]) -> FlopCount:
-    """The FLOPs of ``forward(model, batch)``, ``criterion`` and the backward, on ``model``
-    (a :func:`meta_copy`) with ``batch``'s tensors as meta tensors of the same shapes.
+def count_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FlopCount:
+    """The FLOPs of ``model(*args, **kwargs)`` and a backward from its outputs, on ``model`` (a
+    :func:`meta_copy`) with the arguments' tensors as meta tensors of the same shapes.
 
-    A recomputation is an operation run with gradients enabled during the backward (the
-    backward's own run without): its formulas are counted twice, once into ``recompute``.
+    The backward starts from the sum of the outputs: a matmul's gradients cost the same whatever
+    the loss (a loss function's own FLOPs, no matmuls, are not counted). A recomputation is an
+    operation run with gradients enabled during the backward (the backward's own run without):
+    it is counted into ``recompute``.
     """
     phase = {"backward": False, "recompute": 0}
 
@@ -75,14 +76,18 @@ def count_step(model: nn.Module, batch: Any, forward: Callable[..., Any],
 
     # the registry's formulas take shapes; FlopCounterMode wraps custom ones to give them shapes
     custom = {op: tallied(getattr(f, "__wrapped__", f)) for op, f in flop_registry.items()}
-    batch = tree_map(lambda t: torch.empty_like(t, device="meta"), batch)
+    args, kwargs = tree_map(_to_meta, (args, kwargs))
     with FlopCounterMode(display=False, custom_mapping=custom) as counter:
-        outputs, targets = forward(model, batch)[:2]
-        loss = criterion(outputs, targets)
+        outputs = [t for t in tensors(model(*args, **kwargs)) if t.requires_grad]
         phase["backward"] = True
-        loss.backward()
+        if outputs:
+            torch.stack([t.float().sum() for t in outputs]).sum().backward()
     recompute = int(phase["recompute"])
     return FlopCount(int(counter.get_total_flops()) - recompute, recompute)
+
+
+def _to_meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(tensor, device="meta").requires_grad_(tensor.requires_grad)
 
 
 def measure_matmul_tflops(device: torch.device, kind: str = "fp32",
@@ -154,7 +159,7 @@ class FlopsMeter:
 
     Example:
         >>> meter = FlopsMeter(model, torch.device("cpu"), "32")  # doctest: +SKIP
-        >>> step.wrap_forward_once(meter.counting(criterion))  # doctest: +SKIP
+        >>> step.wrap_forward_once(meter.counting)  # doctest: +SKIP
         >>> meter.rates(samples_per_s=512.0)["throughput/mfu"]  # doctest: +SKIP
     """
 
@@ -172,30 +177,46 @@ class FlopsMeter:
         self.count_seconds = 0.0  # spent counting, left out of the step timing
         self._samples, self._seconds = 0, 0.0  # over the logged windows, for the summary
 
-    def counting(self, criterion: Callable[[Any, Any], torch.Tensor]
-                 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """A wrapper for :meth:`WindowStep.wrap_forward_once`: the step's first forward counts
-        the FLOPs of its batch on the meta copy, then runs as it would have."""
+    def counting(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` whose model call is counted: a wrapper for
+        :meth:`WindowStep.wrap_forward_once`. The model call's arguments are caught by a forward
+        pre-hook (removed at once) and counted on the meta copy after the real forward returned:
+        ``forward`` itself runs once, as it would have."""
 
-        def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
-            def counted(model: nn.Module, batch: Any) -> Any:
-                self.count(batch, forward, criterion)
+        def counted(model: nn.Module, batch: Any) -> Any:
+            if self._copy is None:
                 return forward(model, batch)
-            return counted
+            caught: list[tuple[Any, Any]] = []
 
-        return wrap
+            def catch(module: nn.Module, args: Any, kwargs: Any) -> None:
+                caught.append(tree_map(_to_meta, (args, kwargs)))
+                handle.remove()
 
-    def count(self, batch: Any, forward: Callable[..., Any],
-              criterion: Callable[[Any, Any], torch.Tensor]) -> FlopCount | None:
-        """Count one batch's FLOPs (once; later calls return the first count) and the peak."""
+            handle = model.register_forward_pre_hook(catch, with_kwargs=True)
+            try:
+                result = forward(model, batch)
+            finally:
+                handle.remove()
+            if caught:
+                self.count(*caught[0], samples=next(tensors(batch)).shape[0])
+            else:
+                self._copy = None
+                log.info("FLOPs not counted: the forward did not call the model it was given")
+            return result
+
+        return counted
+
+    def count(self, args: tuple[Any, ...], kwargs: dict[str, Any], samples: int
+              ) -> FlopCount | None:
+        """Count the FLOPs of the model called with ``args`` and ``kwargs`` (a batch of
+        ``samples``) and find the peak: once; later calls return the first count."""
         if self._copy is None:
             return self.per_sample
         started, model, self._copy = time.perf_counter(), self._copy, None
-        samples = next(tensors(batch)).shape[0]
         try:
-            total = count_step(model, batch, forward, criterion)
-        except Exception as err:  # a forward that needs real values: no MFU, and a line why
-            log.info("FLOPs not counted: the forward does not run on meta tensors (%s)",
+            total = count_call(model, args, kwargs)
+        except Exception as err:  # a model that needs real values: no MFU, and a line why
+            log.info("FLOPs not counted: the model does not run on meta tensors (%s)",
                      _first_line(err))
         else:
             self.per_sample = FlopCount(total.model // samples, total.recompute // samples)

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
@@ -20,18 +19,20 @@ from trainkit.loop.activations import apply_activation_checkpointing
 from trainkit.loop.step import default_forward
 from trainkit.models.gpt import GPT, lm_forward, lm_loss
 from trainkit.observe import flops as flops_module
-from trainkit.observe.flops import FlopsMeter, count_step, meta_copy, mfu_text
+from trainkit.observe.flops import FlopsMeter, count_call, meta_copy, mfu_text
 from trainkit.observe.peaks import compute_kind, datasheet_peak
 
 CPU = torch.device("cpu")
 
 
 def _gpt_count(model: GPT, batch: int, seq: int) -> flops_module.FlopCount:
+    """Counted as the loop counts: the first forward (lm_forward's) through the meter."""
     meter = FlopsMeter(model, CPU, "32", peak_tflops=1.0)
     tokens = torch.zeros(batch, seq + 1, dtype=torch.long)
-    counted = meter.count({"tokens": tokens}, lm_forward, lm_loss)
-    assert counted is not None
-    return counted
+    logits, targets, _ = meter.counting(lm_forward)(model, {"tokens": tokens})
+    assert logits.shape == (batch, seq, 256) and torch.is_tensor(lm_loss(logits, targets))
+    assert meter.per_sample is not None
+    return meter.per_sample
 
 
 def _gpt_analytic(model: GPT, seq: int) -> tuple[int, int]:
@@ -94,8 +95,7 @@ def test_resnet18_flops_are_conv_and_linear_macs_times_2_times_3() -> None:
     # forward 2 x MACs; backward 2 x MACs for the weights and 2 x for the inputs, except the
     # first convolution's: the images need no gradient
     expected = 6 * sum(macs.values()) - 2 * macs["conv1"]
-    batch = (torch.zeros(2, 3, 224, 224), torch.zeros(2, dtype=torch.long))
-    counted = count_step(meta_copy(model), batch, default_forward, F.cross_entropy)
+    counted = count_call(meta_copy(model), (torch.zeros(2, 3, 224, 224),), {})
     assert counted.model / 2 == pytest.approx(expected, rel=0.02)
 
 
@@ -103,29 +103,45 @@ def test_counting_draws_nothing_and_touches_no_weight() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
     apply_activation_checkpointing(model, ["Dropout"])
     before = [p.detach().clone() for p in model.parameters()]
-    batch = (torch.randn(4, 8), torch.zeros(4, dtype=torch.long))
+    inputs = torch.randn(4, 8)
     rng = torch.get_rng_state()
     meter = FlopsMeter(model, CPU, "32", peak_tflops=1.0)
-    counted = meter.count(batch, default_forward, F.cross_entropy)
+    counted = meter.count((inputs,), {}, samples=4)
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
     # per sample: forward 2 x MACs, backward 2 x MACs (weights) + the second layer's input's
     assert counted is not None and counted == (2 * (8 * 16 + 16 * 2) * 2 + 2 * 16 * 2, 0)
-    assert meter.count(None, default_forward, F.cross_entropy) == counted  # once only
+    assert meter.count((torch.ones(1),), {}, samples=1) == counted  # once only
 
 
-def test_a_forward_that_needs_values_leaves_mfu_out_with_a_line(
+def test_the_users_forward_runs_once_and_as_it_would() -> None:
+    calls = []
+
+    def forward(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+        calls.append(batch[0].device)
+        return model(batch[0]), batch[1]
+
+    model = nn.Linear(4, 2)
+    meter = FlopsMeter(model, CPU, "32", peak_tflops=1.0)
+    batch = (torch.ones(3, 4), torch.zeros(3, dtype=torch.long))
+    outputs, _ = meter.counting(forward)(model, batch)
+    assert calls == [CPU] and torch.equal(outputs, model(batch[0]))
+    assert meter.per_sample == (2 * 4 * 2 * 2, 0) and not model._forward_pre_hooks
+
+
+class _ReadsValues(nn.Linear):
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return super().forward(inputs) * float(inputs.sum())  # a host read
+
+
+def test_a_model_that_needs_values_leaves_mfu_out_with_a_line(
         caplog: pytest.LogCaptureFixture) -> None:
-    def reads(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple:
-        inputs, targets = batch
-        return model(inputs * float(inputs.sum())), targets  # a host read
-
-    meter = FlopsMeter(nn.Linear(4, 2), CPU, "32", peak_tflops=1.0)
+    model = _ReadsValues(4, 2)
+    meter = FlopsMeter(model, CPU, "32", peak_tflops=1.0)
     with caplog.at_level("INFO", logger="trainkit"):
-        assert meter.count((torch.ones(2, 4), torch.zeros(2, dtype=torch.long)), reads,
-                           F.cross_entropy) is None
-    assert "FLOPs not counted: the forward does not run on meta tensors" in caplog.text
+        meter.counting(default_forward)(model, (torch.ones(2, 4), torch.zeros(2)))
+    assert "FLOPs not counted: the model does not run on meta tensors" in caplog.text
     assert meter.window(10, 1.0) == {} and meter.summary() == {}
 
 
@@ -200,7 +216,7 @@ def test_a_cpu_run_logs_mfu_to_tensorboard_metrics_and_summary(cpu_run: tuple[Pa
 
 def test_counting_leaves_the_runs_weights_bitwise_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     _, counted = _fit(None, peak_tflops=1.0)
-    monkeypatch.setattr(FlopsMeter, "counting", lambda self, criterion: lambda forward: forward)
+    monkeypatch.setattr(FlopsMeter, "counting", lambda self, forward: forward)
     summary, plain = _fit(None, peak_tflops=1.0)
     assert "mfu" not in summary  # nothing was counted in this one
     assert all(torch.equal(a, b) for a, b in zip(counted.state_dict().values(),
