@@ -1,13 +1,16 @@
 """A run's FLOPs per sample and its model FLOPs utilisation (MFU).
 
-The FLOPs are counted once, on the first training step's batch, by
-:class:`torch.utils.flop_counter.FlopCounterMode` over a forward, the loss and a backward of a
-copy of the model on the ``meta`` device: shapes only, no memory, no arithmetic, no random draw,
-so the run's weights, RNG streams and resumes are exactly what they would be without it. The copy
-is taken as the loop prepares the model (after activation checkpointing, before DDP/FSDP), so a
-checkpointed block's recomputation in backward is counted too -- apart, as recompute FLOPs: MFU
-uses the model's FLOPs alone (forward + backward), as PaLM defines it; ``throughput/hfu`` adds the
-recomputation (the hardware's FLOPs). The counter counts matmuls, convolutions and attention.
+The FLOPs are counted once, in the first training step, by
+:class:`torch.utils.flop_counter.FlopCounterMode`: a forward pre-hook catches the shapes the step
+calls the model with, and a copy of the model on the ``meta`` device runs that call and a
+backward under the counter -- shapes only: no memory, no arithmetic, no random draw, and the
+user's forward runs once as always, so the run's weights, RNG streams and resumes are exactly
+what they would be without it. The copy is taken as the loop prepares the model (after activation
+checkpointing, before DDP/FSDP), so a checkpointed block's recomputation in backward is counted
+too -- apart, as recompute FLOPs: MFU uses the model's FLOPs alone (forward + backward), as PaLM
+defines it; ``throughput/hfu`` adds the recomputation (the hardware's FLOPs). The counter counts
+matmuls, convolutions and attention; the one-off costs milliseconds to a second of Python
+(meta kernels and the counter's dispatch; benchmarks/README.md has figures).
 
 MFU divides the achieved TFLOP/s by the device's peak for the run's precision: the datasheet's
 (:mod:`trainkit.observe.peaks`), else a matmul measured once per process (the CPU's and any card
