@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -221,3 +222,24 @@ def test_counting_leaves_the_runs_weights_bitwise_alike(monkeypatch: pytest.Monk
     assert "mfu" not in summary  # nothing was counted in this one
     assert all(torch.equal(a, b) for a, b in zip(counted.state_dict().values(),
                                                  plain.state_dict().values()))
+
+
+def test_the_probe_reports_flops_the_matmul_and_the_mfu_of_its_phases() -> None:
+    from trainkit.entry.probe import _flops_lines, _mfu
+    from trainkit.entry.throughput import Phase
+
+    model = nn.Linear(4, 2)
+    meter = FlopsMeter(model, CPU, "32", peak_tflops=1e-6)  # 1 MFLOP/s: MFU of 2 samples/s
+    meter.counting(default_forward)(model, (torch.ones(3, 4), torch.zeros(3)))
+    alone, together = (Phase(name, rate, rate, None, 0.1, 0.01, 1.0, 10)
+                       for name, rate in (("step", 20.0), ("together", 10.0)))
+    report = _mfu(meter, SimpleNamespace(device=CPU), alone, together)  # a Runtime's device
+    per_sample = 2 * 4 * 2 * 2  # forward and the weights' gradient (the input needs none)
+    assert report["flops_per_sample"] == per_sample and report["kind"] == "fp32"
+    assert report["alone"] == pytest.approx(20 * per_sample / 1e6)
+    assert report["together"] == pytest.approx(10 * per_sample / 1e6)
+    assert report["matmul_tflops"] > 0
+    lines = _flops_lines(report).splitlines()
+    assert lines[0].startswith(f"model: {per_sample / 1e9:.4g} GFLOP per sample")
+    assert f"MFU step alone {report['alone']:.1%}, together {report['together']:.1%}" in lines[0]
+    assert lines[1].endswith(f"(for runs: trainer.peak_tflops={report['matmul_tflops']:.4g})")
