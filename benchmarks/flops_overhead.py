@@ -7,7 +7,7 @@
 Three sides train the same model on the same in-memory batches with the same SGD, fp32 on the CPU
 with one thread: a hand-written loop, ``Trainer.fit`` as it runs (its first step counts the
 model's FLOPs on a meta copy: :mod:`trainkit.observe.flops`), and ``Trainer.fit`` with the
-counting left out (``FlopsMeter.counting`` replaced by the bare forward, as before MFU existed).
+counting left out (``FlopsMeter.watch`` made a no-op, as before MFU existed).
 ``trainer.peak_tflops`` is given to both trainkit sides, so no side measures a matmul (that is
 once per process; reported apart, in ms). Each round runs loop, counted, uncounted, uncounted,
 counted, loop (:func:`benchmarks.common.alternate`).
@@ -101,15 +101,15 @@ def with_trainkit(kind: str, batches: Batches, halves: list[float], *, count: bo
                                     peak_tflops=1.0, advice=False),
                       checkpoint=CheckpointConfig(resume=None, save_last=False),
                       callbacks=[clock])
-    counting = FlopsMeter.counting
-    if not count:  # the forward as it ran before MFU existed
-        FlopsMeter.counting = lambda self, forward: forward  # type: ignore[method-assign]
+    watch = FlopsMeter.watch
+    if not count:  # the fit as it ran before MFU existed
+        FlopsMeter.watch = lambda self, model: None  # type: ignore[method-assign]
     try:
         start = time.perf_counter()
         summary = trainer.fit(model, optimizer, batches, criterion=criterion)
         end = time.perf_counter()
     finally:
-        FlopsMeter.counting = counting  # type: ignore[method-assign]
+        FlopsMeter.watch = watch  # type: ignore[method-assign]
     assert ("flops_per_sample" in summary) == count, "the side did not (not) count"
     halves.append((len(batches) - clock.half) / (end - clock.at))
     return len(batches) / (end - start)

@@ -95,7 +95,7 @@ def probe(cfg: Any, *, seconds: float) -> dict[str, Any] | None:
     guard = settings.trainer.nonfinite_patience > 0
     phases = [throughput.loader_phase(parts.train_data, runtime.device, seconds=seconds)]
     first = next(throughput.cycle(parts.train_data))
-    step.wrap_forward_once(flops.counting)  # in the step's warm-up, on a meta copy
+    flops.watch(step.model)  # counted in the step phase's warm-up, on a meta copy
     phases.append(throughput.step_phase(step, first, seconds=seconds, guard_finite=guard))
     phases.append(throughput.together_phase(
         step, parts.train_data, accumulate=settings.trainer.accumulate_grad_batches,

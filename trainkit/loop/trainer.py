@@ -285,6 +285,7 @@ class Trainer:
         """The step, the vote and the NaN/inf guard, as training starts (after compiling)."""
         cfg, state = self.config, self.state
         model = strategy.compiled(run.model) if cfg.compile else run.model
+        self.flops.watch(model)  # FLOPs counted at the first step's call, on a meta copy
         self.callbacks.fire("on_fit_start", self)
         run.meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
@@ -300,7 +301,6 @@ class Trainer:
             forward=run.forward, device=self.runtime.device, clip_val=cfg.gradient_clip_val,
             clip_algorithm=cfg.gradient_clip_algorithm,
             agree=run.vote.nonfinite if run.vote.active else None, scalars=run.meter.own)
-        run.step.wrap_forward_once(self.flops.counting)  # FLOPs counted in the first step
         # trainer.micro_batch_size: each batch split (and, in auto, retried on out-of-memory)
         run.step = micro_batched(run.step, cfg, state, model, self._profilers)
         run.step = run.spike.wrap(run.step) if run.spike else run.step  # sees each loss

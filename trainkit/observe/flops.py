@@ -80,7 +80,8 @@ def count_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     # the registry's formulas take shapes; FlopCounterMode wraps custom ones to give them shapes
     custom = {op: tallied(getattr(f, "__wrapped__", f)) for op, f in flop_registry.items()}
     args, kwargs = tree_map(_to_meta, (args, kwargs))
-    with FlopCounterMode(display=False, custom_mapping=custom) as counter:
+    # gradients on even where the call was made without (a frozen teacher's, say): its FLOPs
+    with torch.enable_grad(), FlopCounterMode(display=False, custom_mapping=custom) as counter:
         outputs = [t for t in tensors(model(*args, **kwargs)) if t.requires_grad]
         phase["backward"] = True
         if outputs:
@@ -162,7 +163,7 @@ class FlopsMeter:
 
     Example:
         >>> meter = FlopsMeter(model, torch.device("cpu"), "32")  # doctest: +SKIP
-        >>> step.wrap_forward_once(meter.counting)  # doctest: +SKIP
+        >>> meter.watch(model)  # the first step's call is counted  # doctest: +SKIP
         >>> meter.rates(samples_per_s=512.0)["throughput/mfu"]  # doctest: +SKIP
     """
 
@@ -179,35 +180,35 @@ class FlopsMeter:
         self.peak: tuple[float, str] | None = None
         self.count_seconds = 0.0  # spent counting, left out of the step timing
         self._samples, self._seconds = 0, 0.0  # over the logged windows, for the summary
+        self._handle: Any = None  # watch()'s hook, until the model's first call
 
-    def counting(self, forward: Callable[..., Any]) -> Callable[..., Any]:
-        """``forward`` whose model call is counted: a wrapper for
-        :meth:`WindowStep.wrap_forward_once`. The model call's arguments are caught by a forward
-        pre-hook (removed at once) and counted on the meta copy after the real forward returned:
-        ``forward`` itself runs once, as it would have."""
+    def watch(self, model: nn.Module) -> None:
+        """Count the FLOPs at ``model``'s next call (the run's first step), once.
 
-        def counted(model: nn.Module, batch: Any) -> Any:
-            if self._copy is None:
-                return forward(model, batch)
-            caught: list[tuple[Any, Any]] = []
+        A forward pre-hook, removed at its first call (or by :meth:`finish`), catches the shapes
+        of the call's arguments and counts them on the meta copy; the call then runs as it
+        would have. ``model``: the module the step calls (DDP, FSDP or compiled, as it is).
+        """
+        if self._copy is None:
+            return
 
-            def catch(module: nn.Module, args: Any, kwargs: Any) -> None:
-                caught.append(tree_map(_to_meta, (args, kwargs)))
-                handle.remove()
-
-            handle = model.register_forward_pre_hook(catch, with_kwargs=True)
-            try:
-                result = forward(model, batch)
-            finally:
-                handle.remove()
-            if caught:
-                self.count(*caught[0], samples=next(tensors(batch)).shape[0])
-            else:
+        def catch(module: nn.Module, args: Any, kwargs: Any) -> None:
+            self.finish_watching()
+            shapes = tree_map(_to_meta, (args, kwargs))
+            first = next(tensors(shapes), None)
+            if first is None or not first.dim():
                 self._copy = None
-                log.info("FLOPs not counted: the forward did not call the model it was given")
-            return result
+                log.info("FLOPs not counted: the model's first argument has no batch dimension")
+                return
+            self.count(*shapes, samples=first.shape[0])
 
-        return counted
+        self._handle = model.register_forward_pre_hook(catch, with_kwargs=True)
+
+    def finish_watching(self) -> None:
+        """Remove :meth:`watch`'s hook if it is still there (a fit that took no step)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
     def count(self, args: tuple[Any, ...], kwargs: dict[str, Any], samples: int
               ) -> FlopCount | None:
@@ -252,7 +253,8 @@ class FlopsMeter:
     def summary(self) -> dict[str, Any]:
         """summary.json's figures: FLOPs per sample, the peak and where it comes from, and the
         TFLOP/s and MFU over the logged training windows (evaluation and checkpoints left out);
-        empty when nothing was counted."""
+        empty when nothing was counted. The fit is over: :meth:`watch`'s hook goes."""
+        self.finish_watching()
         if self.per_sample is None or self.peak is None:
             return {}
         out: dict[str, Any] = {"flops_per_sample": self.per_sample.model,

@@ -30,7 +30,8 @@ def _gpt_count(model: GPT, batch: int, seq: int) -> flops_module.FlopCount:
     """Counted as the loop counts: the first forward (lm_forward's) through the meter."""
     meter = FlopsMeter(model, CPU, "32", peak_tflops=1.0)
     tokens = torch.zeros(batch, seq + 1, dtype=torch.long)
-    logits, targets, _ = meter.counting(lm_forward)(model, {"tokens": tokens})
+    meter.watch(model)
+    logits, targets, _ = lm_forward(model, {"tokens": tokens})
     assert logits.shape == (batch, seq, 256) and torch.is_tensor(lm_loss(logits, targets))
     assert meter.per_sample is not None
     return meter.per_sample
@@ -116,19 +117,17 @@ def test_counting_draws_nothing_and_touches_no_weight() -> None:
     assert meter.count((torch.ones(1),), {}, samples=1) == counted  # once only
 
 
-def test_the_users_forward_runs_once_and_as_it_would() -> None:
-    calls = []
-
-    def forward(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple:
-        calls.append(batch[0].device)
-        return model(batch[0]), batch[1]
-
+def test_the_hook_counts_the_first_call_then_goes() -> None:
     model = nn.Linear(4, 2)
     meter = FlopsMeter(model, CPU, "32", peak_tflops=1.0)
-    batch = (torch.ones(3, 4), torch.zeros(3, dtype=torch.long))
-    outputs, _ = meter.counting(forward)(model, batch)
-    assert calls == [CPU] and torch.equal(outputs, model(batch[0]))
+    meter.watch(model)
+    inputs = torch.ones(3, 4)
+    assert torch.equal(model(inputs), inputs @ model.weight.T + model.bias)  # the call as ever
     assert meter.per_sample == (2 * 4 * 2 * 2, 0) and not model._forward_pre_hooks
+    never = nn.Linear(4, 2)  # a fit that took no step: its summary takes the hook away
+    idle = FlopsMeter(never, CPU, "32", peak_tflops=1.0)
+    idle.watch(never)
+    assert idle.summary() == {} and not never._forward_pre_hooks
 
 
 class _ReadsValues(nn.Linear):
@@ -141,7 +140,8 @@ def test_a_model_that_needs_values_leaves_mfu_out_with_a_line(
     model = _ReadsValues(4, 2)
     meter = FlopsMeter(model, CPU, "32", peak_tflops=1.0)
     with caplog.at_level("INFO", logger="trainkit"):
-        meter.counting(default_forward)(model, (torch.ones(2, 4), torch.zeros(2)))
+        meter.watch(model)
+        default_forward(model, (torch.ones(2, 4), torch.zeros(2)))
     assert "FLOPs not counted: the model does not run on meta tensors" in caplog.text
     assert meter.window(10, 1.0) == {} and meter.summary() == {}
 
@@ -217,7 +217,7 @@ def test_a_cpu_run_logs_mfu_to_tensorboard_metrics_and_summary(cpu_run: tuple[Pa
 
 def test_counting_leaves_the_runs_weights_bitwise_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     _, counted = _fit(None, peak_tflops=1.0)
-    monkeypatch.setattr(FlopsMeter, "counting", lambda self, forward: forward)
+    monkeypatch.setattr(FlopsMeter, "watch", lambda self, model: None)
     summary, plain = _fit(None, peak_tflops=1.0)
     assert "mfu" not in summary  # nothing was counted in this one
     assert all(torch.equal(a, b) for a, b in zip(counted.state_dict().values(),
@@ -230,7 +230,8 @@ def test_the_probe_reports_flops_the_matmul_and_the_mfu_of_its_phases() -> None:
 
     model = nn.Linear(4, 2)
     meter = FlopsMeter(model, CPU, "32", peak_tflops=1e-6)  # 1 MFLOP/s: MFU of 2 samples/s
-    meter.counting(default_forward)(model, (torch.ones(3, 4), torch.zeros(3)))
+    meter.watch(model)
+    default_forward(model, (torch.ones(3, 4), torch.zeros(3)))
     alone, together = (Phase(name, rate, rate, None, 0.1, 0.01, 1.0, 10)
                        for name, rate in (("step", 20.0), ("together", 10.0)))
     report = _mfu(meter, SimpleNamespace(device=CPU), alone, together)  # a Runtime's device
