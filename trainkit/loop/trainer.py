@@ -63,9 +63,8 @@ from trainkit.loop.step import (
 from trainkit.loop.train_state import TrainState
 from trainkit.models.param_groups import apply_freeze, describe
 from trainkit.observe.advice import Advisor
-from trainkit.observe.flops import FlopsMeter
 from trainkit.observe.logging import Progress, log_start, log_window, setup_logging
-from trainkit.observe.metrics import StepMeter, startup_seconds
+from trainkit.observe.metrics import FlopsMeter, StepMeter, startup_seconds
 from trainkit.observe.profile import profilers
 from trainkit.observe.schedule import LogSchedule
 from trainkit.observe.sinks import MetricsSink, default_sinks
@@ -198,8 +197,7 @@ class Trainer:
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(model, self.config.activation_checkpointing)
         # FLOPs counted on a meta copy of the model as it computes (recomputation included)
-        self.flops = FlopsMeter(model, self.runtime.device, self.precision.mode,
-                                self.config.peak_tflops)
+        self.flops = FlopsMeter.of(model, self.precision, self.config.peak_tflops)
         return strategy.prepare_model(model, optimizer, self.config, self.runtime,
                                       self.precision.mode)
 
@@ -214,8 +212,7 @@ class Trainer:
         rng.seed_rank(self.runtime.rank, self.config.seed, device=self.runtime.device)
         ema = EMA(model, self.config.ema_decay) if self.config.ema_decay else None
         started, total_steps = time.perf_counter(), self.planned_steps(len(train_data))
-        self._stop_reason = None
-        callbacks = self.callbacks  # the Checkpointer resumes (or initializes) the parts
+        self._stop_reason, callbacks = None, self.callbacks  # the Checkpointer resumes the parts
         self.checkpointer.register(self.state, model=model, optimizer=optimizer,
                                    precision=self.precision, scheduler=parts["scheduler"], ema=ema,
                                    data=train_data,
@@ -251,8 +248,7 @@ class Trainer:
                           self.run_config or asdict(cfg))
         return Run(model, optimizer, scheduler, ema, data, criterion, forward, total_steps,
                     stop_at_step, report,  # a token loader's meter counts tokens/s too
-                    StepMeter(self.runtime.device, getattr(data, "tokens_per_sample", None),
-                              self.flops),
+                    StepMeter(self.runtime.device, getattr(data, "tokens_per_sample", None)),
                     Progress(total_steps, self.state.global_step, enabled=None if main else False),
                     LogSchedule(cfg.log_every_n_steps, cfg.log_every_n_seconds),
                     EvalSchedule(cfg.eval_every_n_steps, cfg.eval_every_n_epochs, total_steps),
@@ -285,7 +281,7 @@ class Trainer:
         """The step, the vote and the NaN/inf guard, as training starts (after compiling)."""
         cfg, state = self.config, self.state
         model = strategy.compiled(run.model) if cfg.compile else run.model
-        self.flops.watch(model)  # FLOPs counted at the first step's call, on a meta copy
+        run.meter.flops = self.flops.watch(model)  # FLOPs and MFU: counted at the first call
         self.callbacks.fire("on_fit_start", self)
         run.meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
@@ -367,8 +363,7 @@ class Trainer:
 
     def _step(self, run: Run, window: list[Any], batches_per_epoch: int) -> None:
         """One optimizer step over ``window``, counted, metered and logged."""
-        state, guard = self.state, run.guard
-        step = state.global_step + 1
+        state, guard, step = self.state, run.guard, self.state.global_step + 1
         on_host = guard.host_every_step or guard.on_host(  # where the host waits anyway
             step % self.config.log_every_n_steps == 0 or step >= run.total_steps
             or self.checkpointer.due(step) or step == run.stop_at_step)

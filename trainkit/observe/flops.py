@@ -182,15 +182,23 @@ class FlopsMeter:
         self._samples, self._seconds = 0, 0.0  # over the logged windows, for the summary
         self._handle: Any = None  # watch()'s hook, until the model's first call
 
-    def watch(self, model: nn.Module) -> None:
+    @classmethod
+    def of(cls, model: nn.Module, precision: Any, peak_tflops: float | None = None
+           ) -> FlopsMeter:
+        """The meter of a run with ``precision`` (a :class:`~trainkit.loop.precision.Precision`:
+        its ``device`` and ``mode``)."""
+        return cls(model, precision.device, precision.mode, peak_tflops)
+
+    def watch(self, model: nn.Module) -> FlopsMeter:
         """Count the FLOPs at ``model``'s next call (the run's first step), once.
 
         A forward pre-hook, removed at its first call (or by :meth:`finish`), catches the shapes
         of the call's arguments and counts them on the meta copy; the call then runs as it
         would have. ``model``: the module the step calls (DDP, FSDP or compiled, as it is).
+        Returns this meter (for a :class:`~trainkit.observe.metrics.StepMeter`'s ``flops``).
         """
         if self._copy is None:
-            return
+            return self
 
         def catch(module: nn.Module, args: Any, kwargs: Any) -> None:
             self.finish_watching()
@@ -203,6 +211,7 @@ class FlopsMeter:
             self.count(*shapes, samples=first.shape[0])
 
         self._handle = model.register_forward_pre_hook(catch, with_kwargs=True)
+        return self
 
     def finish_watching(self) -> None:
         """Remove :meth:`watch`'s hook if it is still there (a fit that took no step)."""

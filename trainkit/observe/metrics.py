@@ -6,12 +6,12 @@ import os
 import resource
 import sys
 import time
-from typing import Any
 
 import psutil
 import torch
 
 from trainkit.core.device import GIB, memory_stats
+from trainkit.observe.flops import FlopsMeter
 
 _processes: dict[int, psutil.Process] = {}
 _statm: dict[int, int] = {}  # pid -> an open /proc/<pid>/statm, -1 where there is none
@@ -157,7 +157,7 @@ class StepMeter:
     """
 
     def __init__(self, device: torch.device, tokens_per_sample: int | None = None,
-                 flops: Any = None) -> None:
+                 flops: FlopsMeter | None = None) -> None:
         self.device = device
         self.tokens_per_sample = tokens_per_sample
         # a FlopsMeter (trainkit.observe.flops): TFLOP/s and MFU in every window; None: none
