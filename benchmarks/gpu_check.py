@@ -399,11 +399,15 @@ def _amp(ctx: Context, precision: str) -> dict[str, Any]:
         "few skipped steps": summary["skipped_steps"] < summary["global_step"] // 2,
         "CUDA memory in TensorBoard": "memory/cuda_peak_allocated_gib" in tags,
         "loss scale iff fp16": ("amp/loss_scale" in tags) == (precision == "16-mixed"),
+        # issue 53: the GPU's peak for this precision (datasheet, or a matmul where unlisted)
+        "MFU in TensorBoard and 0 < mfu < 1": ("throughput/mfu" in tags
+                                               and 0 < summary.get("mfu", 0) < 1),
     }
     failed = [name for name, held in checks.items() if not held]
     if failed:
         raise CaseFailed(f"{', '.join(failed)} (tags {sorted(tags)})")
-    return {"skipped_steps": summary["skipped_steps"], **result}
+    return {"skipped_steps": summary["skipped_steps"], "mfu": summary.get("mfu"),
+            "peak_source": summary.get("peak_source"), **result}
 
 
 def fp16_gradscaler(ctx: Context) -> dict[str, Any]:

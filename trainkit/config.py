@@ -140,6 +140,9 @@ class TrainerConfig:
     # Under SLURM only: after a SIGUSR1 stop's checkpoint, rank 0 runs `scontrol requeue <job>`
     # (trainkit.distributed.slurm_requeue); false: exit 75 and leave resubmitting to you
     slurm_requeue: bool = True
+    # the device's peak TFLOP/s for the run's precision, MFU's denominator (trainkit.observe.
+    # flops); null: a GPU's datasheet figure, else a matmul measured once per process
+    peak_tflops: float | None = None
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # off unless enabled
     spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike rollback; off
 
@@ -214,6 +217,11 @@ class TrainerConfig:
         _check_bool("trainer.fsdp_reshard_after_forward", self.fsdp_reshard_after_forward)
         _check_bool("trainer.advice", self.advice)
         _check_bool("trainer.slurm_requeue", self.slurm_requeue)
+        peak = self.peak_tflops
+        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))
+                                 or not peak > 0):
+            raise ConfigError(f"trainer.peak_tflops must be a number > 0 (the device's peak "
+                              f"TFLOP/s) or null, got {self.peak_tflops!r}")
 
     @property
     def epoch_limit(self) -> int:

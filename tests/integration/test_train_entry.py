@@ -299,3 +299,20 @@ def test_metrics_jsonl_holds_one_object_per_logging_step(finished_run: Path) -> 
     events.Reload()
     tb_loss = [e.value for e in events.Scalars("train/loss")]
     assert tb_loss == pytest.approx([r["train/loss"] for r in train], rel=1e-6)
+
+
+def test_mfu_is_in_tensorboard_metrics_summary_and_the_done_line(finished_run: Path) -> None:
+    """issue 53: FLOPs counted once, MFU against the CPU's measured matmul peak, everywhere."""
+    summary = json.loads((finished_run / "summary.json").read_text())
+    assert summary["flops_per_sample"] > 0 and summary["peak_source"].startswith("measured: ")
+    assert 0 < summary["mfu"] == pytest.approx(summary["tflops"] / summary["peak_tflops"])
+    logged = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text()
+              .splitlines()]
+    train = [line for line in logged if "train/loss" in line]
+    assert train and all(line["throughput/mfu"] > 0 for line in train)
+    events = EventAccumulator(str(finished_run / "tb"))
+    events.Reload()
+    assert len(events.Scalars("throughput/mfu")) == len(train)
+    assert len(events.Scalars("throughput/tflops")) == len(train)
+    done = (finished_run / "train.log").read_text().splitlines()[-1]
+    assert f"; MFU {summary['mfu']:.0%} (" in done, done

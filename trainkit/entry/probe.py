@@ -8,9 +8,11 @@ phases, each after a warm-up (:mod:`trainkit.loop.throughput`):
 2. **step**: optimizer steps per second on one batch kept on the device (no loading);
 3. **together**: loading and stepping interleaved as ``fit`` runs them, with its data-wait clock.
 
-It prints one table and one verdict line -- input-bound (with what it re-measured: the loader
-with twice the workers, and in memory, where the data allows) or compute-bound (with the memory
-a larger batch could use) -- and writes the figures to ``probe.json`` in the current folder
+It prints one table, the model's FLOPs per sample with the MFU of the step alone and together
+(:mod:`trainkit.observe.flops`; the device's peak, and a matmul measured here -- on a CPU, the
+peak itself), and one verdict line, led by the MFU -- input-bound (with what it re-measured: the
+loader with twice the workers, and in memory, where the data allows) or compute-bound (with the
+memory a larger batch could use) -- and writes the figures to ``probe.json`` in the current folder
 (``--out PATH`` elsewhere). It writes nothing else: no run directory, no checkpoint. Under
 torchrun every rank measures its own share; rank 0 prints and writes. Exit status: 0, or 2 on
 bad input (one line, as the entry point). Guide: docs/gpu-idle.md.
@@ -44,9 +46,12 @@ from trainkit.loop.precision import Precision
 from trainkit.loop.step import WindowStep
 from trainkit.loop.throughput import Phase
 from trainkit.models.param_groups import apply_freeze
+from trainkit.observe.flops import FlopsMeter, measure_matmul_tflops
 from trainkit.observe.logging import setup_logging
+from trainkit.observe.peaks import compute_kind
 
 INPUT_WAIT = 0.15  # a data-wait share of the together phase that makes a run input-bound
+SMALL_MFU = 0.3  # compute-bound below this MFU with memory to spare: the batch is too small
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,10 +91,11 @@ def probe(cfg: Any, *, seconds: float) -> dict[str, Any] | None:
     seed_everything(settings.trainer.seed)
     parts = build_parts(cfg, settings, runtime)
     apply_device_settings(settings.trainer, runtime.device)  # the run's process settings
-    step = _window_step(settings.trainer, runtime, parts)
+    step, flops = _window_step(settings.trainer, runtime, parts)
     guard = settings.trainer.nonfinite_patience > 0
     phases = [throughput.loader_phase(parts.train_data, runtime.device, seconds=seconds)]
     first = next(throughput.cycle(parts.train_data))
+    flops.watch(step.model)  # counted in the step phase's warm-up, on a meta copy
     phases.append(throughput.step_phase(step, first, seconds=seconds, guard_finite=guard))
     phases.append(throughput.together_phase(
         step, parts.train_data, accumulate=settings.trainer.accumulate_grad_batches,
@@ -100,30 +106,60 @@ def probe(cfg: Any, *, seconds: float) -> dict[str, Any] | None:
     variants = _variants(cfg, settings, runtime, seconds) if bound == "input" else []
     if not runtime.is_main:
         return None
+    mfu = _mfu(flops, runtime, alone, together)
     line = (_input_verdict(settings, runtime, loader, alone, together, variants)
-            if bound == "input" else _compute_verdict(settings, runtime, alone, together))
+            if bound == "input" else _compute_verdict(settings, runtime, alone, together, mfu))
+    if mfu.get("together") is not None:  # "compute-bound: MFU 38%; ..."
+        bound_word, rest = line.split(": ", 1)
+        line = f"{bound_word}: MFU {mfu['together']:.0%}; {rest}"
     print(_table(settings, runtime, seconds, phases, variants, ranks))
+    print(_flops_lines(mfu))
     print(f"verdict: {line}", flush=True)
     return {"device": str(runtime.device), "world_size": runtime.world_size,
             "batch_size": settings.data.batch_size, "seconds": seconds,
             "phases": [p.as_dict() for p in phases], "ranks": ranks, "variants": variants,
-            "verdict": {"bound": bound, "line": line}}
+            "flops": mfu, "verdict": {"bound": bound, "line": line}}
 
 
-def _window_step(cfg: Any, runtime: Runtime, parts: Any) -> WindowStep:
+def _mfu(flops: FlopsMeter, runtime: Runtime, alone: Phase, together: Phase) -> dict[str, Any]:
+    """FLOPs per sample, the peak, the matmul measured here, and the MFU of the step alone
+    and of the two together (None where the FLOPs could not be counted)."""
+    kind = compute_kind(flops.precision, runtime.device)
+    out: dict[str, Any] = {"kind": kind,
+                           "matmul_tflops": measure_matmul_tflops(runtime.device, kind)}
+    if flops.per_sample is not None and flops.peak is not None:
+        out.update(flops.summary())
+        for name, phase in (("alone", alone), ("together", together)):
+            out[name] = flops.rates(phase.samples_per_s)["throughput/mfu"]
+    return out
+
+
+def _flops_lines(mfu: dict[str, Any]) -> str:
+    """The table's FLOPs lines: the model's per sample, the peak, the matmul measured here."""
+    matmul = (f"matmul ({mfu['kind']}) measured here: {mfu['matmul_tflops']:.4g} TFLOP/s (for "
+              f"runs: trainer.peak_tflops={mfu['matmul_tflops']:.4g})")
+    if "flops_per_sample" not in mfu:
+        return f"FLOPs not counted (see the line above); {matmul}"
+    return (f"model: {mfu['flops_per_sample'] / 1e9:.4g} GFLOP per sample (forward + backward); "
+            f"peak {mfu['peak_tflops']:.4g} TFLOP/s ({mfu['peak_source']}); MFU step alone "
+            f"{mfu['alone']:.1%}, together {mfu['together']:.1%}\n{matmul}")
+
+
+def _window_step(cfg: Any, runtime: Runtime, parts: Any) -> tuple[WindowStep, FlopsMeter]:
     """fit's step on the model prepared as fit prepares it (trainer.freeze, activation
-    checkpointing, then the strategy: device, DDP/FSDP, compile)."""
+    checkpointing, then the strategy: device, DDP/FSDP, compile), and its FLOPs meter."""
     precision = Precision(cfg.precision, runtime.device)
     apply_freeze(parts.model, cfg, 0)  # trainer.freeze: the first epoch's step
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(parts.model, cfg.activation_checkpointing)
+    flops = FlopsMeter(parts.model, runtime.device, precision.mode, cfg.peak_tflops)
     model = strategy.prepare_model(parts.model, parts.optimizer, cfg, runtime, precision.mode)
     model = strategy.compiled(model) if cfg.compile else model
     model.train()
     return WindowStep(model, optimizer=parts.optimizer, precision=precision,
                       criterion=parts.criterion, forward=parts.forward,
                       device=runtime.device, clip_val=cfg.gradient_clip_val,
-                      clip_algorithm=cfg.gradient_clip_algorithm)
+                      clip_algorithm=cfg.gradient_clip_algorithm), flops
 
 
 def _input_bound(loader: Phase, alone: Phase, together: Phase) -> bool:
@@ -180,7 +216,7 @@ def _input_verdict(settings: TrainConfig, runtime: Runtime, loader: Phase, alone
 
 
 def _compute_verdict(settings: TrainConfig, runtime: Runtime, alone: Phase,
-                     together: Phase) -> str:
+                     together: Phase, mfu: dict[str, Any]) -> str:
     text = (f"compute-bound: {together.samples_per_s:.0f} samples/s together is "
             f"{together.samples_per_s / alone.samples_per_s:.0%} of the step alone "
             f"({alone.samples_per_s:.0f}); data wait {together.data_wait_share or 0.0:.0%}")
@@ -193,7 +229,10 @@ def _compute_verdict(settings: TrainConfig, runtime: Runtime, alone: Phase,
     fits = int(batch * max(0.0, 0.9 * total - rest) / per_batch)
     room = (f"a batch of about {fits} would fit in 90% of it (now {batch})" if fits > batch
             else "no room for a larger batch")
-    return text + f"; peak memory {alone.peak_gib:.1f} of {total:.0f} GiB: {room}"
+    text += f"; peak memory {alone.peak_gib:.1f} of {total:.0f} GiB: {room}"
+    if (mfu.get("together") or 1.0) < SMALL_MFU and fits > batch:
+        return text + "; the model is small for this GPU: raise the batch"
+    return text
 
 
 def _table(settings: TrainConfig, runtime: Runtime, seconds: float, phases: list[Phase],

@@ -43,6 +43,7 @@ from trainkit.entry.errors import (
 )
 from trainkit.loop.run_length import StartLines, length_notes
 from trainkit.loop.trainer import Trainer
+from trainkit.observe.flops import mfu_text
 from trainkit.observe.logging import setup_logging
 
 CONFIG_DIR = str(config_dir())
@@ -94,8 +95,9 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
         log.info("done: stopped at step %d (%s); run dir %s", summary["global_step"],
                  summary["stop_reason"], run_dir)
     if summary["status"] == "completed":
-        log.info("done: %s after %d steps in %.1f s; run dir %s", final_result(cfg, summary),
-                 summary["global_step"], summary["wall_time_s"], run_dir)
+        log.info("done: %s after %d steps in %.1f s; %srun dir %s", final_result(cfg, summary),
+                 summary["global_step"], summary["wall_time_s"],
+                 f"{mfu_text(summary)}; " if "mfu" in summary else "", run_dir)
     return summary
 
 

@@ -55,7 +55,7 @@ from trainkit.loop.train_state import TrainState
 from trainkit.models.param_groups import apply_freeze, describe
 from trainkit.observe.advice import Advisor
 from trainkit.observe.logging import log_start, log_window, setup_logging
-from trainkit.observe.metrics import startup_seconds
+from trainkit.observe.metrics import FlopsMeter, startup_seconds
 from trainkit.observe.profile import profilers
 from trainkit.observe.sinks import MetricsSink, default_sinks
 
@@ -185,6 +185,8 @@ class Trainer:
         apply_freeze(model, self.config, 0, world_size=self.runtime.world_size)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(model, self.config.activation_checkpointing)
+        # FLOPs counted on a meta copy of the model as it computes (recomputation included)
+        self.flops = FlopsMeter.of(model, self.precision, self.config.peak_tflops)
         return strategy.prepare_model(model, optimizer, self.config, self.runtime,
                                       self.precision.mode)
 
@@ -199,8 +201,7 @@ class Trainer:
         rng.seed_rank(self.runtime.rank, self.config.seed, device=self.runtime.device)
         ema = EMA(model, self.config.ema_decay) if self.config.ema_decay else None
         started, total_steps = time.perf_counter(), self.planned_steps(len(train_data))
-        self._stop_reason = None
-        callbacks = self.callbacks  # the Checkpointer resumes (or initializes) the parts
+        self._stop_reason, callbacks = None, self.callbacks  # the Checkpointer resumes the parts
         self.checkpointer.register(self.state, model=model, optimizer=optimizer,
                                    precision=self.precision, scheduler=parts["scheduler"], ema=ema,
                                    data=train_data,
@@ -259,7 +260,8 @@ class Trainer:
         # best: checkpoint.monitor's best checkpoint, or None; the data's skipped files
         summary = run.report.finish(status, run.results or {}, **extra,
                                     best=self.checkpointer.best(),
-                                    **getattr(run.data, "report", dict)())
+                                    **getattr(run.data, "report", dict)(),
+                                    **self.flops.summary())
         run.report.hparams(self.run_config or asdict(self.config), run.results or {})
         self.callbacks.fire("on_fit_end", self, summary)
         return summary
@@ -268,6 +270,7 @@ class Trainer:
         """The step, the vote and the NaN/inf guard, as training starts (after compiling)."""
         cfg, state = self.config, self.state
         model = strategy.compiled(run.model) if cfg.compile else run.model
+        run.meter.flops = self.flops.watch(model)  # FLOPs and MFU: counted at the first call
         self.callbacks.fire("on_fit_start", self)
         run.meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.

@@ -11,6 +11,7 @@ import psutil
 import torch
 
 from trainkit.core.device import GIB, memory_stats
+from trainkit.observe.flops import FlopsMeter
 
 _processes: dict[int, psutil.Process] = {}
 _statm: dict[int, int] = {}  # pid -> an open /proc/<pid>/statm, -1 where there is none
@@ -149,9 +150,12 @@ class StepMeter:
         >>> meter.read()["throughput/samples_per_s"]  # doctest: +SKIP
     """
 
-    def __init__(self, device: torch.device, tokens_per_sample: int | None = None) -> None:
+    def __init__(self, device: torch.device, tokens_per_sample: int | None = None,
+                 flops: FlopsMeter | None = None) -> None:
         self.device = device
         self.tokens_per_sample = tokens_per_sample
+        # a FlopsMeter (trainkit.observe.flops): TFLOP/s and MFU in every window; None: none
+        self.flops = flops
         self.loss = DeviceMean()
         self.grad_norm = DeviceMean()
         # a forward's own scalars by name (trainkit.loop.step.add_scalars), logged as train/<name>
@@ -185,7 +189,10 @@ class StepMeter:
         """The window's figures as TensorBoard tags; then a new window starts."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the clock must see the queued work finish
-        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        elapsed = time.perf_counter() - self._start
+        if self.flops is not None:  # the one-off FLOP count is no training time
+            elapsed -= self.flops.pop_count_seconds()
+        elapsed = max(elapsed, 1e-9)
         scalars = {
             "train/loss": self.loss.pop(),
             "throughput/samples_per_s": self.samples / elapsed,
@@ -196,6 +203,8 @@ class StepMeter:
             "time/data_wait_pct": 100 * self.data_wait / elapsed,
             "memory/cpu_rss_gib": rss_bytes() / GIB,
         }
+        if self.flops is not None:
+            scalars.update(self.flops.window(self.samples, elapsed))
         grad_norm = self.grad_norm.pop()
         if grad_norm == grad_norm:  # not NaN: norms were computed (clipping by norm is on)
             scalars["optim/grad_norm"] = grad_norm
