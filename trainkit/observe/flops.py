@@ -1,20 +1,15 @@
 """A run's FLOPs per sample and its model FLOPs utilisation (MFU).
 
-The FLOPs are counted once, in the first training step, by
-:class:`torch.utils.flop_counter.FlopCounterMode`: a forward pre-hook catches the shapes the step
-calls the model with, and a copy of the model on the ``meta`` device runs that call and a
-backward under the counter -- shapes only: no memory, no arithmetic, no random draw, and the
-user's forward runs once as always, so the run's weights, RNG streams and resumes are exactly
-what they would be without it. The copy is taken as the loop prepares the model (after activation
-checkpointing, before DDP/FSDP), so a checkpointed block's recomputation in backward is counted
-too -- apart, as recompute FLOPs: MFU uses the model's FLOPs alone (forward + backward), as PaLM
-defines it; ``throughput/hfu`` adds the recomputation (the hardware's FLOPs). The counter counts
-matmuls, convolutions and attention; the one-off costs milliseconds to a second of Python
-(meta kernels and the counter's dispatch; benchmarks/README.md has figures).
+Counted once, at the first training step, by :class:`torch.utils.flop_counter.FlopCounterMode`:
+a forward pre-hook catches the call's shapes, and a ``meta`` copy of the model (taken after
+activation checkpointing, before DDP/FSDP) runs that call and a backward under the counter --
+no memory, no arithmetic, no random draw, so weights, RNG streams and resumes are unchanged.
+A checkpointed block's recomputation is counted apart: MFU uses the model's FLOPs (forward +
+backward, as PaLM defines it); ``throughput/hfu`` adds the recomputation.
 
 MFU divides the achieved TFLOP/s by the device's peak for the run's precision: the datasheet's
-(:mod:`trainkit.observe.peaks`), else a matmul measured once per process (the CPU's and any card
-missing from the table), or ``trainer.peak_tflops``.
+(:mod:`trainkit.observe.peaks`), else a matmul measured once per process (a CPU, a card missing
+from the table), or ``trainer.peak_tflops``.
 """
 
 from __future__ import annotations
