@@ -60,6 +60,7 @@ from trainkit.loop.step import (
     steps_per_epoch,
     windows,
 )
+from trainkit.loop.step_times import StepTimes
 from trainkit.loop.train_state import TrainState
 from trainkit.models.param_groups import apply_freeze, describe
 from trainkit.observe.advice import Advisor
@@ -271,7 +272,7 @@ class Trainer:
         extra = {"stop_reason": self.state.stop_reason} if status == "stopped" else {}
         # best: checkpoint.monitor's best checkpoint, or None; the data's skipped files
         summary = run.report.finish(status, results, **extra, best=self.checkpointer.best(),
-                                   **getattr(run.data, "report", dict)())
+                                   **getattr(run.data, "report", dict)(), **run.times.summary())
         run.report.hparams(self.run_config or asdict(self.config), results)
         self.callbacks.fire("on_fit_end", self, summary)
         return summary
@@ -279,7 +280,7 @@ class Trainer:
     def _start_training(self, run: Run) -> None:
         """The step, the vote and the NaN/inf guard, as training starts (after compiling)."""
         cfg, state = self.config, self.state
-        model = strategy.compiled(run.model) if cfg.compile else run.model
+        model = strategy.compiled(run.model, cfg.compile) if cfg.compile else run.model
         self.callbacks.fire("on_fit_start", self)
         run.meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
@@ -300,6 +301,8 @@ class Trainer:
         run.step = run.spike.wrap(run.step) if run.spike else run.step  # sees each loss
         run.evals.enabled = run.val_data is not None
         run.logs.logged()  # the first line by time is due a period from now
+        run.times = StepTimes(self.runtime.device, cfg.compile)  # the cold start, said at the end
+        run.times.time_first(run, state.global_step)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -423,6 +426,7 @@ class Trainer:
         if self.precision.scaler is not None:
             scalars["amp/loss_scale"] = self.precision.scaler.get_scale()
         run.report.sinks.log(scalars, state.global_step)
+        run.times.window(scalars, state.global_step)
         run.progress.show(scalars["train/loss"], scalars["throughput/samples_per_s"])
         log_window(scalars, state.epoch_number, state.global_step, run.total_steps)
         run.report.advise(scalars, state.global_step, run.step)
