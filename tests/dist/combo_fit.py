@@ -62,6 +62,10 @@ def full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for k, v in tensors.items()}
 
 
+# trainer.activation_checkpointing's policy when a row has it on, by model: both policies combine
+POLICIES = {"mnist": "full", "cifar": "selective"}
+
+
 def fit(row: dict[str, Any], root: str, run_dir: Path, runtime: Runtime,
         stop_at_step: int | None = None) -> dict[str, Any]:
     import torch._dynamo.utils
@@ -79,7 +83,8 @@ def fit(row: dict[str, Any], root: str, run_dir: Path, runtime: Runtime,
         strategy=STRATEGIES[row["strategy"]], accumulate_grad_batches=row["accumulate"],
         channels_last=row["channels_last"],
         compile=row["compile"], ema_decay=0.9 if row["ema"] else None,
-        activation_checkpointing=["features"] if row["activation_checkpointing"] else [],
+        activation_checkpointing=[POLICIES[row["model"]], "features"]
+        if row["activation_checkpointing"] else [],
         log_every_n_steps=1, hang_timeout_s=0, freeze=["features.1.*"] if row["freeze"] else [],
         unfreeze_at_epoch=1 if row["freeze"] and row["strategy"] == "none" else None,
         spike={"enabled": row["spike"], "snapshot_every": 1, "warmup": 10**6})

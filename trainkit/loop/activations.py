@@ -141,11 +141,13 @@ def _contexts(module: nn.Module, policy: str) -> tuple[Any, Any]:
     if policy == "full":
         return contextlib.nullcontext(), _norm_stats_frozen(module)
     first, again = _selective()
-    return first, _both(again, _norm_stats_frozen(module))
+    return first, _both(_norm_stats_frozen(module), again)
 
 
 @contextlib.contextmanager
-def _both(outer: Any, inner: contextlib.AbstractContextManager[None]) -> Iterator[None]:
+def _both(outer: contextlib.AbstractContextManager[None], inner: Any) -> Iterator[None]:
+    """``outer`` around ``inner``: the statistics are saved and restored outside the selective
+    recomputation mode, whose ops must be the forward's, in order."""
     with outer, inner:
         yield
 

@@ -77,11 +77,13 @@ def test_what_was_wrapped_is_logged(caplog: pytest.LogCaptureFixture) -> None:
                                "features.5)"]
 
 
-def test_recomputation_leaves_batch_norm_statistics_as_one_forward_does() -> None:
+@pytest.mark.parametrize("selectors", [["BatchNorm1d"], ["selective", "1"]])
+def test_recomputation_leaves_batch_norm_statistics_as_one_forward_does(
+        selectors: list[str]) -> None:
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
     wrapped = copy.deepcopy(plain)
-    apply_activation_checkpointing(wrapped, ["BatchNorm1d"])
+    apply_activation_checkpointing(wrapped, selectors)
     x = torch.randn(16, 6)
     for model in (plain, wrapped):
         model(x).square().mean().backward()
