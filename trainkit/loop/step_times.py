@@ -61,6 +61,8 @@ class StepTimes:
         seconds when the window holds it."""
         holds_first, self._holds_first = self._holds_first, False
         steps, self._last_step = step - self._last_step, step
+        if steps < 1:  # a spike's rollback went back to an earlier step: no count to trust
+            return
         seconds = scalars["time/step_ms"] / 1000 * steps
         if not (holds_first and self.first_step_s is not None):
             self._windows.append(seconds / max(steps, 1))
