@@ -28,6 +28,7 @@ from torch.utils.checkpoint import (
 from trainkit.config import CHECKPOINT_POLICIES
 from trainkit.core.errors import ConfigError
 from trainkit.core.submodules import match_modules, repeated_blocks
+from trainkit.distributed.fsdp import is_sharded
 
 log = logging.getLogger("trainkit")
 KEY = "trainer.activation_checkpointing"
@@ -73,6 +74,31 @@ def apply_activation_checkpointing(model: nn.Module, selectors: Sequence[str] | 
     log.info("activation checkpointing (%s: %s): %s", policy, _KEPT[policy],
              _describe(model, wrapped))
     return wrapped
+
+
+def check_sharded(model: nn.Module) -> None:
+    """Refuse selective checkpointing of a module that holds FSDP units (after sharding).
+
+    The selective contexts replay the forward's ops in order when backward recomputes it; an
+    FSDP unit inside the checkpointed module gathers and frees its weights by hooks that run
+    other ops in backward than in forward, so the replay fails in the first backward. Units
+    that are the checkpointed modules themselves are fine (their hooks run outside).
+
+    Raises:
+        ConfigError: one line naming the module, its units and what to set instead.
+    """
+    for name, module in model.named_modules():
+        forward = vars(module).get("forward")
+        if not (isinstance(forward, functools.partial) and forward.func is _checkpointed
+                and forward.args[2] == "selective"):
+            continue
+        units = [sub for sub, inner in module.named_modules() if sub and is_sharded(inner)]
+        if units:
+            shown = units if len(units) <= 3 else [*units[:3], "..."]
+            raise ConfigError(
+                f"{KEY}: selective checkpointing of {name} is not possible under FSDP: it holds "
+                f"FSDP units ({', '.join(shown)}), whose gathers differ in backward; checkpoint "
+                "the units themselves (selective alone takes the repeated blocks) or use full")
 
 
 def _split(selectors: Sequence[str] | str) -> tuple[str, list[str]]:

@@ -42,7 +42,7 @@ from trainkit.data.resumable import set_epoch
 from trainkit.distributed import ddp, group, strategy
 from trainkit.distributed.watchdog import Watchdog, watched
 from trainkit.loop import evaluation
-from trainkit.loop.activations import apply_activation_checkpointing
+from trainkit.loop.activations import apply_activation_checkpointing, check_sharded
 from trainkit.loop.callbacks import Callbacks
 from trainkit.loop.ema import EMA
 from trainkit.loop.evaluation import EvalSchedule
@@ -197,8 +197,10 @@ class Trainer:
         apply_freeze(model, self.config, 0, world_size=self.runtime.world_size)
         if self.config.activation_checkpointing:
             apply_activation_checkpointing(model, self.config.activation_checkpointing)
-        return strategy.prepare_model(model, optimizer, self.config, self.runtime,
-                                      self.precision.mode)
+        model = strategy.prepare_model(model, optimizer, self.config, self.runtime,
+                                       self.precision.mode)
+        check_sharded(ddp.unwrap(model))  # selective checkpointing around FSDP units: refused
+        return model
 
     # -- setting up one fit -------------------------------------------------------------------
 

@@ -10,7 +10,9 @@ from torch import nn
 
 from trainkit.config import TrainerConfig
 from trainkit.core.errors import ConfigError
-from trainkit.loop.activations import apply_activation_checkpointing
+from trainkit.core.runtime import Runtime
+from trainkit.distributed import fsdp, group
+from trainkit.loop.activations import apply_activation_checkpointing, check_sharded
 from trainkit.models.gpt import GPT
 from trainkit.models.mnist import MnistNet
 
@@ -207,3 +209,34 @@ def test_the_config_key_refuses_anything_else_in_one_line(value: object) -> None
                                           r"selective") as raised:
         TrainerConfig(activation_checkpointing=value)
     assert "\n" not in str(raised.value)
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def test_selective_around_fsdp_units_is_refused_and_on_the_units_allowed() -> None:
+    """FSDP's gathers inside a selectively checkpointed module run other ops in backward than
+    in forward, which the selective replay refuses at the first backward: refused at set-up."""
+    runtime = Runtime(torch.device("cpu"))
+    try:
+        for selectors, refused in ((["selective", "1"], True), ("selective", False)):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 32), nn.Sequential(_Layer(), _Layer()),
+                                  nn.Linear(32, 2))
+            apply_activation_checkpointing(model, selectors)
+            fsdp.shard_model(model, None, runtime)  # the units: the two _Layer blocks
+            if refused:
+                with pytest.raises(ConfigError, match=r"selective checkpointing of 1 is not "
+                                   r"possible under FSDP: it holds FSDP units \(0, 1\)"):
+                    check_sharded(model)
+            else:
+                check_sharded(model)
+                model(torch.randn(4, 8)).sum().backward()  # the replay works on the units
+    finally:
+        group.shutdown()
