@@ -79,6 +79,10 @@ def compile_blocks(model: nn.Module) -> list[str]:
     stages), so dynamo traces and compiles the class's forward once and the other instances
     reuse the code (their parameters are the graph's inputs, not constants); the rest of the
     model runs eagerly. Parameter names do not change (``Module.compile`` keeps the module).
+    Blocks that differ (a ResNet's stages: other widths, a downsampling layer) each compile
+    their own graph, and all compiled blocks share dynamo's limit of graphs per code object
+    (``recompile_limit``, 8): past it, further variants (evaluation mode, a new batch size)
+    run eagerly, with dynamo's warning.
     Blocks that are single layers (no submodules: nothing to fuse) are not compiled: ``[]``,
     and the caller compiles the whole model instead, as it does for a model with no repeated
     block; the log line says which it was.
@@ -93,7 +97,8 @@ def compile_blocks(model: nn.Module) -> list[str]:
         modules[name].compile()
     counts = collections.Counter(type(modules[name]).__name__ for name in blocks)
     shown = blocks if len(blocks) <= 4 else [*blocks[:2], "...", blocks[-1]]
-    log.info("compile: regional, %d blocks (%s: %s), each class compiled once; the rest eager",
+    log.info("compile: regional, %d blocks (%s: %s), blocks alike share one compiled graph; "
+             "the rest eager",
              len(blocks), ", ".join(f"{cls} x{n}" for cls, n in counts.items()),
              ", ".join(shown))
     return blocks

@@ -65,8 +65,8 @@ def test_regional_trains_the_losses_of_eager_with_one_graph_for_all_blocks(
     assert len(eager) == len(regional) == STEPS
     assert regional == pytest.approx(eager, rel=1e-4)
     assert runs["graphs"] == 1  # three Blocks, one class: traced and compiled once
-    assert ("compile: regional, 3 blocks (Block x3: blocks.0, blocks.1, blocks.2), each class "
-            "compiled once; the rest eager\n") in runs["log"]
+    assert ("compile: regional, 3 blocks (Block x3: blocks.0, blocks.1, blocks.2), blocks alike "
+            "share one compiled graph; the rest eager\n") in runs["log"]
     assert "activation checkpointing (selective: " in runs["log"]
     assert summary["first_step_s"] > summary["steady_step_s"] > 0  # the first step compiled
     assert (f"compile=regional: first step {summary['first_step_s']:.1f} s (cold start: "
