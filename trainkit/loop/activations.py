@@ -41,9 +41,9 @@ _KEPT = {"full": "each block's input kept, the rest recomputed in backward",
 def apply_activation_checkpointing(model: nn.Module, selectors: Sequence[str] | str) -> list[str]:
     """Checkpoint the submodules ``selectors`` names, under the policy it names (or ``full``).
 
-    ``selectors`` is ``trainer.activation_checkpointing``: ``"full"`` or ``"selective"`` alone
-    checkpoints the model's repeated blocks (a transformer's layers, a ResNet's stages:
-    :func:`~trainkit.core.submodules.repeated_blocks`); otherwise class names (``"Block"``) or
+    ``selectors`` is ``trainer.activation_checkpointing`` (empty: off, nothing wrapped):
+    ``"full"`` or ``"selective"`` alone checkpoints the model's repeated blocks (a
+    transformer's layers, a ResNet's stages: :func:`~trainkit.core.submodules.repeated_blocks`); otherwise class names (``"Block"``) or
     module paths from ``model.named_modules()`` (``"layers.3"``), in full unless ``"selective"``
     is among them. Uses non-reentrant checkpointing, which works with autocast, ``no_sync``
     accumulation, DDP and ``torch.compile``. Logs one line saying what was wrapped under which
@@ -60,6 +60,8 @@ def apply_activation_checkpointing(model: nn.Module, selectors: Sequence[str] | 
         >>> apply_activation_checkpointing(gpt, "selective")  # doctest: +SKIP
         ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
     """
+    if not selectors:  # trainer.activation_checkpointing=[]: off
+        return []
     policy, chosen = _split(selectors)
     wrapped = match_modules(model, chosen, KEY) if chosen else repeated_blocks(model)
     if not wrapped:
@@ -76,13 +78,16 @@ def apply_activation_checkpointing(model: nn.Module, selectors: Sequence[str] | 
     return wrapped
 
 
-def check_sharded(model: nn.Module) -> None:
+def check_sharded(model: nn.Module) -> nn.Module:
     """Refuse selective checkpointing of a module that holds FSDP units (after sharding).
 
     The selective contexts replay the forward's ops in order when backward recomputes it; an
     FSDP unit inside the checkpointed module gathers and frees its weights by hooks that run
     other ops in backward than in forward, so the replay fails in the first backward. Units
     that are the checkpointed modules themselves are fine (their hooks run outside).
+
+    Returns:
+        ``model``, as it was.
 
     Raises:
         ConfigError: one line naming the module, its units and what to set instead.
@@ -99,6 +104,7 @@ def check_sharded(model: nn.Module) -> None:
                 f"{KEY}: selective checkpointing of {name} is not possible under FSDP: it holds "
                 f"FSDP units ({', '.join(shown)}), whose gathers differ in backward; checkpoint "
                 "the units themselves (selective alone takes the repeated blocks) or use full")
+    return model
 
 
 def _split(selectors: Sequence[str] | str) -> tuple[str, list[str]]:

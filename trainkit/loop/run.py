@@ -18,7 +18,6 @@ from trainkit.loop.nonfinite import NonFiniteGuard
 from trainkit.loop.run_report import RunReport
 from trainkit.loop.spike import SpikeGuard
 from trainkit.loop.step import Criterion, Forward, WindowStep
-from trainkit.loop.step_times import StepTimes
 from trainkit.observe.logging import Progress
 from trainkit.observe.metrics import StepMeter
 from trainkit.observe.schedule import LogSchedule
@@ -53,4 +52,3 @@ class Run:
     vote: group.StepVote | None = None  # the same
     guard: NonFiniteGuard | None = None  # the same
     spike: SpikeGuard | None = None  # the same, when trainer.spike is enabled
-    times: StepTimes | None = None  # the same: the first step's and the steady step time

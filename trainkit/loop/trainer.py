@@ -60,7 +60,6 @@ from trainkit.loop.step import (
     steps_per_epoch,
     windows,
 )
-from trainkit.loop.step_times import StepTimes
 from trainkit.loop.train_state import TrainState
 from trainkit.models.param_groups import apply_freeze, describe
 from trainkit.observe.advice import Advisor
@@ -195,12 +194,10 @@ class Trainer:
         strategy's placement (:func:`trainkit.distributed.strategy.prepare_model`)."""
         # trainer.freeze: frozen before DDP/FSDP see which parameters train
         apply_freeze(model, self.config, 0, world_size=self.runtime.world_size)
-        if self.config.activation_checkpointing:
-            apply_activation_checkpointing(model, self.config.activation_checkpointing)
-        model = strategy.prepare_model(model, optimizer, self.config, self.runtime,
-                                       self.precision.mode)
-        check_sharded(ddp.unwrap(model))  # selective checkpointing around FSDP units: refused
-        return model
+        apply_activation_checkpointing(model, self.config.activation_checkpointing)  # [] is off
+        # selective checkpointing around FSDP units: refused
+        return check_sharded(strategy.prepare_model(model, optimizer, self.config, self.runtime,
+                                                    self.precision.mode))
 
     # -- setting up one fit -------------------------------------------------------------------
 
@@ -274,7 +271,7 @@ class Trainer:
         extra = {"stop_reason": self.state.stop_reason} if status == "stopped" else {}
         # best: checkpoint.monitor's best checkpoint, or None; the data's skipped files
         summary = run.report.finish(status, results, **extra, best=self.checkpointer.best(),
-                                   **getattr(run.data, "report", dict)(), **run.times.summary())
+                                   **getattr(run.data, "report", dict)())
         run.report.hparams(self.run_config or asdict(self.config), results)
         self.callbacks.fire("on_fit_end", self, summary)
         return summary
@@ -303,8 +300,7 @@ class Trainer:
         run.step = run.spike.wrap(run.step) if run.spike else run.step  # sees each loss
         run.evals.enabled = run.val_data is not None
         run.logs.logged()  # the first line by time is due a period from now
-        run.times = StepTimes(self.runtime.device, cfg.compile)  # the cold start, said at the end
-        run.times.time_first(run, state.global_step)
+        run.report.time_first(run, cfg.compile)  # the cold start, said as the fit ends
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -427,8 +423,7 @@ class Trainer:
                    "amp/skipped_steps": state.skipped_steps}
         if self.precision.scaler is not None:
             scalars["amp/loss_scale"] = self.precision.scaler.get_scale()
-        run.report.sinks.log(scalars, state.global_step)
-        run.times.window(scalars, state.global_step)
+        run.report.log(scalars, state.global_step)
         run.progress.show(scalars["train/loss"], scalars["throughput/samples_per_s"])
         log_window(scalars, state.epoch_number, state.global_step, run.total_steps)
         run.report.advise(scalars, state.global_step, run.step)
