@@ -43,10 +43,11 @@ def apply_activation_checkpointing(model: nn.Module, selectors: Sequence[str] | 
 
     ``selectors`` is ``trainer.activation_checkpointing`` (empty: off, nothing wrapped):
     ``"full"`` or ``"selective"`` alone checkpoints the model's repeated blocks (a
-    transformer's layers, a ResNet's stages: :func:`~trainkit.core.submodules.repeated_blocks`); otherwise class names (``"Block"``) or
-    module paths from ``model.named_modules()`` (``"layers.3"``), in full unless ``"selective"``
-    is among them. Uses non-reentrant checkpointing, which works with autocast, ``no_sync``
-    accumulation, DDP and ``torch.compile``. Logs one line saying what was wrapped under which
+    transformer's layers, a ResNet's stages: :func:`~trainkit.core.submodules.repeated_blocks`);
+    otherwise class names (``"Block"``) or module paths from ``model.named_modules()``
+    (``"layers.3"``), in full unless ``"selective"`` is among them. Uses non-reentrant
+    checkpointing, which works with autocast, ``no_sync`` accumulation, DDP and
+    ``torch.compile``. Logs one line saying what was wrapped under which
     policy; returns the wrapped modules' names.
 
     Raises:
