@@ -48,6 +48,8 @@ def memory_in_use(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        raise SystemExit("activation_policies on the CPU reads glibc's mallinfo2 (glibc 2.33+)")
     libc.mallinfo2.restype = _Mallinfo2
     info = libc.mallinfo2()
     return info.uordblks + info.hblkhd  # small blocks handed out + mmapped (large) ones
