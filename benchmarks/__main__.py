@@ -27,7 +27,8 @@ from trainkit.core.errors import one_line
 
 # Run in this order.
 NAMES = ("overhead", "flops_overhead", "mnist_e2e", "precision", "loaders", "image_folder",
-         "checkpoint", "activation_memory", "fsdp_memory", "cli_startup", "gpu")
+         "checkpoint", "activation_memory", "activation_policies", "fsdp_memory", "cli_startup",
+         "gpu")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results.json"
 QUICK_OUT = DEFAULT_OUT.with_suffix(".quick.json")
 

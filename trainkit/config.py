@@ -24,6 +24,10 @@ STRATEGIES = ("auto", "ddp", "fsdp")
 DECODERS = ("cpu", "gpu")  # image folders' JPEGs: in the loader's workers, or nvJPEG on CUDA
 LOADERS = ("memory", "dataloader")
 MONITOR_MODES = ("max", "min")
+# trainer.activation_checkpointing's policies (trainkit.loop.activations): full recomputes a
+# block's whole forward in backward; selective keeps its matmul/attention outputs
+CHECKPOINT_POLICIES = ("full", "selective")
+COMPILE_MODES = (False, True, "regional")  # regional: each repeated block (trainer.compile)
 
 
 @dataclass
@@ -109,14 +113,18 @@ class TrainerConfig:
     gradient_clip_algorithm: str = "norm"
     device: str = "auto"
     seed: int = 0  # fit seeds training's draws from it; the entry point also the model's init
-    compile: bool = False
+    # true: the whole model; regional: each repeated block (transformer layers, ResNet stages),
+    # compiled once for all instances of its class (trainkit.distributed.strategy.compiled)
+    compile: Any = False
     channels_last: bool = False
     cudnn_benchmark: bool = True  # CUDA: autotune convolution algorithms per input shape
     tf32: bool = True  # CUDA, Ampere+: float32 matmuls and convolutions in TF32
     # CPU runs: glibc keeps freed memory for the next step instead of unmapping it (no page
     # faults per step; see trainkit.core.cpu_settings). Process-wide: once on, on until the exit.
     cpu_keep_freed_memory: bool = True
-    activation_checkpointing: list[str] = field(default_factory=list)
+    # off ([], null, false), full or selective (the model's repeated blocks), or a list of module
+    # class names/paths, recomputed in full, or with `selective` among them (loop/activations.py)
+    activation_checkpointing: Any = field(default_factory=list)
     # fine-tuning (trainkit.models.param_groups): parameters frozen by glob patterns on their
     # names, until epoch unfreeze_at_epoch (1: after the first epoch; null: frozen throughout)
     freeze: list[str] = field(default_factory=list)
@@ -202,7 +210,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.hang_timeout_s must be >= 0 (0: off) or null (automatic), "
                               f"got {self.hang_timeout_s!r}")
         _check_choice("trainer.hang_action", self.hang_action, HANG_ACTIONS)
-        self.activation_checkpointing = list(self.activation_checkpointing)
+        self.activation_checkpointing = _checkpointing(self.activation_checkpointing)
+        self.compile = _compile_mode(self.compile)
         self.freeze = list(self.freeze)
         if self.unfreeze_at_epoch is not None:
             _check_int("trainer.unfreeze_at_epoch", self.unfreeze_at_epoch, minimum=1)
@@ -516,6 +525,31 @@ def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     if len(choices) == 2:
         raise ConfigError(f"{key}={value!r}: use {choices[0]!r} or {choices[1]!r}")
     raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+
+
+def _checkpointing(value: Any) -> list[str]:
+    """``trainer.activation_checkpointing`` as a list: ``[]`` (off), ``["selective"]`` (the
+    repeated blocks, selectively), or selectors with at most one policy word among them."""
+    if value is None or value is False or value in ("off", "none"):
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value):
+        policies = [v for v in value if v in CHECKPOINT_POLICIES]
+        if len(policies) <= 1:
+            return list(value)
+    raise ConfigError(f"trainer.activation_checkpointing={value!r}: use full or selective (the "
+                      "model's repeated blocks), a list of module classes or paths (e.g. [Block] "
+                      "or [selective, Block]), or [] (off)")
+
+
+def _compile_mode(value: Any) -> bool | str:
+    """``trainer.compile``: false, true (the whole model) or ``regional``."""
+    value = {"true": True, "false": False}.get(value, value) if isinstance(value, str) else value
+    if any(value is mode or (isinstance(mode, str) and value == mode) for mode in COMPILE_MODES):
+        return value
+    raise ConfigError(f"trainer.compile={value!r}: use false, true (the whole model) or regional "
+                      "(each repeated block, compiled once)")
 
 
 def _check_bool(key: str, value: Any) -> None:

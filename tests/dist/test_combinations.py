@@ -46,6 +46,9 @@ FACTORS: dict[str, list[Any]] = {
     "channels_last": [False, True],
     "compile": [False, True],
     "ema": [False, True],
+    # on: selective on the cifar net, full on the mnist net and under FSDP (a third value of
+    # its own would take 13 rows); trainer.compile=regional compiles these nets whole (their repeated blocks
+    # are single layers), so it is true's path here: tests/unit/loop/test_compile_regional.py
     "activation_checkpointing": [False, True],
     "accumulate": [1, 3],
     "async_save": [False, True],

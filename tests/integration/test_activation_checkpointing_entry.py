@@ -21,8 +21,8 @@ def test_compiled_run_with_checkpointed_features_trains_and_says_what_it_wrapped
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "summary.json").read_text())["global_step"] == 3
     log = (tmp_path / "train.log").read_text()
-    assert "activation checkpointing: 1 module recomputed in backward: Sequential x1 (features)" \
-        in log
+    assert ("activation checkpointing (full: each block's input kept, the rest recomputed in "
+            "backward): 1 module: Sequential x1 (features)") in log
 
 
 def test_an_entry_matching_nothing_lists_what_the_model_has(tmp_path: Path,

@@ -127,3 +127,17 @@ def test_library_never_imports_hydra() -> None:
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("overrides", "policy", "compile_mode"), [
+    (["trainer.activation_checkpointing=selective", "trainer.compile=regional"], ["selective"],
+     "regional"),
+    (["trainer.activation_checkpointing=[selective,Block]", "trainer.compile=true"],
+     ["selective", "Block"], True),
+    (["trainer.activation_checkpointing=[Block]"], ["Block"], False),
+])
+def test_checkpointing_policies_and_regional_compile_compose_from_the_command_line(
+        overrides: list[str], policy: list[str], compile_mode: object) -> None:
+    trainer = OmegaConf.to_object(_compose("+exp=lm", *overrides)).trainer
+    assert trainer.activation_checkpointing == policy and trainer.compile == compile_mode
+    assert type(trainer.compile) is type(compile_mode)

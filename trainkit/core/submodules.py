@@ -1,11 +1,13 @@
-"""Which submodules of a model a list of selectors names.
+"""Which submodules of a model a list of selectors names, and which are its repeated blocks.
 
-The rule ``trainer.activation_checkpointing`` and ``trainer.fsdp_blocks`` share: the loop and
-the distributed layer both select blocks with it.
+The rules ``trainer.activation_checkpointing``, ``trainer.fsdp_blocks`` and
+``trainer.compile=regional`` share: the loop and the distributed layer both select blocks with
+them.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 
 from torch import nn
@@ -42,6 +44,30 @@ def match_modules(model: nn.Module, selectors: Sequence[str], key: str, *,
     if unknown:
         raise ConfigError(_no_match(model, sorted(unknown), key))
     return found
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """Paths of the model's repeated blocks: a transformer's layers, a ResNet's stages.
+
+    The rule: among module classes with parameters that occur at least twice (the outermost
+    instances only), the one whose instances are largest on average (parameters per instance);
+    its instances are the blocks. A model with no repeated class has none (``[]``).
+    """
+    sizes: dict[str, list[int]] = collections.defaultdict(list)
+    paths: dict[str, list[str]] = collections.defaultdict(list)
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if not name or any(name.startswith(p + ".") for p in paths[cls]):
+            continue  # the root, or inside an instance of its own class
+        count = sum(p.numel() for p in module.parameters())
+        if count:
+            sizes[cls].append(count)
+            paths[cls].append(name)
+    repeated = [cls for cls, n in sizes.items() if len(n) >= 2]
+    if not repeated:
+        return []
+    best = max(repeated, key=lambda cls: sum(sizes[cls]) / len(sizes[cls]))  # first on ties
+    return paths[best]
 
 
 def _no_match(model: nn.Module, unknown: list[str], key: str) -> str:

@@ -23,7 +23,7 @@ from torch import nn
 
 from trainkit.core.errors import TrainkitError, chain_lines, one_line
 from trainkit.core.runtime import Runtime
-from trainkit.core.submodules import match_modules
+from trainkit.core.submodules import match_modules, repeated_blocks
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -56,28 +56,12 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def default_blocks(model: nn.Module) -> list[str]:
-    """The blocks sharded when ``trainer.fsdp_blocks`` names none.
-
-    The rule: among module classes with parameters that occur at least twice (the outermost
-    instances only), the one whose instances are largest on average (parameters per instance);
-    its instances are the blocks -- a transformer's layers, a ResNet's stages. A model with no
-    repeated class has no blocks: the root alone is one unit (gathered whole for each step).
+    """The blocks sharded when ``trainer.fsdp_blocks`` names none: the model's repeated blocks
+    (:func:`trainkit.core.submodules.repeated_blocks`: the instances of its largest repeated
+    block class -- a transformer's layers, a ResNet's stages). A model with no repeated class has
+    no blocks: the root alone is one unit (gathered whole for each step).
     """
-    sizes: dict[str, list[int]] = collections.defaultdict(list)
-    paths: dict[str, list[str]] = collections.defaultdict(list)
-    for name, module in model.named_modules():
-        cls = type(module).__name__
-        if not name or any(name.startswith(p + ".") for p in paths[cls]):
-            continue  # the root, or inside an instance of its own class
-        count = sum(p.numel() for p in module.parameters())
-        if count:
-            sizes[cls].append(count)
-            paths[cls].append(name)
-    repeated = [cls for cls, n in sizes.items() if len(n) >= 2]
-    if not repeated:
-        return []
-    best = max(repeated, key=lambda cls: sum(sizes[cls]) / len(sizes[cls]))  # first on ties
-    return paths[best]
+    return repeated_blocks(model)
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:

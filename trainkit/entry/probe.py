@@ -154,7 +154,7 @@ def _window_step(cfg: Any, runtime: Runtime, parts: Any) -> tuple[WindowStep, Fl
         apply_activation_checkpointing(parts.model, cfg.activation_checkpointing)
     flops = FlopsMeter(parts.model, runtime.device, precision.mode, cfg.peak_tflops)
     model = strategy.prepare_model(parts.model, parts.optimizer, cfg, runtime, precision.mode)
-    model = strategy.compiled(model) if cfg.compile else model
+    model = strategy.compiled(model, cfg.compile) if cfg.compile else model
     model.train()
     return WindowStep(model, optimizer=parts.optimizer, precision=precision,
                       criterion=parts.criterion, forward=parts.forward,

@@ -16,6 +16,7 @@ from trainkit.core.errors import TrainkitError
 from trainkit.core.runtime import Runtime
 from trainkit.distributed import group
 from trainkit.loop import oom
+from trainkit.loop.step_times import StepTimes
 from trainkit.observe.advice import Advisor
 from trainkit.observe.metrics import StepMeter
 from trainkit.observe.sinks import Sinks
@@ -52,6 +53,7 @@ class RunReport:
         self.meter: StepMeter | oom.Peaks | None = None
         self.startup_s: float | None = None  # process start to the first step, once known
         self.setup_s: float | None = None  # this fit's call to its first step, once known
+        self.times = StepTimes(runtime.device)  # the first step's seconds, the steady step time
 
     def begin(self, meter: StepMeter, started: float, startup_s: float | None,
               setup_s: float) -> None:
@@ -60,6 +62,17 @@ class RunReport:
         where the process start is not the user's wait (a second fit, a notebook)."""
         self.meter, self.startup_s, self.setup_s = meter, startup_s, setup_s
         self.begun = Begun(started, self.state.samples_seen, self.state.global_step)
+
+    def time_first(self, run: Any, compile_mode: bool | str) -> None:
+        """Time the fit's first step (``run.step``'s next call); ``trainer.compile``'s mode
+        is named in the line that says it as the fit ends."""
+        self.times.compile_mode = compile_mode
+        self.times.time_first(run, self.state.global_step)
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        """A log window's figures to the sinks (and its step time to :attr:`times`)."""
+        self.sinks.log(scalars, step)
+        self.times.window(scalars, step)
 
     def open_sinks(self, sinks: Sinks, config: Mapping[str, Any]) -> None:
         """The fit's sinks, started with the run's ``config`` (a tracker continues its run)."""
@@ -103,7 +116,8 @@ class RunReport:
         summary = build_summary(status, results, counters, self.begun,
                                 world_size=self.runtime.world_size, peak_memory=meter.peaks(),
                                 startup_s=self.startup_s, setup_s=self.setup_s,
-                                advice=list(self.advisor.lines) if self.advisor else [], **extra)
+                                advice=list(self.advisor.lines) if self.advisor else [],
+                                **self.times.summary(), **extra)
         if self.run_dir is not None and self.runtime.is_main:
             write_summary(self.run_dir, summary)
         self.sinks.finish(status, summary)  # rank 0's sinks; none elsewhere

@@ -34,7 +34,7 @@ from trainkit.data.loader.resumable import set_epoch
 from trainkit.distributed import ddp, group, strategy
 from trainkit.distributed.watchdog import Watchdog, watched
 from trainkit.loop import evaluation
-from trainkit.loop.activations import apply_activation_checkpointing
+from trainkit.loop.activations import apply_activation_checkpointing, check_sharded
 from trainkit.loop.callbacks import Callbacks
 from trainkit.loop.ema import EMA
 from trainkit.loop.micro_batch import micro_batched
@@ -183,12 +183,12 @@ class Trainer:
         strategy's placement (:func:`trainkit.distributed.strategy.prepare_model`)."""
         # trainer.freeze: frozen before DDP/FSDP see which parameters train
         apply_freeze(model, self.config, 0, world_size=self.runtime.world_size)
-        if self.config.activation_checkpointing:
-            apply_activation_checkpointing(model, self.config.activation_checkpointing)
+        apply_activation_checkpointing(model, self.config.activation_checkpointing)  # [] is off
         # FLOPs counted on a meta copy of the model as it computes (recomputation included)
         self.flops = FlopsMeter.of(model, self.precision, self.config.peak_tflops)
-        return strategy.prepare_model(model, optimizer, self.config, self.runtime,
-                                      self.precision.mode)
+        # selective checkpointing around FSDP units: refused
+        return check_sharded(strategy.prepare_model(model, optimizer, self.config, self.runtime,
+                                                    self.precision.mode))
 
     # -- setting up one fit -------------------------------------------------------------------
 
@@ -269,7 +269,7 @@ class Trainer:
     def _start_training(self, run: Run) -> None:
         """The step, the vote and the NaN/inf guard, as training starts (after compiling)."""
         cfg, state = self.config, self.state
-        model = strategy.compiled(run.model) if cfg.compile else run.model
+        model = strategy.compiled(run.model, cfg.compile) if cfg.compile else run.model
         run.meter.flops = self.flops.watch(model)  # FLOPs and MFU: counted at the first call
         self.callbacks.fire("on_fit_start", self)
         run.meter.restart()
@@ -291,6 +291,7 @@ class Trainer:
         run.step = run.spike.wrap(run.step) if run.spike else run.step  # sees each loss
         run.evals.enabled = run.val_data is not None
         run.logs.logged()  # the first line by time is due a period from now
+        run.report.time_first(run, cfg.compile)  # the cold start, said as the fit ends
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -397,7 +398,7 @@ class Trainer:
                    "amp/skipped_steps": state.skipped_steps}
         if self.precision.scaler is not None:
             scalars["amp/loss_scale"] = self.precision.scaler.get_scale()
-        run.report.sinks.log(scalars, state.global_step)
+        run.report.log(scalars, state.global_step)
         run.progress.show(scalars["train/loss"], scalars["throughput/samples_per_s"])
         log_window(scalars, state.epoch_number, state.global_step, run.total_steps)
         run.report.advise(scalars, state.global_step, run.step)
