@@ -50,10 +50,13 @@ class StepTimes:
                 torch.cuda.synchronize(self.device)  # host sync: once per fit
             self.first_step_s = time.perf_counter() - started
             owner = holder()
-            if owner is not None and owner.step is first:
+            # marked, not compared with `first`: a closure naming itself is a reference cycle
+            # that would keep the step (and the model) alive until the cyclic collector runs
+            if owner is not None and getattr(owner.step, "times_first_step", False):
                 owner.step = inner
             return result
 
+        first.times_first_step = True  # type: ignore[attr-defined]
         run.step = first
 
     def window(self, scalars: Mapping[str, float], step: int) -> None:
