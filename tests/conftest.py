@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -137,6 +138,25 @@ def run_train(*overrides: str, env: dict[str, str] | None = None,
         [sys.executable, "-m", "trainkit.train", *overrides],
         cwd=REPO, env=env or offline_env(), capture_output=True, text=True, timeout=timeout,
     )
+
+
+def run_train_many(runs: dict[str, list[str]], folder: Path,
+                   timeout: float = 600) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Each run of ``runs`` (name: the entry point's arguments) as :func:`run_train` would return
+    it, all in one process (tests/helpers/entry_runs.py: one interpreter, torch and Hydra start
+    instead of one a run): for runs of bad input that end before training. Outputs go to
+    ``folder/<name>.{status,out,err}``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = [{"argv": argv, "prefix": str(folder / name)} for name, argv in runs.items()]
+    (folder / "runs.json").write_text(json.dumps(spec))
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.entry_runs",
+                           str(folder / "runs.json")], cwd=REPO, env=offline_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {name: subprocess.CompletedProcess(
+        argv, int((folder / f"{name}.status").read_text()),
+        (folder / f"{name}.out").read_text(), (folder / f"{name}.err").read_text())
+        for name, argv in runs.items()}
 
 
 def tiny_run(run_dir: Path, data_root: Path, *extra: str) -> list[str]:

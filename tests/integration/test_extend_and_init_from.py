@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import assert_same_weights, error_report, last_checkpoint, run_train, tiny_run
+from tests.conftest import (
+    assert_same_weights,
+    error_report,
+    last_checkpoint,
+    run_train,
+    run_train_many,
+    tiny_run,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -94,25 +102,40 @@ def test_init_from_starts_a_new_run_from_the_weights_alone(tmp_path: Path, mnist
     assert again.returncode == 0 and "resumed from" in again.stdout
 
 
-def test_init_from_a_checkpoint_of_another_model_is_one_line(tmp_path: Path, mnist_root: Path,
-                                                            source: Path) -> None:
+@pytest.fixture(scope="module")
+def init_from_errors(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path,
+                     source: Path) -> tuple[Path, dict[str, subprocess.CompletedProcess[str]]]:
+    """The two bad init_from runs, in one process (:func:`run_train_many`): from a checkpoint of
+    another model ("other", into ``<folder>/other``) and from a missing file ("missing")."""
+    folder = tmp_path_factory.mktemp("init_from_errors")
     ckpt = source / "checkpoints" / "last.pt"
+    runs = {"other": tiny_run(folder / "other", mnist_root, "model.widths=[8,16,32]",
+                              f"checkpoint.init_from={ckpt}"),
+            "missing": tiny_run(folder / "run", mnist_root,
+                                f"checkpoint.init_from={folder / 'none.pt'}")}
     before = ckpt.read_bytes()
-    other = tmp_path / "other"
-    result = run_train(*tiny_run(other, mnist_root, "model.widths=[8,16,32]",
-                                 f"checkpoint.init_from={ckpt}"))
+    results = run_train_many(runs, folder / "results")
+    assert ckpt.read_bytes() == before  # nothing deleted or changed
+    return folder, results
+
+
+def test_init_from_a_checkpoint_of_another_model_is_one_line(
+        init_from_errors: tuple[Path, dict[str, subprocess.CompletedProcess[str]]],
+        source: Path) -> None:
+    ckpt = source / "checkpoints" / "last.pt"
+    folder, results = init_from_errors
+    other, result = folder / "other", results["other"]
     assert result.returncode == 2
     details, last = error_report(result.stderr)
     assert "checkpoint.init_from" in last and "does not fit this model" in last
     assert "of another shape (" in last  # counts the differences and names the first
     assert any(str(ckpt) in line for line in details)
-    assert ckpt.read_bytes() == before  # nothing deleted or changed
     assert not list((other / "checkpoints").glob("*.pt"))
 
 
-def test_init_from_a_missing_file_names_the_key(tmp_path: Path, mnist_root: Path) -> None:
-    result = run_train(*tiny_run(tmp_path / "run", mnist_root,
-                                 f"checkpoint.init_from={tmp_path / 'none.pt'}"))
+def test_init_from_a_missing_file_names_the_key(
+        init_from_errors: tuple[Path, dict[str, subprocess.CompletedProcess[str]]]) -> None:
+    result = init_from_errors[1]["missing"]
     assert result.returncode == 2
     _, last = error_report(result.stderr)
     assert "does not exist" in last and "checkpoint.init_from" in last

@@ -31,10 +31,11 @@ from tests.conftest import (
 pytestmark = pytest.mark.slow
 
 # Shuffled data, a one-cycle schedule, AdamW and accumulation windows of 2: everything with
-# state. The experiment's 188 steps (40 epochs of 8 would be 320) leave 90+ steps after a random
-# SIGKILL's moment.
-COMMON = ("trainer.max_epochs=40", "trainer.accumulate_grad_batches=2",
-          "trainer.eval_every_n_epochs=40")
+# state. 96 steps of 2 batches of 16 (16 steps an epoch: 6 epochs) leave 40+ steps after the
+# latest random SIGKILL's moment and end after the latest signal's step (80).
+MAX_STEPS = 96
+COMMON = ("trainer.max_epochs=40", f"trainer.max_steps={MAX_STEPS}", "data.batch_size=16",
+          "trainer.accumulate_grad_batches=2", "trainer.eval_every_n_epochs=40")
 
 
 def _assert_same_weights(a: Path, b: Path) -> None:
@@ -86,7 +87,7 @@ def test_signal_saves_stops_and_the_same_command_resumes_bit_exactly(
         tmp_path: Path, mnist_root: Path, straight_run: Path, signum: int,
         extra: tuple[str, ...]) -> None:
     run_dir, marker = tmp_path / "run", tmp_path / "paused"
-    # at one of steps 2-80 (of more than 180), the same every time, where the run waits for it
+    # at one of steps 2-80 (of MAX_STEPS), the same every time, where the run waits for it
     logged = 2 * random.Random(signum).randint(1, 40)
     proc = _start(run_dir, mnist_root, *extra, *pause_at(logged, marker))
     wait_for_pause(proc, marker)
@@ -95,7 +96,7 @@ def test_signal_saves_stops_and_the_same_command_resumes_bit_exactly(
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "preempted"
     stopped_at = summary["global_step"]
-    assert logged <= stopped_at < 320
+    assert logged <= stopped_at < MAX_STEPS
     assert last_checkpoint(run_dir)["global_step"] == stopped_at
     assert signal.Signals(signum).name in (run_dir / "train.log").read_text()
 
@@ -113,10 +114,10 @@ def test_sigkill_at_random_moments_leaves_loadable_checkpoints_and_resumes_exact
     for attempt in range(3):  # the second attempt writes its checkpoints in the background
         extra = ("checkpoint.async_save=true",) if attempt == 1 else ()
         proc = _start(run_dir, mnist_root, "checkpoint.every_n_steps=1", *extra)
-        # after a checkpoint exists and 1-15 step lines (2-30 steps) into this attempt
-        _wait_for_steps(proc, run_dir, chance.randint(1, 15), checkpoint=True)
-        # then a random moment within the next few steps and saves (90+ steps remain: the
-        # run cannot end in it)
+        # after a checkpoint exists and 1-8 step lines (2-16 steps) into this attempt
+        _wait_for_steps(proc, run_dir, chance.randint(1, 8), checkpoint=True)
+        # then a random moment within the next few steps and saves (40+ steps remain after
+        # three attempts: the run cannot end in it)
         time.sleep(chance.uniform(0, 0.05))
         proc.kill()
         proc.wait(timeout=60)

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, error_report, last_checkpoint, offline_env, run_train, tiny_run
+from tests.conftest import (
+    REPO,
+    error_report,
+    last_checkpoint,
+    offline_env,
+    run_train,
+    run_train_many,
+    tiny_run,
+)
 from trainkit.checkpoint.contents import check_weights_fit
 from trainkit.core.errors import LINE_LIMIT, TrainkitError
 from trainkit.entry import cli
@@ -85,12 +93,25 @@ def test_the_launcher_relays_a_preempted_status_and_ends_with_the_workers_line(
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "preempted"
 
 
-def test_init_from_another_model_counts_the_names_whole_and_leaves_no_folder(
-        tmp_path: Path, mnist_root: Path, run6: Path) -> None:
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path,
+             run6: Path) -> tuple[Path, dict[str, subprocess.CompletedProcess[str]]]:
+    """The walk's two runs of bad input, in one process (:func:`run_train_many`), each in its
+    own folder under the first: "other" (MnistNet from a checkpoint of the perceptron, into
+    ``other``) and "offline" (MNIST to download offline, into ``data`` and ``run``)."""
+    folder = tmp_path_factory.mktemp("bad_runs")
     ckpt = run6 / "checkpoints" / "last.pt"
-    other = tmp_path / "other"  # MnistNet, from a checkpoint of the perceptron
-    result = run_train(*tiny_run(other, mnist_root, "trainer.precision=32",
-                                 f"checkpoint.init_from={ckpt}"))
+    offline = folder / "offline"
+    runs = {"other": tiny_run(folder / "other", mnist_root, "trainer.precision=32",
+                              f"checkpoint.init_from={ckpt}"),
+            "offline": ["+exp=mnist", f"hydra.run.dir={offline / 'run'}",
+                        f"data.root={offline / 'data'}", "trainer.precision=32"]}
+    return folder, run_train_many(runs, folder / "results")
+
+
+def test_init_from_another_model_counts_the_names_whole_and_leaves_no_folder(
+        bad_runs: tuple[Path, dict[str, subprocess.CompletedProcess[str]]], run6: Path) -> None:
+    other, result = bad_runs[0] / "other", bad_runs[1]["other"]
     assert result.returncode == 2
     _, last = error_report(result.stderr)
     here, saved = MnistNet().state_dict(), last_checkpoint(run6)["model"]
@@ -191,10 +212,9 @@ def test_summary_epoch_is_the_one_train_log_names(run6: Path) -> None:
 
 
 def test_offline_download_error_says_each_thing_once_and_leaves_no_folder(
-        tmp_path: Path) -> None:
-    root, run_dir = tmp_path / "data", tmp_path / "run"
-    result = run_train("+exp=mnist", f"hydra.run.dir={run_dir}", f"data.root={root}",
-                       "trainer.precision=32")
+        bad_runs: tuple[Path, dict[str, subprocess.CompletedProcess[str]]]) -> None:
+    root, run_dir = bad_runs[0] / "offline" / "data", bad_runs[0] / "offline" / "run"
+    result = bad_runs[1]["offline"]
     assert result.returncode == 2
     details, last = error_report(result.stderr)
     assert "MNIST not found under data.root (the download failed)" in last
