@@ -1,7 +1,7 @@
 """Docstrings say what and why (issue 48): no benchmark figure, no module essay over 15 lines.
 
-A figure belongs to benchmarks/README.md beside the command that measures it. data/ and entry/
-are being rebuilt by issue 48's items 1-2; add them to the scope when their docstrings comply.
+A figure belongs to benchmarks/README.md beside the command that measures it. The commands whose
+module docstring is their ``--help`` text may be longer.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from tests.conftest import REPO
 
 PACKAGE = REPO / "trainkit"
-NOT_YET = {"data", "entry"}
+HELP_TEXTS = {"trainkit/entry/export.py", "trainkit/entry/predict.py"}  # printed by --help
 # "~0.3 ms", "4x faster", "25 us", "on this project's 2-core machine"
 FIGURE = re.compile(r"~\s?\d|\d\s?x (faster|slower|quicker)|\d\s?(ms|us|µs)\b|this project's|"
                     r"\d-core\b")
@@ -22,8 +22,6 @@ MODULE_LINES = 15
 
 def _docstrings() -> Iterator[tuple[str, ast.AST, str]]:
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.relative_to(PACKAGE).parts[0] in NOT_YET:
-            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
                                  ast.AsyncFunctionDef)):
@@ -43,7 +41,8 @@ def test_no_docstring_carries_a_benchmark_figure() -> None:
 
 def test_no_module_docstring_is_over_15_lines() -> None:
     long = {where: len(doc.splitlines()) for where, node, doc in _docstrings()
-            if isinstance(node, ast.Module) and len(doc.splitlines()) > MODULE_LINES}
+            if isinstance(node, ast.Module) and len(doc.splitlines()) > MODULE_LINES
+            and where.split(":")[0] not in HELP_TEXTS}
     assert long == {}
 
 

@@ -2,18 +2,16 @@
 
 * Whole files (a token corpus's ``train.bin``/``val.bin``, ``meta.json``): :func:`fetch_files`
   downloads each once into ``<cache>/remote/files/`` (``$TRAINKIT_CACHE_DIR``, else
-  ``~/.cache/trainkit``), checks its size against the store's and its checksum -- the SHA-256
-  that ``meta.json`` records, else the MD5 an S3 ETag is for a single-part upload -- and
-  renames it into place; a later run reuses it while the store reports the same size and tag.
-  The caller memory-maps the local copy.
-* Folders (an image folder): :func:`fetch_tree` keeps a copy of the folder in
-  ``<cache>/remote/folders/``, fetching the files missing there or changed in size.
-* Shards: :func:`open_shard` streams a shard from the store, keeping a copy in
-  ``<cache>/remote/shards/`` as it is read; a later epoch reads the copy. The copies are kept
-  within ``data.cache_gb``, the least recently used removed first.
+  ``~/.cache/trainkit``), checked by size and checksum (``meta.json``'s SHA-256, else a
+  single-part upload's S3 ETag); a later run reuses it while the store reports the same size
+  and tag. The caller memory-maps the local copy.
+* Folders (an image folder): :func:`fetch_tree` keeps a copy in ``<cache>/remote/folders/``,
+  fetching the files missing there or changed in size.
+* Shards: :func:`open_shard` streams a shard, keeping a copy in ``<cache>/remote/shards/`` that
+  a later epoch reads, within ``data.cache_gb`` (least recently used removed first).
 
-Both rename a finished download into place, so processes sharing the cache (ranks, DataLoader
-workers) never see half a file.
+Downloads are renamed into place when finished, so processes sharing the cache (ranks,
+DataLoader workers) never see half a file.
 """
 
 from __future__ import annotations

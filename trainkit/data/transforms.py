@@ -4,18 +4,14 @@ One implementation for every image path (``data=image_folder``, webdataset shard
 and export), so training, evaluation and serving see the same pixels:
 
 * :func:`decode_image` / :func:`load_image` -- file bytes to a uint8 ``[C, H, W]`` tensor, RGB
-  (or one channel), EXIF orientation applied, whatever the file's mode (palette, RGBA, CMYK,
-  16-bit). JPEGs go through libjpeg-turbo on the bytes (``torchvision.io.decode_jpeg``), with no
-  PIL image in between; everything else through Pillow.
-* :func:`train_transform` -- torchvision's ``RandomResizedCrop`` (the same distribution of crop
-  scales and aspect ratios) and a horizontal flip, on uint8 tensors: the crop is a view, one
-  antialiased resize reads only the cropped pixels.
-* :func:`eval_transform` -- resize the short side to ``image_size / crop_pct``, centre crop
-  (timm's convention).
+  (or one channel), EXIF orientation applied, whatever the file's mode; JPEGs through
+  libjpeg-turbo (``torchvision.io.decode_jpeg``), everything else through Pillow.
+* :func:`train_transform` -- torchvision's ``RandomResizedCrop`` distribution and a horizontal
+  flip, on uint8 tensors (the crop is a view; one antialiased resize of the cropped pixels).
+* :func:`eval_transform` -- resize the short side to ``image_size / crop_pct``, centre crop.
 
-Samples stay uint8 (a quarter of the bytes) through workers, pinned memory and the copy; the
-device stage normalises them (:class:`~trainkit.data.device.prefetch.Normalize`, kept importable
-from here).
+Samples stay uint8 through workers, pinned memory and the copy; the device stage normalises
+them (:class:`~trainkit.data.device.prefetch.Normalize`, kept importable from here).
 """
 
 from __future__ import annotations

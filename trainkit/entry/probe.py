@@ -1,21 +1,16 @@
 """``trainkit probe +exp=cifar [overrides]``: what holds a run back, measured in a few seconds.
 
-The same config and overrides as ``trainkit train``, composed the same way, build the same
-loader, model and optimizer (:func:`trainkit.entry.build.build_parts`); then three timed
-phases, each after a warm-up (:mod:`trainkit.loop.throughput`):
-
-1. **loader**: batches per second from the configured loader, on the device;
-2. **step**: optimizer steps per second on one batch kept on the device (no loading);
-3. **together**: loading and stepping interleaved as ``fit`` runs them, with its data-wait clock.
+The same config and overrides as ``trainkit train`` build the same loader, model and optimizer
+(:func:`trainkit.entry.build.build_parts`); then three timed phases, each after a warm-up
+(:mod:`trainkit.loop.throughput`): the **loader** alone (batches/s on the device), the **step**
+alone (one batch kept on the device), and **together** as ``fit`` runs them.
 
 It prints one table, the model's FLOPs per sample with the MFU of the step alone and together
-(:mod:`trainkit.observe.flops`; the device's peak, and a matmul measured here -- on a CPU, the
-peak itself), and one verdict line, led by the MFU -- input-bound (with what it re-measured: the
-loader with twice the workers, and in memory, where the data allows) or compute-bound (with the
-memory a larger batch could use) -- and writes the figures to ``probe.json`` in the current folder
-(``--out PATH`` elsewhere). It writes nothing else: no run directory, no checkpoint. Under
-torchrun every rank measures its own share; rank 0 prints and writes. Exit status: 0, or 2 on
-bad input (one line, as the entry point). Guide: docs/gpu-idle.md.
+(:mod:`trainkit.observe.flops`; on a CPU against a matmul measured here), and one verdict line:
+input-bound (with the loader re-measured with twice the workers, and in memory) or
+compute-bound (with its MFU and the memory a larger batch could use). It writes the figures to
+``probe.json`` (``--out PATH``) and nothing else. Under torchrun every rank measures its share;
+rank 0 prints. Exit status 0, or 2 on bad input (one line). Guide: docs/gpu-idle.md.
 """
 
 from __future__ import annotations
