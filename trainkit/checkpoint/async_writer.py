@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,8 +77,7 @@ class AsyncCheckpointWriter:
 
     def __init__(self, manager: CheckpointManager | RemoteCheckpoints) -> None:
         self.manager = manager
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._background = Background()
         self._staging: Any = None  # the last snapshot: its memory is reused by the next one
 
     def save(self, state: dict[str, Any], step: int, *, periodic: bool = True,
@@ -89,13 +89,41 @@ class AsyncCheckpointWriter:
         """
         self.wait()  # also frees the staging memory for reuse: its file is written
         copied = self._staging = snapshot(state, reuse=self._staging)
-        # Not a daemon: an interpreter that is exiting still finishes the file it is writing.
-        self._thread = threading.Thread(target=self._write, args=(copied, step, periodic, best),
-                                        name=f"trainkit-checkpoint-{step}")
-        self._thread.start()
+        self._background.start(lambda: self.manager.save(copied, step, periodic=periodic,
+                                                         best=best), step)
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is on disk; raise its error if it failed."""
+        self._background.wait()
+
+    def close(self) -> None:
+        """Like :meth:`wait`, but a failed write is logged, not raised (the exit already fails)."""
+        self._background.close()
+
+
+class Background:
+    """One checkpoint write at a time on a thread of its own; its error, kept, is raised by the
+    next :meth:`wait` on the training thread."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, work: Callable[[], None], step: int) -> None:
+        """Run ``work`` in the background (the previous work must have been waited for)."""
+        # Not a daemon: an interpreter that is exiting still finishes the file it is writing.
+        self._thread = threading.Thread(target=self._run, args=(work,),
+                                        name=f"trainkit-checkpoint-{step}")
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as err:  # handed to the training thread by wait()
+            self._error = err
+
+    def wait(self) -> None:
+        """Block until the work in flight (if any) is done; raise its error if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -104,14 +132,8 @@ class AsyncCheckpointWriter:
             raise error
 
     def close(self) -> None:
-        """Like :meth:`wait`, but a failed write is logged, not raised (the exit already fails)."""
+        """Like :meth:`wait`, but an error is logged, not raised (the exit already fails)."""
         try:
             self.wait()
         except Exception as err:  # the error already being raised matters more
             log.error("the last checkpoint write failed too: %s", one_line(err))
-
-    def _write(self, state: dict[str, Any], step: int, periodic: bool, best: bool) -> None:
-        try:
-            self.manager.save(state, step, periodic=periodic, best=best)
-        except BaseException as err:  # handed to the training thread by wait()
-            self._error = err

@@ -21,7 +21,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from trainkit.checkpoint import sharded
+from trainkit.checkpoint.async_writer import Background
 from trainkit.checkpoint.files import save_atomic
 from trainkit.checkpoint.layout import missing, write_failed
 from trainkit.checkpoint.remote import (
@@ -40,7 +40,7 @@ from trainkit.checkpoint.remote import (
     read_record,
     remove_unnamed,
 )
-from trainkit.core.errors import TrainkitError, one_line
+from trainkit.core.errors import TrainkitError
 from trainkit.core.objectstore import filesystem, join, store_error
 
 log = logging.getLogger("trainkit")
@@ -62,8 +62,7 @@ class RemoteShardedCheckpoints:
         self.async_save = async_save and self.distributed  # one process: DCP saves in place
         self.group = sharded._group(self.distributed, self.async_save)
         self.written_step = -1
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._background = Background()
 
     in_flight = False  # a background save commits itself: nothing waits for poll()
 
@@ -106,10 +105,8 @@ class RemoteShardedCheckpoints:
             with sharded._quiet_single_process():
                 if self.async_save:
                     future = dcp.async_save(tensors, **kwargs)
-                    self._thread = threading.Thread(
-                        target=self._in_background, args=(future, staging, name, step, best),
-                        name=f"trainkit-checkpoint-{step}")
-                    self._thread.start()
+                    self._background.start(lambda: self._in_background(
+                        future, staging, name, step, best), step)
                     return
                 dcp.save(tensors, no_dist=not self.distributed, **kwargs)
             self._publish(staging, name, step, best)
@@ -123,16 +120,16 @@ class RemoteShardedCheckpoints:
     def _in_background(self, future: Any, staging: Path, name: str, step: int,
                        best: bool) -> None:
         """The rest of an async save, on its thread: DCP's write, then the upload and the
-        commit; an error is kept for :meth:`wait`."""
+        commit; an error is raised by :meth:`wait`."""
         try:
             try:
                 future.result()
             except Exception as err:
                 raise write_failed(err, self.url) from None
             self._publish(staging, name, step, best)
-        except BaseException as err:  # handed to the training thread by wait()
-            self._error = err
+        except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            raise
 
     def _publish(self, staging: Path, name: str, step: int, best: bool) -> None:
         """Upload this rank's files; once every rank's are in the store, rank 0 commits."""
@@ -168,19 +165,11 @@ class RemoteShardedCheckpoints:
 
     def wait(self) -> None:
         """Block until a background save is committed; raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        self._background.wait()
 
     def close(self) -> None:
         """Like :meth:`wait`, but an error is logged, not raised (the exit already fails)."""
-        try:
-            self.wait()
-        except Exception as err:  # the error already being raised matters more
-            log.error("the last checkpoint write failed too: %s", one_line(err))
+        self._background.close()
 
     def update_meta(self, meta: dict[str, Any] | None, step: int, *, best: bool) -> None:
         """Give step ``step``'s checkpoint (this run's newest) a new ``trainkit.pt``: uploaded
