@@ -83,3 +83,39 @@ def s3_server() -> Iterator[S3]:
     """A server of its own with its environment set meanwhile (outside pytest's fixtures)."""
     with moto_server() as server, s3_environment(server):
         yield server
+
+
+@contextlib.contextmanager
+def dropping_endpoint(monkeypatch: object) -> Iterator[list[object]]:
+    """An S3 endpoint on this machine that accepts each connection and closes it (a reset on
+    every request), set as this process's ``AWS_ENDPOINT_URL`` with fake credentials and boto's
+    default retries; yields the list of connections it accepted."""
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    accepted: list[object] = []
+
+    def drop() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            conn.close()
+
+    threading.Thread(target=drop, daemon=True).start()
+    for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.getsockname()[1]}",
+                       "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": "/dev/null",
+                       "AWS_SHARED_CREDENTIALS_FILE": "/dev/null", "no_proxy": "127.0.0.1",
+                       "NO_PROXY": "127.0.0.1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(key, value)  # type: ignore[attr-defined]
+    for key in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)  # type: ignore[attr-defined]
+    try:
+        yield accepted
+    finally:
+        server.close()

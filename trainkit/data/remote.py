@@ -57,6 +57,19 @@ def _tag(info: dict[str, Any]) -> str:
     return ""
 
 
+def first_contact(root: str, key: str = "data.root") -> None:
+    """Fail in seconds, not after the packages' retries, when the store cannot be reached: one
+    brief request (a missing path is left to the reader, which names what is missing)."""
+    fs, base = filesystem(root, key, quick=True)
+    try:
+        fs.info(base)
+    except FileNotFoundError:
+        pass
+    except Exception as err:
+        raise (store_error(err, root, key)
+               or ConfigError(f"cannot read {root} ({one_line(err, 80)})")) from None
+
+
 def fetch_files(root: str, names: Sequence[str], optional: Sequence[str] = (), *,
                 key: str = "data.root") -> Path:
     """The local folder holding the files ``names`` (and those of ``optional`` that exist) of
@@ -67,6 +80,7 @@ def fetch_files(root: str, names: Sequence[str], optional: Sequence[str] = (), *
         ConfigError: the store cannot be reached, a file is missing, or a download does not
             match its size or checksum.
     """
+    first_contact(root, key)
     fs, base = filesystem(root, key)
     folder = _cache("files") / hashlib.sha1(root.rstrip("/").encode()).hexdigest()[:16]
     folder.mkdir(exist_ok=True)
@@ -142,6 +156,7 @@ def fetch_tree(root: str, *, key: str = "data.root") -> Path:
     Raises:
         ConfigError: the store cannot be reached, or ``root`` holds no files.
     """
+    first_contact(root, key)
     fs, base = filesystem(root, key)
     folder = _cache("folders") / hashlib.sha1(root.rstrip("/").encode()).hexdigest()[:16]
     try:

@@ -102,40 +102,10 @@ def test_an_endpoint_that_drops_every_connection_is_tried_once_at_the_first_cont
     """The check before training makes one request (which aiohttp may send again once on a
     dropped connection), not the packages' retries: s3fs's 5 over botocore's, with backoff,
     10 connections and ~7 s against this endpoint, a minute each where one does not answer."""
-    import socket
-    import threading
-    import time
+    from tests.helpers.s3 import dropping_endpoint
 
     pytest.importorskip("s3fs")
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(16)
-    accepted = []
-
-    def drop() -> None:  # accept each connection and close it: a reset on every request
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            accepted.append(conn)
-            conn.close()
-
-    threading.Thread(target=drop, daemon=True).start()
-    for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.getsockname()[1]}",
-                       "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
-                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": "/dev/null",
-                       "AWS_SHARED_CREDENTIALS_FILE": "/dev/null", "no_proxy": "127.0.0.1",
-                       "NO_PROXY": "127.0.0.1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
-        monkeypatch.setenv(key, value)
-    for key in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_PROFILE"):
-        monkeypatch.delenv(key, raising=False)
-    start = time.monotonic()
-    try:
-        with pytest.raises(TrainkitError, match=r"^checkpoint.dir=s3://b/run: the storage cannot "
-                                                r"be reached \(.*\): check the network, or set "
-                                                "AWS_ENDPOINT_URL"):
-            RemoteCheckpoints("s3://b/run").check_writable()
-    finally:
-        server.close()
-    assert len(accepted) <= 2 and time.monotonic() - start < 5
+    reached = r"^checkpoint.dir=s3://b/run: the storage cannot be reached \(.*\): check the network"
+    with dropping_endpoint(monkeypatch) as accepted, pytest.raises(TrainkitError, match=reached):
+        RemoteCheckpoints("s3://b/run").check_writable()
+    assert 1 <= len(accepted) <= 2  # no retries (the time is not asserted: a noisy machine)
