@@ -102,7 +102,7 @@ def probe(cfg: Any, *, seconds: float) -> dict[str, Any] | None:
     if not runtime.is_main:
         return None
     mfu = _mfu(flops, runtime, alone, together)
-    line = (_input_verdict(settings, runtime, loader, alone, together, variants)
+    line = (_input_verdict(_in_memory(cfg, settings), runtime, loader, alone, together, variants)
             if bound == "input" else _compute_verdict(settings, runtime, alone, together, mfu))
     if mfu.get("together") is not None:  # "compute-bound: MFU 38%; ..."
         bound_word, rest = line.split(": ", 1)
@@ -163,16 +163,26 @@ def _input_bound(loader: Phase, alone: Phase, together: Phase) -> bool:
         loader.samples_per_s < 0.9 * alone.samples_per_s)
 
 
+IN_MEMORY = ("mnist", "cifar10")  # the data kinds data.loader=memory holds on the device
+
+
+def _in_memory(cfg: Any, settings: TrainConfig) -> bool:
+    """Whether the run loads through the in-memory loader (``data.loader`` is read by the
+    built-in tensor datasets and a reader of your own only)."""
+    return settings.data.loader == "memory" and (
+        settings.data.name in IN_MEMORY or cfg.get("dataset") is not None)
+
+
 def _variants(cfg: Any, settings: TrainConfig, runtime: Runtime, seconds: float
               ) -> list[dict[str, Any]]:
     """The loader alone again with twice the workers, and in memory: what each gave."""
     data = settings.data
     tries: list[tuple[str, Any]] = []
-    if data.loader == "dataloader":
+    if not _in_memory(cfg, settings):
         workers = data.num_workers if data.num_workers is not None else default_num_workers()
         more = max(2, 2 * workers)
         tries.append((f"data.num_workers={more}", dataclasses.replace(data, num_workers=more)))
-        if data.name != "image_folder":  # files of any size: no in-memory form to try
+        if data.name in IN_MEMORY:  # files of any size, streams: no in-memory form to try
             tries.append(("data.loader=memory", dataclasses.replace(data, loader="memory")))
     measured = []
     for setting, changed in tries:
@@ -188,7 +198,7 @@ def _variants(cfg: Any, settings: TrainConfig, runtime: Runtime, seconds: float
     return measured
 
 
-def _input_verdict(settings: TrainConfig, runtime: Runtime, loader: Phase, alone: Phase,
+def _input_verdict(in_memory: bool, runtime: Runtime, loader: Phase, alone: Phase,
                    together: Phase, variants: list[dict[str, Any]]) -> str:
     wait = together.data_wait_share or 0.0
     text = (f"input-bound: {together.samples_per_s:.0f} samples/s together, the step alone "
@@ -204,7 +214,7 @@ def _input_verdict(settings: TrainConfig, runtime: Runtime, loader: Phase, alone
         best = max(tried, key=lambda v: v["samples_per_s"])
         expect = min(best["samples_per_s"], alone.samples_per_s)
         return text + f"; fastest: {best['setting']} (up to ~{expect:.0f} samples/s together)"
-    if settings.data.loader == "memory":
+    if in_memory:
         return text + ("; the in-memory loader's gather and augmentation run per batch: try a "
                        "larger data.batch_size")
     return text + "; try more loader workers and pinned memory"

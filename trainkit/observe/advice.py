@@ -152,4 +152,4 @@ def input_hint(data: Any) -> str:
     if workers is None:
         return "more loader workers (num_workers) and pinned memory, or the samples kept in memory"
     return (f"data.num_workers={max(2, 2 * workers)} (now {workers}), or data.loader=memory "
-            "where the dataset fits in memory")
+            "for tensor data (MNIST, CIFAR-10, a reader's TensorData)")

@@ -47,3 +47,34 @@ def test_a_source_config_checks_its_own_fields() -> None:
         TokensConfig(seq_len=0)
     with pytest.raises(ConfigError, match=r"data\.batch_size"):
         TokensConfig(batch_size=0)
+
+
+def test_a_key_the_source_does_not_read_is_refused_in_one_line() -> None:
+    import torch
+
+    from trainkit.core.runtime import Runtime
+    from trainkit.data import load_data
+
+    node = DataConfig(name="tokens", root="corpus", image_size=64)
+    with pytest.raises(ConfigError) as refused:
+        load_data(node, Runtime(torch.device("cpu")))
+    assert str(refused.value) == ("data.image_size=64 is not read by data=tokens: remove it (it "
+                                  "is a key of another kind of data)")
+    node = DataConfig(name="image_folder", root="photos", loader="dataloader")
+    with pytest.raises(ConfigError, match=r"^data.loader='dataloader' is not read by "
+                                          r"data=image_folder"):
+        load_data(node, Runtime(torch.device("cpu")))
+
+
+def test_the_shipped_data_configs_set_only_their_sources_keys() -> None:
+    """Each configs/data/*.yaml, composed as the entry point composes it, passes the check."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from trainkit.core.schema import config_dir
+    from trainkit.data.sources import refuse_unread
+
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        for name in SOURCES:
+            node = OmegaConf.to_object(compose("train", [f"data={name}", "data.root=x"]).data)
+            refuse_unread(node, SOURCES[name].config, f"data={name}")

@@ -9,10 +9,11 @@ which the caller reads before it builds the model.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, NamedTuple
 
 from trainkit.config import (
+    DataConfig,
     DatasetConfig,
     HFTextConfig,
     ImageFolderConfig,
@@ -104,6 +105,8 @@ def load_data(cfg: SharedDataConfig, runtime: Runtime, *, seed: int = 0,
     if source is None:
         raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(SOURCES)}; "
                           "for your own dataset set dataset._target_ (see the README)")
+    refuse_unread(cfg, source.config, "your dataset (dataset._target_)" if source is OWN
+                  else f"data={cfg.name}")
     options = Options(seed, channels_last, reader, train_transforms, eval_transforms,
                       eval_max_batches)
     data = Data(*source.load(own_config(cfg, source.config), runtime, options))
@@ -115,6 +118,25 @@ def load_data(cfg: SharedDataConfig, runtime: Runtime, *, seed: int = 0,
 
 
 build_loaders = load_data  # the name trainkit's API has had
+
+
+READ_BY_EVERY_SOURCE = {"channels"}  # the model's stem is built for it, whatever the data
+
+
+def refuse_unread(cfg: Any, kind: type[SharedDataConfig], reader: str) -> None:
+    """A key of the ``data`` node that ``kind``'s source does not read, set to other than its
+    default (``data=tokens data.image_size=64``), is refused in one line: it would be ignored."""
+    if not isinstance(cfg, DataConfig):
+        return
+    own = {f.name for f in fields(kind)} | READ_BY_EVERY_SOURCE
+    for f in fields(DataConfig):
+        if f.name in own:
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()
+        value = getattr(cfg, f.name)
+        if value != default:
+            raise ConfigError(f"data.{f.name}={value!r} is not read by {reader}: remove it "
+                              "(it is a key of another kind of data)")
 
 
 def own_config(cfg: Any, kind: type[SharedDataConfig]) -> Any:
