@@ -228,14 +228,17 @@ def loader_syncs(steps: int, log_every: int, device: torch.device | str, root: P
     batches through ``make_loader`` (pinned on CUDA), its collate and the ``DevicePrefetcher``,
     normalised on the device; ``decode="gpu"`` sends JPEG bytes to the ``JpegDecoder`` on
     ``device`` (on the CPU: libjpeg-turbo through the same list call)."""
-    from trainkit.config import DataConfig
+    from trainkit.config import ImageFolderConfig
     from trainkit.core.runtime import Runtime
-    from trainkit.data import load_data
+    from trainkit.data.sources import Options
+    from trainkit.data.sources import image_folder as image_folder_source
 
     device = torch.device(device)
-    cfg = DataConfig(name="image_folder", root=str(image_folder(root)), batch_size=2,
-                     num_workers=0, image_size=16, decode=decode, download=False, verify=False)
-    train, _, classes = load_data(cfg, Runtime(device), seed=0)
+    cfg = ImageFolderConfig(name="image_folder", root=str(image_folder(root)), batch_size=2,
+                            num_workers=0, image_size=16, decode=decode)
+    # the source itself, not load_data, whose check refuses decode=gpu off CUDA to a user: here
+    # the JpegDecoder's list call runs on the CPU on purpose
+    train, _, classes = image_folder_source.load(cfg, Runtime(device), Options(seed=0))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                           nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, classes))
