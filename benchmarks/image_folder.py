@@ -92,7 +92,7 @@ def trainkit_loader(root: Path, workers: int, batch_size: int) -> Any:
     from trainkit.data import load_data
 
     cfg = DataConfig(name="image_folder", root=str(root), batch_size=batch_size,
-                     loader="dataloader", num_workers=workers, random_flip=True,
+                     num_workers=workers, random_flip=True,
                      val_fraction=0.0, drop_last=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return load_data(cfg, Runtime.from_env(device))[0]

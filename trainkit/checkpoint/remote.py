@@ -3,10 +3,10 @@
 ``objects/<N>-<id>.pt`` holds a checkpoint's bytes under a name no reader takes for a
 checkpoint; ``last.json``, ``best.json``, ``step_<N>.json`` are commit records naming an object
 with its size and SHA-256 (the names and rotation are :mod:`~trainkit.checkpoint.layout`'s). A
-save uploads the object, then writes ``last.json`` -- the commit, one PUT: visible whole or not at
-all -- then the other records, then removes old records and every object no record names. An
-object is read only through a record and checked against it, so a kill at any moment leaves
-``last.json`` naming a complete checkpoint.
+save uploads the object, then writes ``best.json`` (when best), ``last.json`` -- the commit, one
+PUT: visible whole or not at all -- and ``step_<N>.json``, then removes old records and every
+object no record names. An object is read only through a record and checked against it, so a
+kill at any moment leaves ``last.json`` naming a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -126,9 +126,9 @@ class RemoteCheckpoints:
             time.sleep(delay)
         record = json.dumps({"format": FORMAT, "global_step": step, "object": name,
                              "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-        self.fs.pipe(str(self.layout.last), record.encode())  # the commit
-        if best:
+        if best:  # before the commit: a kill between the two must not lose the best record
             self.fs.pipe(str(self.layout.best), record.encode())
+        self.fs.pipe(str(self.layout.last), record.encode())  # the commit
         target = self.last
         if periodic:
             self.fs.pipe(str(self.layout.step_path(step)), record.encode())

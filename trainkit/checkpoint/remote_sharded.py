@@ -6,7 +6,8 @@ checkpoint's files (DCP's and ``trainkit.pt``) under a name no reader takes for 
 file with its size. Each rank writes its part with DCP's public ``FileSystemWriter`` into a local
 staging folder (torch exports no fsspec writer: DCP's writer, planner and metadata stay as on a
 disk, at the price of one local copy) and uploads it; after a barrier rank 0 writes
-``last.json`` -- the commit -- then the other records, then removes what no record names.
+``best.json`` (when best), ``last.json`` -- the commit -- and ``step_<N>.json``, then removes
+what no record names.
 Reading downloads every file of a checkpoint (a resharded load may need any) and reads locally.
 With ``async_save`` the same steps run in the background: DCP's ``async_save`` writes the staging
 folder on its thread, then a thread of each rank uploads its files and joins a vote on the
@@ -226,9 +227,9 @@ class RemoteShardedCheckpoints:
     def _write_records(self, record: dict[str, Any], step: int, *, periodic: bool,
                        best: bool) -> None:
         data = json.dumps(record).encode()
-        self.fs.pipe(str(self.layout.last), data)  # the commit
-        if best:
+        if best:  # before the commit: a kill between the two must not lose the best record
             self.fs.pipe(str(self.layout.best), data)
+        self.fs.pipe(str(self.layout.last), data)  # the commit
         if periodic:
             self.fs.pipe(str(self.layout.step_path(step)), data)
             for old in self.layout.stale():
