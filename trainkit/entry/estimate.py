@@ -29,10 +29,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
-from trainkit.config import TrainConfig
+from trainkit.config import CHECKPOINT_POLICIES, TrainConfig
 from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.schema import check_known_keys
-from trainkit.core.submodules import match_modules
+from trainkit.core.submodules import match_modules, repeated_blocks
 from trainkit.distributed.fsdp import default_blocks, resolve_strategy
 from trainkit.entry.build import build_criterion, build_forward, build_model
 from trainkit.entry.errors import errors_as_one_line
@@ -260,10 +260,11 @@ class Plan:
         optimizer = build_optimizer(model, node, lambda n, groups: instantiate(
             n, params=groups, _convert_="all"))
         apply_freeze(model, self.settings.trainer, 0)
-        if checkpointed == ["*"]:
-            checkpointed = [block] if (block := repeated_block(model)) else []
-        names = (match_modules(model, checkpointed, "trainer.activation_checkpointing")
-                 if checkpointed else [])
+        if checkpointed == ["*"]:  # full or selective alone: the blocks training checkpoints
+            names = repeated_blocks(model)
+        else:
+            names = (match_modules(model, checkpointed, "trainer.activation_checkpointing")
+                     if checkpointed else [])
         checkpoint_blocks(model, names, self.precision, self.target.device_type)
         if self.settings.trainer.channels_last and self.strategy != "fsdp":
             model = model.to(memory_format=torch.channels_last)
@@ -389,13 +390,14 @@ def repeated_block(model: nn.Module) -> str | None:
 
 
 def _selectors(value: Any) -> list[str]:
-    """``trainer.activation_checkpointing`` as module selectors: a list as it is; a word
-    (``full``, ``selective``): the model's repeated block (:func:`repeated_block`), marked
-    ``*``; ``off``/empty: none. A selective policy saves some of what full recomputes: its
-    estimate is full's, a lower bound."""
+    """``trainer.activation_checkpointing`` as module selectors: the modules it names (its
+    policy word left out); a policy word alone (``full``, ``selective``): the model's
+    repeated blocks, marked ``*``; off/empty: none. A selective policy saves some of what
+    full recomputes: its estimate is full's, a lower bound."""
     if isinstance(value, str):
-        return [] if value.lower() in ("", "off", "none", "false") else ["*"]
-    return list(value or [])
+        value = [] if value.lower() in ("", "off", "none", "false") else [value]
+    modules = [v for v in value or [] if v not in CHECKPOINT_POLICIES]
+    return modules or (["*"] if value else [])
 
 
 def _block_bytes(model: nn.Module) -> tuple[int, int]:
