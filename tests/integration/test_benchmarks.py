@@ -35,7 +35,11 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
     assert rows
     for r in rows:
         assert set(r) == {"name", "value", "unit", "goal", "met"}
-        assert r["value"] is None or _positive(r["value"]), r
+        value = r["value"]
+        if r["name"].startswith("mlflow: cost per fit"):  # a difference: noise may make it < 0
+            assert isinstance(value, float) and math.isfinite(value), r
+        else:
+            assert value is None or _positive(value), r
         assert r["met"] in (True, False, None)
 
 
