@@ -14,6 +14,19 @@ _FORMAT = "%(asctime)s %(message)s"
 _DATEFMT = "%H:%M:%S"
 
 
+class _Stdout(logging.StreamHandler):
+    """A console handler writing to whatever ``sys.stdout`` is when a line is logged: a notebook,
+    a test's capture or a redirect may replace it after the handler was made."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass  # StreamHandler's own assignment: the current sys.stdout is always used
+
+
 def setup_logging(run_dir: str | Path | None, is_main: bool = True) -> logging.Logger:
     """Send trainkit's log lines to stdout and ``<run_dir>/train.log`` (rank 0 only).
 
@@ -33,7 +46,7 @@ def setup_logging(run_dir: str | Path | None, is_main: bool = True) -> logging.L
         logger.removeHandler(handler)
         handler.close()
     formatter = logging.Formatter(_FORMAT, _DATEFMT)
-    console = logging.StreamHandler(sys.stdout)
+    console = _Stdout()
     console.setLevel(logging.INFO if is_main else logging.WARNING)
     handlers: list[logging.Handler] = [console]
     if log_file:
