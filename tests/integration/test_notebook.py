@@ -148,7 +148,7 @@ def test_quickstart_runs_top_to_bottom_and_a_rerun_resumes(tmp_path: Path, kerne
     state = _text(kernel.run_code(STATE_AFTER))
     assert "changed signals: []" in state
     assert "SIGINT raises KeyboardInterrupt: True" in state
-    assert "log handlers: ['StreamHandler', 'FileHandler']" in state
+    assert "log handlers: ['ConsoleHandler', 'FileHandler']" in state
 
 
 @pytest.mark.slow
@@ -204,4 +204,4 @@ def test_interrupting_the_kernel_preempts_fit_and_the_kernel_lives_on(
 
     state = _text(kernel.run_code(STATE_AFTER))
     assert "SIGINT raises KeyboardInterrupt: True" in state
-    assert "log handlers: ['StreamHandler', 'FileHandler']" in state
+    assert "log handlers: ['ConsoleHandler', 'FileHandler']" in state

@@ -14,7 +14,7 @@ _FORMAT = "%(asctime)s %(message)s"
 _DATEFMT = "%H:%M:%S"
 
 
-class _Stdout(logging.StreamHandler):
+class ConsoleHandler(logging.StreamHandler):
     """A console handler writing to whatever ``sys.stdout`` is when a line is logged: a notebook,
     a test's capture or a redirect may replace it after the handler was made."""
 
@@ -46,7 +46,7 @@ def setup_logging(run_dir: str | Path | None, is_main: bool = True) -> logging.L
         logger.removeHandler(handler)
         handler.close()
     formatter = logging.Formatter(_FORMAT, _DATEFMT)
-    console = _Stdout()
+    console = ConsoleHandler()
     console.setLevel(logging.INFO if is_main else logging.WARNING)
     handlers: list[logging.Handler] = [console]
     if log_file:
