@@ -243,11 +243,14 @@ class WindowStep:
         if self._wrapped:
             return
         forward, split_forward = self.forward, self._forward
-        wrapped = wrap(forward)
+        wrapped, pending = wrap(forward), [True]
 
+        # a flag, not `self.forward is once`: a closure naming itself is a reference cycle that
+        # would keep this step (and its model) alive until the cyclic collector runs
         def once(model: nn.Module, batch: Batch) -> tuple[Any, ...]:
-            if self.forward is not once:  # a later micro-batch of the same window
+            if not pending[0]:  # a later micro-batch of the same window
                 return forward(model, batch)
+            pending[0] = False
             self.forward, self._forward, self._wrapped = forward, split_forward, False
             return wrapped(model, batch)
 

@@ -66,3 +66,21 @@ def test_a_dropped_trainer_frees_its_model_without_the_cyclic_collector(
     gone = weakref.ref(trainer), weakref.ref(model)
     del trainer, model  # the watchdog's thread outlives every fit: it must hold none of them
     assert [ref() for ref in gone] == [None, None]
+
+
+def test_a_step_whose_forward_was_wrapped_once_is_freed_without_the_cyclic_collector(
+        no_cyclic_gc: None) -> None:
+    """The advice's one-off forward wrapper (a GPU run's host-read sampling) leaves no cycle."""
+    from trainkit.loop.precision import Precision
+    from trainkit.loop.step import WindowStep, default_forward
+
+    model = nn.Linear(8, 2)
+    step = WindowStep(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                      precision=Precision("32", torch.device("cpu")),
+                      criterion=nn.functional.cross_entropy, forward=default_forward,
+                      device=torch.device("cpu"))
+    step.wrap_forward_once(lambda forward: forward)
+    step([(torch.randn(4, 8), torch.randint(0, 2, (4,)))])
+    gone = weakref.ref(step), weakref.ref(model)
+    del step, model
+    assert [ref() for ref in gone] == [None, None]
