@@ -67,7 +67,9 @@ class RunReport:
         """Time the fit's first step (``run.step``'s next call); ``trainer.compile``'s mode
         is named in the line that says it as the fit ends."""
         self.times.compile_mode = compile_mode
-        self.times.time_first(run, self.state.global_step)
+        flops = getattr(run.meter, "flops", None)  # its one-off count runs inside the first step
+        self.times.time_first(run, self.state.global_step,
+                              (lambda: flops.counted_s) if flops is not None else lambda: 0.0)
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
         """A log window's figures to the sinks (and its step time to :attr:`times`)."""

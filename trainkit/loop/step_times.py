@@ -13,7 +13,7 @@ import logging
 import statistics
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -37,18 +37,21 @@ class StepTimes:
         self._last_step = 0  # the step the last log window ended at
         self._holds_first = True  # the next log window holds the first step
 
-    def time_first(self, run: Any, done_steps: int) -> None:
+    def time_first(self, run: Any, done_steps: int,
+                   not_training: Callable[[], float] = lambda: 0.0) -> None:
         """Time the next call of ``run.step`` (the fit's first: ``done_steps`` were done before
-        it, by a run it resumes), then hand ``run.step`` back: no cost after it."""
+        it, by a run it resumes), then hand ``run.step`` back: no cost after it.
+        ``not_training``: seconds spent so far on what is not training (the one-off FLOP
+        count, which runs inside that call), left out of the first step's."""
         inner, holder = run.step, weakref.ref(run)
         self._last_step = done_steps
 
         def first(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
+            started, aside = time.perf_counter(), not_training()
             result = inner(*args, **kwargs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # host sync: once per fit
-            self.first_step_s = time.perf_counter() - started
+            self.first_step_s = time.perf_counter() - started - (not_training() - aside)
             owner = holder()
             # marked, not compared with `first`: a closure naming itself is a reference cycle
             # that would keep the step (and the model) alive until the cyclic collector runs
@@ -68,7 +71,7 @@ class StepTimes:
             return
         seconds = scalars["time/step_ms"] / 1000 * steps
         if not (holds_first and self.first_step_s is not None):
-            self._windows.append(seconds / max(steps, 1))
+            self._windows.append(seconds / steps)
         elif steps > 1:  # the rest of the window that holds the first step
             self._windows.append(max(seconds - self.first_step_s, 0.0) / (steps - 1))
 

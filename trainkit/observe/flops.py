@@ -174,6 +174,7 @@ class FlopsMeter:
         self.per_sample: FlopCount | None = None
         self.peak: tuple[float, str] | None = None
         self.count_seconds = 0.0  # spent counting, left out of the step timing
+        self.counted_s = 0.0  # the same, in all (never popped): the first step's timer reads it
         self._samples, self._seconds = 0, 0.0  # over the logged windows, for the summary
         self._handle: Any = None  # watch()'s hook, until the model's first call
 
@@ -229,7 +230,9 @@ class FlopsMeter:
         else:
             self.per_sample = FlopCount(total.model // samples, total.recompute // samples)
             self.peak = device_peak(self.device, self.precision, self.override)
-        self.count_seconds += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.count_seconds += took
+        self.counted_s += took
         return self.per_sample
 
     def pop_count_seconds(self) -> float:

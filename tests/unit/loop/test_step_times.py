@@ -38,3 +38,18 @@ def test_no_steady_time_when_only_the_first_step_was_logged() -> None:
     times.first_step_s = 1.5
     times.window({"time/step_ms": 1500.0}, step=1)
     assert times.summary() == {"first_step_s": 1.5, "steady_step_s": None}
+
+
+def test_what_the_first_call_spends_not_training_is_left_out_of_its_seconds() -> None:
+    """The one-off FLOP count runs inside the first step: the step meter leaves it out of the
+    window, so the first step's seconds must leave it out too (else the steady time is low)."""
+    spent = [0.0]
+
+    def step() -> None:
+        spent[0] += 5.0  # the count's seconds, as the FLOPs meter reports them
+
+    times = StepTimes(torch.device("cpu"))
+    run = _Run(step)
+    times.time_first(run, done_steps=0, not_training=lambda: spent[0])
+    run.step()
+    assert times.first_step_s is not None and 0 <= times.first_step_s < 1
