@@ -29,17 +29,16 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
-from trainkit.config import CHECKPOINT_POLICIES, TrainConfig
+from trainkit.config import TrainConfig
 from trainkit.core.errors import ConfigError, TrainkitError
-from trainkit.core.schema import check_known_keys
 from trainkit.core.submodules import match_modules, repeated_blocks
 from trainkit.distributed.fsdp import default_blocks, resolve_strategy
-from trainkit.entry.build import build_criterion, build_forward, build_model
+from trainkit.entry.build import build_criterion, build_forward, build_model, build_settings
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.train import CONFIG_DIR
+from trainkit.loop.activations import split_policy
 from trainkit.loop.precision import Hardware, choose_precision
 from trainkit.models.param_groups import apply_freeze, build_optimizer
-from trainkit.models.vision import for_channels
 from trainkit.observe.memory_estimate import (
     GIB,
     StepMemory,
@@ -139,7 +138,6 @@ def find_target(name: str | None) -> Target:
 
 def estimate(cfg: DictConfig, target: Target, world: int) -> dict[str, Any]:
     """The run's memory per rank on ``target`` over ``world`` ranks, and what fits."""
-    check_known_keys(cfg)
     settings = _settings(cfg)
     plan = Plan.of(cfg, settings, target, world)
     memory = plan.trace(plan.micro_batch)
@@ -178,7 +176,7 @@ def _settings(cfg: DictConfig) -> TrainConfig:
                               "data.num_classes (its classes, or a token corpus's vocabulary)")
         with open_dict(cfg):
             cfg.data.num_classes = known
-    return OmegaConf.to_object(cfg)
+    return build_settings(cfg)
 
 
 def _classes_on_disk(cfg: DictConfig) -> int | None:
@@ -240,8 +238,6 @@ class Plan:
         if precision == "auto":
             precision = (("bf16-mixed" if target.bf16 else "16-mixed") if target.device_type
                          == "cuda" else choose_precision(Hardware.of("cpu"))[0])
-        with open_dict(cfg):  # a torchvision classifier's stem for grayscale data
-            cfg.model = for_channels(cfg.model, settings.data.channels)
         return cls(cfg, settings, target, world, precision)
 
     def build(self, checkpointed: list[str]) -> tuple[nn.Module, Any, list[str]]:
@@ -310,9 +306,9 @@ class Plan:
         if trainer.compile:
             notes.append("trainer.compile: the eager step's memory (a compiled one often "
                          "needs less)")
-        if isinstance(trainer.activation_checkpointing, str) and self.checkpointed:
-            notes.append(f"activation_checkpointing={trainer.activation_checkpointing}: "
-                         "estimated as full checkpointing of the repeated block")
+        if "selective" in trainer.activation_checkpointing:
+            notes.append("activation_checkpointing=selective: estimated as full checkpointing "
+                         "(selective keeps more: this is its lower bound)")
         return notes
 
     def parts(self, memory: StepMemory) -> dict[str, float]:
@@ -389,15 +385,12 @@ def repeated_block(model: nn.Module) -> str | None:
     return max(repeated, key=lambda cls: totals[cls]) if repeated else None
 
 
-def _selectors(value: Any) -> list[str]:
-    """``trainer.activation_checkpointing`` as module selectors: the modules it names (its
-    policy word left out); a policy word alone (``full``, ``selective``): the model's
-    repeated blocks, marked ``*``; off/empty: none. A selective policy saves some of what
-    full recomputes: its estimate is full's, a lower bound."""
-    if isinstance(value, str):
-        value = [] if value.lower() in ("", "off", "none", "false") else [value]
-    modules = [v for v in value or [] if v not in CHECKPOINT_POLICIES]
-    return modules or (["*"] if value else [])
+def _selectors(value: list[str]) -> list[str]:
+    """``trainer.activation_checkpointing`` (as the config normalises it) as module selectors:
+    the modules it names; a policy word alone: the model's repeated blocks, marked ``*``; off:
+    none. A selective policy saves some of what full recomputes: its estimate is full's, a
+    lower bound."""
+    return (split_policy(value)[1] or ["*"]) if value else []
 
 
 def _block_bytes(model: nn.Module) -> tuple[int, int]:

@@ -63,7 +63,7 @@ def apply_activation_checkpointing(model: nn.Module, selectors: Sequence[str] | 
     """
     if not selectors:  # trainer.activation_checkpointing=[]: off
         return []
-    policy, chosen = _split(selectors)
+    policy, chosen = split_policy(selectors)
     wrapped = match_modules(model, chosen, KEY) if chosen else repeated_blocks(model)
     if not wrapped:
         raise ConfigError(f"{KEY}={policy}: {type(model).__name__} has no repeated block to "
@@ -108,7 +108,7 @@ def check_sharded(model: nn.Module) -> nn.Module:
     return model
 
 
-def _split(selectors: Sequence[str] | str) -> tuple[str, list[str]]:
+def split_policy(selectors: Sequence[str] | str) -> tuple[str, list[str]]:
     """``(policy, the other selectors)``; at most one policy word, ``full`` when none."""
     selectors = [selectors] if isinstance(selectors, str) else list(selectors)
     policies = [s for s in selectors if s in CHECKPOINT_POLICIES]
