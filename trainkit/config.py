@@ -257,9 +257,6 @@ class SharedDataConfig:
     # Known once the data is read (an image folder's class folders); model and metrics configs
     # take it as ${data.num_classes}. null: from the data; a number: checked against the data.
     num_classes: int | None = None
-    # data.root (or shards) an fsspec URL (s3://...; trainkit.data.remote): the local copies of
-    # shards are kept within this many GiB, least recently used removed first; 0: no copies
-    cache_gb: float = 10.0
 
     def __post_init__(self) -> None:
         for part in reversed(type(self).__mro__):  # each part's own checks, once
@@ -274,8 +271,6 @@ class SharedDataConfig:
             _check_int("data.num_workers", self.num_workers, minimum=0)
         if self.num_classes is not None:
             _check_int("data.num_classes", self.num_classes, minimum=1)
-        if isinstance(self.cache_gb, bool) or not self.cache_gb >= 0:
-            raise ConfigError(f"data.cache_gb must be >= 0, got {self.cache_gb!r}")
 
 
 @dataclass
@@ -397,8 +392,13 @@ class ShardFields:
     val_shards: Any = None
     epoch_samples: int | None = None
     shuffle_buffer: int = 1000
+    # shards at an fsspec URL (s3://...; trainkit.data.remote): their local copies are kept
+    # within this many GiB, least recently used removed first; 0: no copies
+    cache_gb: float = 10.0
 
     def _check(self) -> None:
+        if isinstance(self.cache_gb, bool) or not self.cache_gb >= 0:
+            raise ConfigError(f"data.cache_gb must be >= 0, got {self.cache_gb!r}")
         if self.epoch_samples is not None:
             _check_int("data.epoch_samples", self.epoch_samples, minimum=1)
         _check_int("data.shuffle_buffer", self.shuffle_buffer, minimum=1)
