@@ -83,7 +83,7 @@ def step_phase(step: WindowStep, batch: Any, *, seconds: float, guard_finite: bo
 
     def one(meter: StepMeter) -> None:
         result = step(window, False, guard_finite)
-        meter.add(result.samples, result.loss, None, result.finite_flag)
+        meter.add(result.samples, result.logged_loss, None, result.finite_flag)  # as fit does
 
     return timed("step", one, step.device, seconds=seconds, warmup=warmup)
 
@@ -99,7 +99,7 @@ def together_phase(step: WindowStep, data: Iterable[Any], *, accumulate: int, se
         window = next(groups)
         meter.data_wait += clock() - fetched  # blocked on the data, as fit counts it
         result = step(window, False, guard_finite)
-        meter.add(result.samples, result.loss, None, result.finite_flag)
+        meter.add(result.samples, result.logged_loss, None, result.finite_flag)  # as fit does
 
     return timed("together", one, step.device, seconds=seconds, warmup=warmup, waits=True)
 
