@@ -79,9 +79,9 @@ def test_an_uncommitted_folder_is_never_read_and_a_damaged_one_is_refused(url: s
 
 def test_an_async_save_returns_before_its_commit_and_commits_its_own_copy(
         url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch.distributed as dist
+    import threading
 
-    from trainkit.checkpoint.remote import UPLOAD_DELAY_ENV
+    import torch.distributed as dist
 
     # a group of one rank, in this process: the async path is taken under a process group only
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
@@ -89,13 +89,18 @@ def test_an_async_save_returns_before_its_commit_and_commits_its_own_copy(
     try:
         ckpts = RemoteShardedCheckpoints(url, keep_last=2, async_save=True)
         save(ckpts, 1)
-        monkeypatch.setenv(UPLOAD_DELAY_ENV, "0.5")  # a window between upload and commit
+        ckpts.wait()  # step 1 committed
+        # step 2's commit waits for the test's read: an event, not a delay a loaded machine
+        # outlasts
+        gate, commit = threading.Event(), ckpts._commit
+        monkeypatch.setattr(ckpts, "_commit", lambda *args: gate.wait(60) and commit(*args))
         live = {"model": {"w": torch.full((3,), 2.0)}, "optimizer": {"m": torch.ones(2)}}
         ckpts.save(live, {"format": sharded.FORMAT, "global_step": 2, "epoch": 0}, 2)
         live["model"]["w"].add_(5)  # the loop goes on: the save has its own copy
         meta = read_meta(f"{url}/last.json")
         forget(meta)
         assert meta["global_step"] == 1  # step 2 is not committed yet
+        gate.set()
         ckpts.wait()
         assert load_full(f"{url}/last.json")["model"]["w"].tolist() == [2.0] * 3
         assert [c.rsplit("/", 1)[-1] for c in ckpts.candidates()] == [
