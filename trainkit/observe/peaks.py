@@ -36,8 +36,9 @@ GPUS: tuple[tuple[str, Peak], ...] = (
     (r"h200.*nvl", Peak("H200 NVL", 60.0, 835 / 2, 1671 / 2, 1671 / 2)),
     (r"h200", Peak("H200 SXM", 67.0, 989 / 2, 1979 / 2, 1979 / 2)),
     (r"a100", Peak("A100", 19.5, 156.0, 312.0, 312.0)),  # SXM and PCIe alike
-    (r"l40s", Peak("L40S", 91.6, 366 / 2, 733 / 2, 733 / 2)),
-    (r"l40\b", Peak("L40", 90.5, 362 / 2, 362 / 2, 362 / 2)),
+    # the L40 and L40S sheets give both figures ("dense | sparse*"): the dense ones
+    (r"l40s", Peak("L40S", 91.6, 183.0, 362.05, 362.05)),
+    (r"l40\b", Peak("L40", 90.5, 90.5, 181.05, 181.05)),
     (r"\bl4\b", Peak("L4", 30.3, 120 / 2, 242 / 2, 242 / 2)),
     (r"a40\b", Peak("A40", 37.4, 74.8, 149.7, 149.7)),
     # AWS's A10G: NVIDIA publishes only the A10's sheet
