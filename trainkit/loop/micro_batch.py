@@ -221,15 +221,24 @@ def _flatten(params: list[nn.Parameter]) -> _Bucket:
     flat[total:].zero_()
     offset = 0
     for i, param in enumerate(params):
-        view = flat[offset:offset + param.numel()]
         if param.grad is None:
-            view.zero_()
+            flat[offset:offset + param.numel()].zero_()
         else:
-            view.copy_(param.grad.reshape(-1))
-            param.grad = view.view_as(param)
+            grad = _grad_view(flat, offset, param)
+            grad.copy_(param.grad)
+            param.grad = grad
             flat[total + i].fill_(1)
         offset += param.numel()
     return _Bucket(flat, params)
+
+
+def _grad_view(flat: torch.Tensor, offset: int, param: nn.Parameter) -> torch.Tensor:
+    """``param``'s gradient as a view of ``flat`` from ``offset``, in ``param``'s memory layout
+    (a channels_last weight gets a channels_last gradient, as autograd gives it): a fused
+    optimizer reads a weight and its gradient element for element in memory order.
+    ``empty_like`` on ``meta`` gives the strides a dense tensor of that layout has."""
+    strides = torch.empty_like(param, device="meta").stride()
+    return flat.as_strided(param.shape, strides, flat.storage_offset() + offset)
 
 
 def average_buckets(buckets: Sequence[_Bucket]) -> None:
@@ -248,7 +257,7 @@ def average_buckets(buckets: Sequence[_Bucket]) -> None:
         offset = 0
         for param, seen in zip(params, present):
             if param.grad is None and seen > 0:
-                param.grad = flat[offset:offset + param.numel()].view_as(param)
+                param.grad = _grad_view(flat, offset, param)
             offset += param.numel()
 
 
