@@ -206,7 +206,9 @@ class FlopsMeter:
                 return
             self.count(*shapes, samples=first.shape[0])
 
-        self._handle = model.register_forward_pre_hook(catch, with_kwargs=True)
+        # prepend: before any pre-hook already there, as fully_shard's, which casts the inputs
+        # to its param_dtype (bf16 inputs would not run on the float32 meta copy)
+        self._handle = model.register_forward_pre_hook(catch, with_kwargs=True, prepend=True)
         return self
 
     def finish_watching(self) -> None:
