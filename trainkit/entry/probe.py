@@ -116,28 +116,46 @@ def probe(cfg: Any, *, seconds: float) -> dict[str, Any] | None:
             "flops": mfu, "verdict": {"bound": bound, "line": line}}
 
 
+def _step_alone_rate(alone: Phase, together: Phase) -> float:
+    """The step alone's samples/s, steady: at least the together phase's (which runs the same
+    step and loads too), so a busy moment in the step phase never makes a ratio above 100%."""
+    return max(alone.samples_per_s, together.samples_per_s)
+
+
 def _mfu(flops: FlopsMeter, runtime: Runtime, alone: Phase, together: Phase) -> dict[str, Any]:
-    """FLOPs per sample, the peak, the matmul measured here, and the MFU of the step alone
-    and of the two together (None where the FLOPs could not be counted)."""
+    """FLOPs per sample, the peak, the matmul measured here (the machine's best), and the MFU
+    of the step alone and of the two together (None where the FLOPs could not be counted, or
+    where a rate reached the peak: never a figure of 100% or more)."""
     kind = compute_kind(flops.precision, runtime.device)
     out: dict[str, Any] = {"kind": kind,
                            "matmul_tflops": measure_matmul_tflops(runtime.device, kind)}
     if flops.per_sample is not None and flops.peak is not None:
-        out.update(flops.summary())
-        for name, phase in (("alone", alone), ("together", together)):
-            out[name] = flops.rates(phase.samples_per_s)["throughput/mfu"]
+        rates = {"alone": _step_alone_rate(alone, together), "together": together.samples_per_s}
+        for name, samples_per_s in rates.items():
+            found = flops.rates(samples_per_s)
+            out[name] = found.get("throughput/mfu")
+            out[f"{name}_tflops"] = found["throughput/tflops"]
+        out.update(flops.summary())  # the peak as the rates left it
     return out
 
 
 def _flops_lines(mfu: dict[str, Any]) -> str:
-    """The table's FLOPs lines: the model's per sample, the peak, the matmul measured here."""
-    matmul = (f"matmul ({mfu['kind']}) measured here: {mfu['matmul_tflops']:.4g} TFLOP/s (for "
-              f"runs: trainer.peak_tflops={mfu['matmul_tflops']:.4g})")
+    """The table's FLOPs lines: the model's per sample, the peak, the matmul measured here
+    (advised as ``trainer.peak_tflops`` only where it is above the step's own rate)."""
+    matmul = f"matmul ({mfu['kind']}) measured here: {mfu['matmul_tflops']:.4g} TFLOP/s"
+    if mfu["matmul_tflops"] > mfu.get("alone_tflops", 0.0):
+        matmul += f" (for runs: trainer.peak_tflops={mfu['matmul_tflops']:.4g})"
+    else:
+        matmul += " (below the step's own rate: not a peak to pin)"
     if "flops_per_sample" not in mfu:
         return f"FLOPs not counted (see the line above); {matmul}"
     return (f"model: {mfu['flops_per_sample'] / 1e9:.4g} GFLOP per sample (forward + backward); "
             f"peak {mfu['peak_tflops']:.4g} TFLOP/s ({mfu['peak_source']}); MFU step alone "
-            f"{mfu['alone']:.1%}, together {mfu['together']:.1%}\n{matmul}")
+            f"{_share(mfu['alone'])}, together {_share(mfu['together'])}\n{matmul}")
+
+
+def _share(mfu: float | None) -> str:
+    return "- (at the peak: see the line above)" if mfu is None else f"{mfu:.1%}"
 
 
 def _window_step(cfg: Any, runtime: Runtime, parts: Any) -> tuple[WindowStep, FlopsMeter]:
@@ -222,9 +240,10 @@ def _input_verdict(in_memory: bool, runtime: Runtime, loader: Phase, alone: Phas
 
 def _compute_verdict(settings: TrainConfig, runtime: Runtime, alone: Phase,
                      together: Phase, mfu: dict[str, Any]) -> str:
+    step_alone = _step_alone_rate(alone, together)
     text = (f"compute-bound: {together.samples_per_s:.0f} samples/s together is "
-            f"{together.samples_per_s / alone.samples_per_s:.0%} of the step alone "
-            f"({alone.samples_per_s:.0f}); data wait {together.data_wait_share or 0.0:.0%}")
+            f"{together.samples_per_s / step_alone:.0%} of the step alone "
+            f"({step_alone:.0f}); data wait {together.data_wait_share or 0.0:.0%}")
     total, batch = throughput.device_memory_gib(runtime.device), settings.data.batch_size
     if runtime.device.type != "cuda":
         return text + (f"; memory {alone.peak_gib:.2f} GiB of the machine's {total:.0f} GiB: on "

@@ -8,8 +8,10 @@ A checkpointed block's recomputation is counted apart: MFU uses the model's FLOP
 backward, as PaLM defines it); ``throughput/hfu`` adds the recomputation.
 
 MFU divides the achieved TFLOP/s by the device's peak for the run's precision: the datasheet's
-(:mod:`trainkit.observe.peaks`), else a matmul measured once per process (a CPU, a card missing
-from the table), or ``trainer.peak_tflops``.
+(:mod:`trainkit.observe.peaks`), else the machine's best measured matmul (a CPU, a card missing
+from the table), or ``trainer.peak_tflops``. A window at or above its peak reports no MFU (a
+figure above 100% is never printed): a measured peak is then raised to that window's rate, which
+the machine has shown it reaches.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from trainkit.core.tree import tensors, tree_map
-from trainkit.observe.peaks import compute_kind, datasheet_peak
+from trainkit.observe.peaks import best_known, compute_kind, datasheet_peak, machine_key
 
 log = logging.getLogger("trainkit")
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
@@ -89,24 +91,49 @@ def _to_meta(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(tensor, device="meta").requires_grad_(tensor.requires_grad)
 
 
+ROUNDS = 5  # at most, of the matmul measurement: until a round no longer beats the best by 5%
+
+
 def measure_matmul_tflops(device: torch.device, kind: str = "fp32",
                           seconds: float = 0.2) -> float:
-    """The best TFLOP/s of square matmuls in ``kind``'s dtype on ``device``, over growing sizes
-    (a CPU's cache favours smaller ones, a GPU's width larger ones) within about ``seconds``.
-    Measured once per process for each device, kind and CPU thread count, then remembered.
+    """The machine's best TFLOP/s of square matmuls in ``kind``'s dtype on ``device``.
+
+    A round times growing sizes (a CPU's cache favours smaller ones, a GPU's width larger ones)
+    within about ``seconds``; rounds repeat while one still beats the best by 5% (a machine
+    busy for a moment), and the figure is the larger of theirs and the best kept for this
+    machine, device, kind and CPU thread count across runs (:func:`~trainkit.observe.peaks.
+    best_known`). Measured once per process, then remembered.
 
     The operands come from a generator of their own: the global RNG streams are untouched.
     """
     key = (str(device), kind, torch.get_num_threads())
     if key not in _measured:
-        sizes = (256, 512, 1024, 2048) if device.type == "cpu" else (2048, 4096, 8192)
         best = 0.0
-        for size in sizes:
-            took = _best_matmul_seconds(device, DTYPES[kind], size, seconds / len(sizes))
-            best = max(best, 2 * size ** 3 / took / 1e12)
-            if 8 * took > seconds / len(sizes) / 3:  # the next size (8x the work): < 3 would fit
+        for _ in range(ROUNDS):
+            this = _matmul_round(device, kind, seconds)
+            improved = this > 1.05 * best
+            best = max(best, this)
+            if not improved:
                 break
-        _measured[key] = best
+        _measured[key] = best_known(machine_key(device, kind), best)
+    return _measured[key]
+
+
+def _matmul_round(device: torch.device, kind: str, seconds: float) -> float:
+    sizes = (256, 512, 1024, 2048) if device.type == "cpu" else (2048, 4096, 8192)
+    best = 0.0
+    for size in sizes:
+        took = _best_matmul_seconds(device, DTYPES[kind], size, seconds / len(sizes))
+        best = max(best, 2 * size ** 3 / took / 1e12)
+        if 8 * took > seconds / len(sizes) / 3:  # the next size (8x the work): < 3 would fit
+            break
+    return best
+
+
+def _raise_measured(device: torch.device, kind: str, tflops: float) -> float:
+    """A rate the machine reached, above its measured peak: the new peak, here and kept."""
+    key = (str(device), kind, torch.get_num_threads())
+    _measured[key] = best_known(machine_key(device, kind), tflops)
     return _measured[key]
 
 
@@ -177,6 +204,7 @@ class FlopsMeter:
         self.counted_s = 0.0  # the same, in all (never popped): the first step's timer reads it
         self._samples, self._seconds = 0, 0.0  # over the logged windows, for the summary
         self._handle: Any = None  # watch()'s hook, until the model's first call
+        self._said_above = False  # the line about a window above its peak, once
 
     @classmethod
     def of(cls, model: nn.Module, precision: Any, peak_tflops: float | None = None
@@ -253,11 +281,30 @@ class FlopsMeter:
         if self.per_sample is None or self.peak is None:
             return {}
         tflops = self.per_sample.model * samples_per_s / 1e12
-        rates = {"throughput/tflops": tflops, "throughput/mfu": tflops / self.peak[0]}
+        hardware = tflops + self.per_sample.recompute * samples_per_s / 1e12
+        rates = {"throughput/tflops": tflops}
+        if hardware >= self.peak[0]:  # not this machine's peak: no figure of 100% or more
+            self._above_peak(hardware)
+            return rates
+        rates["throughput/mfu"] = tflops / self.peak[0]
         if self.per_sample.recompute:
-            hardware = tflops + self.per_sample.recompute * samples_per_s / 1e12
             rates["throughput/hfu"] = hardware / self.peak[0]
         return rates
+
+    def _above_peak(self, tflops: float) -> None:
+        """A rate at or above the peak: a measured peak rises to it (the machine reached it);
+        a datasheet's or ``trainer.peak_tflops`` stays, with one line saying so."""
+        peak, source = self.peak or (0.0, "")
+        if source.startswith("measured"):
+            kind = compute_kind(self.precision, self.device)
+            self.peak = (max(peak, _raise_measured(self.device, kind, tflops)), source)
+            why = (f"the measured peak ({peak:.4g}) is below what this machine reaches (a "
+                   "busy moment): raised to that rate, here and for later runs")
+        else:
+            why = f"the peak ({peak:.4g}, {source}) is too low for this device and precision"
+        if not self._said_above:
+            self._said_above = True
+            log.info("MFU left out of a window that ran at %.4g TFLOP/s: %s", tflops, why)
 
     def summary(self) -> dict[str, Any]:
         """summary.json's figures: FLOPs per sample, the peak and where it comes from, and the
@@ -272,7 +319,10 @@ class FlopsMeter:
             out["recompute_flops_per_sample"] = self.per_sample.recompute
         if self._seconds > 0:
             rates = self.rates(self._samples / self._seconds)
-            out.update(tflops=rates["throughput/tflops"], mfu=rates["throughput/mfu"])
+            out["tflops"] = rates["throughput/tflops"]
+            if "throughput/mfu" in rates:  # under 1, or left out
+                out["mfu"] = rates["throughput/mfu"]
+            out["peak_tflops"] = self.peak[0]  # raised, where a window showed more
         return out
 
 

@@ -6,11 +6,22 @@ figure (marked ``*`` there) it is halved. ``tf32``/``bf16``/``fp16`` are tensor-
 with FP32 accumulation (what PyTorch's matmuls use); ``fp32`` is the non-tensor figure.
 A card missing here, or a precision its sheet lacks, has no entry: the run then measures a matmul
 instead (:mod:`trainkit.observe.flops`), and ``trainer.peak_tflops`` overrides either.
+
+A measured peak is the machine's, not the moment's: the best figure seen on this machine (per
+device, precision and CPU thread count) is kept across runs in ``<cache>/peaks.json``
+(``$TRAINKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/trainkit``, else ``~/.cache/trainkit``), so a
+measurement taken on a busy machine does not become the denominator of the next run's MFU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import platform
 import re
+import tempfile
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -82,3 +93,50 @@ def datasheet_peak(device_name: str, kind: str) -> tuple[float, str] | None:
             value = getattr(peak, kind)
             return None if value is None else (float(value), f"{peak.name} {kind}")
     return None
+
+
+def machine_key(device: torch.device, kind: str) -> str:
+    """The key of a measured peak: host, processor or GPU, precision and CPU thread count."""
+    what = (torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name())
+    return f"{platform.node()}|{device.type}: {what}|{kind}|{torch.get_num_threads()} threads"
+
+
+def best_known(key: str, measured: float) -> float:
+    """The larger of ``measured`` and the best figure kept for ``key``; kept in the cache file
+    when it is larger (a cache that cannot be written: the measurement alone)."""
+    path = _cache_dir() / "peaks.json"
+    try:
+        known = json.loads(path.read_text())
+        known = known if isinstance(known, dict) else {}
+    except (OSError, ValueError):
+        known = {}
+    best = known.get(key)
+    if isinstance(best, (int, float)) and best >= measured:
+        return float(best)
+    known[key] = measured
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".peaks-")
+        try:
+            with os.fdopen(fd, "w") as out:
+                json.dump(known, out, indent=1, sort_keys=True)
+            os.replace(tmp, path)  # whole or not at all, whoever writes at the same time
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    return measured
+
+
+def _cache_dir() -> Path:
+    """Where trainkit keeps what it remembers between runs (as the data checksums do)."""
+    if os.environ.get("TRAINKIT_CACHE_DIR"):
+        return Path(os.environ["TRAINKIT_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainkit"
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
