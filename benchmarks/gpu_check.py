@@ -25,6 +25,7 @@ absolute difference of the weights as well.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -129,22 +130,55 @@ GPU_TESTS_TIMEOUT_S = 480  # every GPU-marked test, slow ones (training subproce
 
 
 def gpu_tests(ctx: Context, where: str | Path = "tests") -> dict[str, Any]:
-    """``pytest -m gpu`` over ``where`` (every GPU-marked test in tests/, found by its mark):
-    a failure, an error, a skip or no test at all fails the case."""
+    """``pytest -m gpu`` over ``where`` (every GPU-marked test in tests/, found by its mark),
+    judged on the GPU-marked tests alone: they are collected first, then run. A module that
+    cannot be imported here (a package the GPU image lacks: nbformat, say) or skips at import
+    (trackers, Hugging Face data) holds no test that counts, unless its source marks a test
+    ``gpu`` and it fails to import: that fails the case. A failure, an error, a skip of a
+    collected test, or no test at all fails the case."""
+    common = ["-m", "gpu", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
+    collect = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *common,
+                              str(where)], cwd=REPO, capture_output=True, text=True,
+                             timeout=GPU_TESTS_TIMEOUT_S)
+    ids = [line.strip() for line in collect.stdout.splitlines()
+           if "::" in line and not line.startswith(("ERROR", "SKIPPED", " "))]
+    broken = [m for m in _uncollected(collect.stdout) if _marks_gpu(m, where)]
+    if broken:
+        raise CaseFailed(f"module(s) with GPU-marked tests fail to import: {', '.join(broken)}"
+                         f"\n{collect.stdout[-2000:]}")
+    if not ids:
+        last = (collect.stdout.strip().splitlines() or ["-"])[-1]
+        raise CaseFailed(f"pytest -m gpu ran no test under {where}: {last}")
     report = Path(tempfile.mkdtemp(dir=ctx.work)) / "pytest.xml"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs",
-                           "-p", "no:cacheprovider", f"--junitxml={report}", str(where)],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", *common,
+                           f"--junitxml={report}", str(where)],
                           cwd=REPO, capture_output=True, text=True, timeout=GPU_TESTS_TIMEOUT_S)
     counts, skipped = _junit(report)
     last = (proc.stdout.strip().splitlines() or ["-"])[-1]
-    if proc.returncode not in (0, 5) or counts["failures"] or counts["errors"]:
+    if counts["failures"] or counts["errors"] or proc.returncode not in (0, 1, 5):
         raise CaseFailed(f"pytest -m gpu: {last}\n{proc.stdout[-3000:]}{proc.stderr[-1000:]}")
     if skipped:
         raise CaseFailed(f"{len(skipped)} GPU-marked test(s) skipped, not run: "
                          f"{'; '.join(skipped)[:1500]}")
-    if not counts["tests"]:
-        raise CaseFailed(f"pytest -m gpu ran no test under {where}: {last}")
+    if counts["tests"] != len(ids):
+        raise CaseFailed(f"{len(ids)} GPU-marked test(s) collected, {counts['tests']} run: {last}")
     return {"tests": counts["tests"], "pytest": last}
+
+
+def _uncollected(output: str) -> list[str]:
+    """The modules a collection reports as errors (they could not be imported)."""
+    import re
+
+    return sorted(set(re.findall(r"^ERROR\s+(\S+?\.py)\b", output, re.MULTILINE)))
+
+
+def _marks_gpu(module: str, where: str | Path) -> bool:
+    """Whether a module's source marks a test ``gpu`` (it could not be imported to ask it);
+    pytest names it from the repository, or from ``where`` when that lies outside it."""
+    for base in (REPO, Path(where)):
+        with contextlib.suppress(OSError):
+            return "mark.gpu" in (base / module).read_text()
+    return False
 
 
 def _junit(report: Path) -> tuple[dict[str, int], list[str]]:
@@ -153,7 +187,9 @@ def _junit(report: Path) -> tuple[dict[str, int], list[str]]:
 
     if not report.is_file():
         return {"tests": 0, "failures": 0, "errors": 1}, []
-    cases = list(ET.parse(report).getroot().iter("testcase"))
+    # a module's collection error or skip at import is a test case without a class name:
+    # not a test (gpu_tests judges such modules from the collection)
+    cases = [c for c in ET.parse(report).getroot().iter("testcase") if c.get("classname")]
     skipped = [f"{c.get('classname')}::{c.get('name')} ({s.get('message', '')[:120]})"
                for c in cases for s in c.findall("skipped")]
     return {"tests": len(cases), "failures": sum(bool(c.findall("failure")) for c in cases),

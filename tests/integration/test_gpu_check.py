@@ -168,6 +168,40 @@ def test_gpu_tests_fail_when_a_gpu_marked_test_is_skipped(tmp_path: Path) -> Non
         gpu_tests(types.SimpleNamespace(work=tmp_path), tmp_path / "tests")
 
 
+def test_gpu_tests_judge_only_the_gpu_marked_tests(tmp_path: Path) -> None:
+    """A module that fails at import (nbformat missing on the GPU image) or skips at import (a
+    tracker's extra) holds no GPU test that counts: the GPU-marked tests are collected first,
+    and only they are judged (was: collection stopped, or the skip failed the case)."""
+    from benchmarks.gpu_check import gpu_tests
+
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_x.py").write_text(
+        "import pytest\n\n@pytest.mark.gpu\ndef test_a():\n    pass\n\n"
+        "@pytest.mark.gpu\n@pytest.mark.parametrize('n', [1, 2])\ndef test_b(n):\n    pass\n\n"
+        "def test_not_gpu():\n    pytest.skip('not selected')\n")
+    (tests / "test_notebook.py").write_text(
+        "import nbformat_not_on_this_image\n\ndef test_n():\n    pass\n")
+    (tests / "test_trackers.py").write_text(
+        "import pytest\npytest.importorskip('a_tracker_not_installed')\n\n"
+        "@pytest.mark.gpu\ndef test_t():\n    pass\n")
+    assert gpu_tests(types.SimpleNamespace(work=tmp_path), tests)["tests"] == 3
+
+
+def test_gpu_tests_fail_when_a_module_with_gpu_tests_cannot_be_imported(tmp_path: Path) -> None:
+    from benchmarks.gpu_check import CaseFailed, gpu_tests
+
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_x.py").write_text("import pytest\n\n@pytest.mark.gpu\ndef test_a():\n"
+                                     "    pass\n")
+    (tests / "test_broken.py").write_text("import pytest\nimport not_a_module_here\n\n"
+                                          "@pytest.mark.gpu\ndef test_b():\n    pass\n")
+    with pytest.raises(CaseFailed, match=r"^module\(s\) with GPU-marked tests fail to import: "
+                                         r"\S*tests/test_broken\.py\n"):
+        gpu_tests(types.SimpleNamespace(work=tmp_path), tests)
+
+
 def test_on_a_gpu_a_case_not_run_is_a_failure() -> None:
     from benchmarks.gpu_check import CASES, _status
 
