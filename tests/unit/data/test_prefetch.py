@@ -1,6 +1,13 @@
-"""The device prefetcher: the same batches as without it, normalised, on CPU and CUDA."""
+"""The device prefetcher: the same batches as without it, normalised, on CPU and CUDA; its side
+stream's ordering on a GPU, and a CPU stand-in of the same structure."""
 
 from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,14 +66,157 @@ def test_cuda_side_stream_gives_the_same_batches() -> None:
     _check("cuda")
 
 
+# -- the side stream's two guarantees --------------------------------------------------------
+# ``wait_stream``: the compute stream reads a batch only after the side stream's copy and
+# normalisation of it; ``record_stream``: a batch's memory is not handed to a later copy while
+# the compute stream may still read it. The GPU test makes each hazard show: the side stream is
+# slowed before every copy (a queued matmul loop), the compute stream before every read, the
+# checks run on the device, and each batch is dropped while its reads are still queued. The CPU
+# stand-in runs the prefetcher's own CUDA path over fake streams that record what is queued where.
+
+N_BATCHES = 6
+
+
+def _busy(stream: torch.cuda.Stream, work: torch.Tensor, out: torch.Tensor, n: int) -> None:
+    """Queue ``n`` matmuls on ``stream`` (public torch: a queued delay of the GPU, not the host)."""
+    with torch.cuda.stream(stream):
+        for _ in range(n):
+            torch.matmul(work, work, out=out)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_batches_are_ready_when_handed_out_and_not_reused_while_read() -> None:
-    """Each batch is dropped before the next is taken, and the consumer's stream is slowed before
-    it reads: without ``wait_stream`` a batch would be read before its copy ends, without
-    ``record_stream`` its memory could be handed to the next copy while still being read."""
-    batches = [(torch.full((64, 3, 32, 32), float(i)), torch.full((64,), i)) for i in range(6)]
-    for i, (x, y) in enumerate(DevicePrefetcher(batches, "cuda")):
-        torch.cuda._sleep(50_000_000)  # the consumer lags: the next copy runs meanwhile
-        assert torch.equal(x, torch.full_like(x, float(i))) and torch.equal(y.cpu(), batches[i][1])
-        del x, y
+@pytest.mark.parametrize(("side_work", "compute_work"), [
+    (60, 0),  # the side stream lags: without wait_stream a batch is read before it is written
+    (5, 60),  # the compute stream lags: without record_stream a later copy takes its memory
+], ids=["side_lags", "compute_lags"])
+def test_cuda_batches_are_ready_when_handed_out_and_not_reused_while_read(
+        side_work: int, compute_work: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinned uint8 batches normalised on the side stream, a queued delay on the side stream
+    before each copy and on the compute stream before each read, checks on the device, and
+    each batch dropped while its reads are still queued: one host read, at the end."""
+    made: list[torch.cuda.Stream] = []
+    real_stream = torch.cuda.Stream
+
+    def stream(*args: object, **kwargs: object) -> torch.cuda.Stream:
+        made.append(real_stream(*args, **kwargs))  # the prefetcher's side stream
+        return made[-1]
+
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    mean, std = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
+    values = [10 * (i + 1) for i in range(N_BATCHES)]  # each batch its own, none zero
+    batches = [(torch.full((64, 3, 64, 64), v, dtype=torch.uint8).pin_memory(),
+                torch.full((64,), i).pin_memory()) for i, v in enumerate(values)]
+    expected = [((v / 255 - torch.tensor(mean)) / torch.tensor(std)).view(1, 3, 1, 1).cuda()
+                for v in values]
+    work = torch.randn(2048, 2048, device="cuda")
+    side_out, compute_out = torch.empty_like(work), torch.empty_like(work)
+    torch.cuda.synchronize()
+
+    def slowed() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in batches:
+            _busy(made[0], work, side_out, side_work)  # queued before this batch's copy
+            yield batch
+
+    prefetcher = DevicePrefetcher(slowed(), "cuda", mean=mean, std=std)
+    assert len(made) == 1
+    worst = torch.zeros((), device="cuda")
+    wrong_labels = torch.zeros((), dtype=torch.long, device="cuda")
+    compute = torch.cuda.current_stream()
+    for i, (x, y) in enumerate(prefetcher):
+        _busy(compute, work, compute_out, compute_work)  # the reads below wait behind this
+        worst = torch.maximum(worst, (x - expected[i]).abs().amax())
+        wrong_labels += (y != i).sum()
+        del x, y  # dropped while its reads are still queued
+    assert i == N_BATCHES - 1
+    assert worst.item() < 1e-5 and wrong_labels.item() == 0  # the one host read, at the end
+
+
+class _FakeStream:
+    """A stream that records the work queued on it, and the waits on other streams."""
+
+    def __init__(self, name: str, log: list[tuple]) -> None:
+        self.name, self.log, self.queued = name, log, 0
+        self.waited_for: dict[str, int] = {}  # other stream -> its work queued at the wait
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.waited_for[other.name] = other.queued
+        self.log.append(("wait", self.name, other.name))
+
+
+def _stand_in(module: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Run ``module``'s DevicePrefetcher down its CUDA path on the CPU, over fake streams; the
+    hazards it leaves, one line each (none when the prefetcher waits and records)."""
+    log: list[tuple] = []
+    side, compute = _FakeStream("side", log), _FakeStream("compute", log)
+    active = [compute]
+    copied: dict[int, int] = {}  # batch -> its copy's place in the side stream's work
+    recorded: list[tuple[torch.Tensor, str]] = []  # kept alive: no id is reused meanwhile
+
+    @contextlib.contextmanager
+    def on(stream: _FakeStream) -> Iterator[None]:
+        active.append(stream)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    def move(batch: Any, device: object) -> Any:
+        stream = active[-1]
+        stream.queued += 1  # the copy, queued on whichever stream is current
+        copied[int(batch[1][0])] = stream.queued
+        return batch[0].clone(), batch[1].clone()
+
+    def record_stream(tensor: torch.Tensor, stream: _FakeStream) -> None:
+        recorded.append((tensor, stream.name))
+
+    prefetcher = module.DevicePrefetcher(
+        [(torch.full((2, 3, 2, 2), i, dtype=torch.uint8), torch.full((2,), i))
+         for i in range(N_BATCHES)], "cpu")
+    monkeypatch.setattr(prefetcher, "_stream", side)
+    monkeypatch.setattr(module, "move_to_device", move)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+    hazards = []
+    for x, y in prefetcher:  # the consumer reads x and y on the compute stream
+        batch = int(y[0])
+        if compute.waited_for.get("side", 0) < copied[batch]:
+            hazards.append(f"batch {batch} read before its copy on the side stream ended")
+        for tensor in (x, y):
+            if not any(t is tensor and name == "compute" for t, name in recorded):
+                hazards.append(f"batch {batch}'s memory not kept for the compute stream's reads")
+    assert sorted(copied) == list(range(N_BATCHES)) and side.queued == N_BATCHES  # all on side
+    return sorted(set(hazards))
+
+
+def _without(line_part: str) -> types.ModuleType:
+    """The prefetcher's module with every statement holding ``line_part`` made a ``pass``."""
+    import importlib
+
+    module = importlib.import_module(DevicePrefetcher.__module__)
+    source = Path(module.__file__).read_text()
+    kept = [line[:len(line) - len(line.lstrip())] + "pass" if line_part in line else line
+            for line in source.splitlines()]
+    assert kept != source.splitlines(), f"the prefetcher has no {line_part}"
+    mutant = types.ModuleType(f"{module.__name__}_without")
+    mutant.__file__ = module.__file__
+    exec(compile("\n".join(kept), module.__file__, "exec"), mutant.__dict__)
+    return mutant
+
+
+def test_the_cpu_stand_in_holds_for_the_prefetcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    assert _stand_in(importlib.import_module(DevicePrefetcher.__module__), monkeypatch) == []
+
+
+@pytest.mark.parametrize(("removed", "hazard"), [
+    (".wait_stream(", "read before its copy on the side stream ended"),
+    (".record_stream(", "memory not kept for the compute stream's reads"),
+])
+def test_the_cpu_stand_in_fails_without_wait_stream_or_record_stream(
+        removed: str, hazard: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The structure the GPU test checks, shown to catch each line's removal."""
+    hazards = _stand_in(_without(removed), monkeypatch)
+    assert hazards and all(hazard in line for line in hazards), hazards
