@@ -1,19 +1,23 @@
 """Every CUDA path of trainkit once, each as a case that fails when the path is broken.
 
-    bash benchmarks/gpu_check.sh <out_dir>                  # on a GPU machine (brings Hydra along)
-    python -m benchmarks.gpu_check <out_dir>                # the same, Hydra already installed
+    bash benchmarks/gpu_check.sh --plan                     # the batches, anywhere
+    bash benchmarks/gpu_check.sh --batch 1 <out_dir>        # on a GPU machine (brings Hydra along)
+    python -m benchmarks.gpu_check <out_dir>                # every case, Hydra already installed
     python -m benchmarks.gpu_check <out_dir> --device cpu --only sigterm_resume   # (the tests)
 
-Writes ``<out_dir>/gpu_check.json`` (every case: ok, seconds, what it measured or why it failed;
-the sync counts; the throughput figures) and prints everything else, ending with every case and
-its PASS/FAIL and the torch/CUDA versions (``gpu_check.sh`` keeps it as
-``<out_dir>/gpu_check.log``). ``gpu_tests`` runs ``pytest -m gpu`` over tests/: every GPU-marked
-test, wherever it lives (``trainkit estimate`` against ``torch.cuda.max_memory_allocated``
-within 10% among them: tests/unit/entry/test_estimate.py); one skipped fails the case. On CUDA a
-case that is not run fails (the ``nccl`` case on one GPU where NCCL refuses two ranks on it,
-say). Runs go to a temporary folder, deleted at the end. Independent cases run four at a time;
-the timing ones (``gpu_decode``, ``syncs``, ``throughput``) run alone at the end. Without CUDA
-(and no ``--device cpu``): one line, exit 0 on a machine without a GPU, exit 1 when
+Writes ``<out_dir>/gpu_check.json`` after every case (every case so far: ok, seconds, what it
+measured or why it failed; the sync counts; the throughput figures) and prints everything else,
+ending with every case and its PASS/FAIL and the torch/CUDA versions (``gpu_check.sh`` keeps it
+as ``<out_dir>/gpu_check.log``). The cases come in batches (``BATCHES``), each expected to fit
+one call of a lent machine (``--plan`` lists them with each case's expected seconds on one H100
+and the device call); no case starts after ``--deadline`` seconds (a case not run then fails).
+``gpu_tests`` runs the GPU-marked tests of tests/, collected first: every one, wherever it lives
+(``trainkit estimate`` against ``torch.cuda.max_memory_allocated`` among them:
+tests/unit/entry/test_estimate.py); one skipped fails the case. On CUDA a case that is not run
+fails, but for ``nccl`` on one GPU: ``NOT RUN (needs 2 GPUs)``, which a one-GPU verdict does not
+count. Runs go to a temporary folder, deleted at the end. Independent cases run four at a time;
+the timing ones (``gpu_decode``, ``syncs``, ``throughput``) run alone, in a batch of their own.
+Without CUDA (and no ``--device cpu``): one line, exit 0 on a machine without a GPU, exit 1 when
 ``nvidia-smi`` lists one that torch cannot use. Exit status 1 when a case failed.
 
 Comparisons between runs are bitwise: those runs go through
@@ -56,13 +60,20 @@ class CaseFailed(Exception):
     """A case's check did not hold; the message says which."""
 
 
+class NotRun(Exception):
+    """A case this machine cannot run (one GPU where it needs two): stated, not failed."""
+
+
+NEEDS_2_GPUS = "needs 2 GPUs"
+
+
 class Context:
     """Where the runs go, the data, the device and the overrides every run of a kind shares."""
 
-    def __init__(self, work: Path, device: str) -> None:
+    def __init__(self, work: Path, device: str, deadline: float = float("inf")) -> None:
         from tests.helpers.fakes import write_fake_cifar10, write_fake_mnist
 
-        self.work, self.device = work, device
+        self.work, self.device, self.deadline = work, device, deadline
         self.cuda = device == "cuda"
         data = work / "data"
         write_fake_mnist(data)
@@ -79,6 +90,10 @@ class Context:
     def run_dir(self, name: str) -> Path:
         return self.work / "runs" / name
 
+    def timeout(self, most: float = 240.0) -> float:
+        """A process's time limit: ``most`` seconds, or what is left before the deadline."""
+        return max(1.0, min(most, self.deadline - time.monotonic()))
+
     def train(self, name: str, *overrides: str, module: str = "trainkit.train",
               launcher: tuple[str, ...] = (), expect: int = 0, exp: list[str] | None = None
               ) -> dict[str, Any]:
@@ -87,7 +102,7 @@ class Context:
         cmd = [sys.executable, *launcher, "-m", module, *(self.exp if exp is None else exp),
                *overrides, f"hydra.run.dir={run}"]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                              timeout=CASE_TIMEOUT_S)
+                              timeout=self.timeout(CASE_TIMEOUT_S))
         output = proc.stdout + proc.stderr
         if proc.returncode != expect:
             last = (proc.stderr.strip().splitlines() or output.strip().splitlines() or ["-"])[-1]
@@ -139,7 +154,7 @@ def gpu_tests(ctx: Context, where: str | Path = "tests") -> dict[str, Any]:
     common = ["-m", "gpu", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
     collect = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *common,
                               str(where)], cwd=REPO, capture_output=True, text=True,
-                             timeout=GPU_TESTS_TIMEOUT_S)
+                             timeout=_timeout(ctx, GPU_TESTS_TIMEOUT_S))
     ids = [line.strip() for line in collect.stdout.splitlines()
            if "::" in line and not line.startswith(("ERROR", "SKIPPED", " "))]
     broken = [m for m in _uncollected(collect.stdout) if _marks_gpu(m, where)]
@@ -152,7 +167,8 @@ def gpu_tests(ctx: Context, where: str | Path = "tests") -> dict[str, Any]:
     report = Path(tempfile.mkdtemp(dir=ctx.work)) / "pytest.xml"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", *common,
                            f"--junitxml={report}", str(where)],
-                          cwd=REPO, capture_output=True, text=True, timeout=GPU_TESTS_TIMEOUT_S)
+                          cwd=REPO, capture_output=True, text=True,
+                          timeout=_timeout(ctx, GPU_TESTS_TIMEOUT_S))
     counts, skipped = _junit(report)
     last = (proc.stdout.strip().splitlines() or ["-"])[-1]
     if counts["failures"] or counts["errors"] or proc.returncode not in (0, 1, 5):
@@ -163,6 +179,10 @@ def gpu_tests(ctx: Context, where: str | Path = "tests") -> dict[str, Any]:
     if counts["tests"] != len(ids):
         raise CaseFailed(f"{len(ids)} GPU-marked test(s) collected, {counts['tests']} run: {last}")
     return {"tests": counts["tests"], "pytest": last}
+
+
+def _timeout(ctx: Any, most: float) -> float:
+    return ctx.timeout(most) if hasattr(ctx, "timeout") else most
 
 
 def _uncollected(output: str) -> list[str]:
@@ -320,7 +340,10 @@ def nccl(ctx: Context) -> dict[str, Any]:
     """trainkit over NCCL with 2 processes: DDP's gradient all-reduce and the StepVote every
     step, then ``micro_batch_size=auto``'s vote (a real OOM above 8 samples on every rank), and
     NCCL with gloo in one group. On one GPU the two ranks share it where NCCL allows; where it
-    refuses, the case fails as not run, saying why (never a pass)."""
+    refuses, the case fails as not run, saying why (never a pass). A lent machine has one GPU:
+    there the case is ``NOT RUN (needs 2 GPUs)`` at once, which does not fail a one-GPU verdict."""
+    if torch.cuda.device_count() < 2:
+        raise NotRun(NEEDS_2_GPUS)
     ddp = completed(_two_ranks(ctx, "nccl", "trainer.max_steps=20"))
     auto = _two_ranks(ctx, "nccl_auto", "model._target_=tests.helpers.models.BatchHungryNet",
                       "data.batch_size=32", "trainer.micro_batch_size=auto",
@@ -618,30 +641,137 @@ CASES: dict[str, tuple[Case, bool]] = {
 }
 ALONE = ("gpu_decode", "syncs", "throughput")  # timings: nothing else runs meanwhile
 
+# Seconds each case is expected to take on one H100 (80 GB), run as its batch runs it: estimates
+# from the cases' steps and processes until a lent machine's gpu_check.json (each case's
+# "seconds") replaces them. The plan packs them into batches that each fit one device call.
+EXPECTED_S: dict[str, int] = {
+    "gpu_tests": 150, "compile": 90, "activation_checkpointing": 35,
+    "compile_and_activation_checkpointing": 100, "async_save_resume": 120, "sigterm_resume": 90,
+    "explicit_device": 35, "dataloader_prefetcher": 40, "ddp_cpu_on_gpu_machine": 40,
+    "nccl": 1, "nonfinite_on_device": 35, "fp16_gradscaler": 45, "bf16": 45, "out_of_memory": 40,
+    "fsdp_bf16_async_resume": 60, "fsdp_fp16_async_resume": 60, "dataloader_accumulation": 35,
+    "micro_batch_auto_and_profile": 45, "gpu_decode": 120, "syncs": 60, "throughput": 150,
+}
+# One device call each (a lent machine: 10 minutes a call, 15 in all, one GPU): the timing
+# cases alone in the second, so the first's parallel runs cannot disturb them.
+BATCHES: tuple[tuple[str, ...], ...] = (
+    tuple(n for n in CASES if n not in ALONE),
+    ALONE,
+)
+BATCH_LIMIT_S = 8 * 60  # a batch's expected seconds, at most (a call may run 10 minutes)
+TOTAL_LIMIT_S = 14 * 60  # all batches' (a session's device time is 15 minutes)
+SETUP_S = 40  # per batch: the Hydra wheels installed, the fake datasets written, CUDA started
+CONTENTION = 1.5  # four runs at once share one GPU and the CPU cores: each takes this much longer
+DEVICE_TIMEOUT_S = 570  # a device call's timeout_s for one batch (its limit is 600)
 
-def run_case(name: str, ctx: Context) -> dict[str, Any]:
+
+def batch_seconds(names: tuple[str, ...] | list[str], parallel: int = 4) -> float:
+    """A batch's expected seconds: its parallel cases packed into ``parallel`` lanes (longest
+    first, each into the least loaded), slowed by running together, then the timing cases one
+    after another, and the setup."""
+    lanes = [0.0] * max(1, parallel)
+    for name in sorted((n for n in names if n not in ALONE), key=lambda n: -EXPECTED_S[n]):
+        lanes[lanes.index(min(lanes))] += EXPECTED_S[name]
+    together = max(lanes) * (CONTENTION if sum(v > 0 for v in lanes) > 1 else 1.0)
+    return SETUP_S + together + sum(EXPECTED_S[n] for n in names if n in ALONE)
+
+
+def plan() -> dict[str, Any]:
+    """The batches with their cases' expected seconds and the device command for each."""
+    batches = []
+    for number, names in enumerate(BATCHES, start=1):
+        command = f'bash benchmarks/gpu_check.sh --batch {number} "$OUT"'
+        batches.append({
+            "batch": number, "cases": {n: EXPECTED_S[n] for n in names},
+            "expected_s": round(batch_seconds(names)),
+            "device_call": {"command": command, "carry": [".whl"],
+                            "timeout_s": DEVICE_TIMEOUT_S},
+        })
+    total = sum(b["expected_s"] for b in batches)
+    return {"batches": batches, "total_s": total, "batch_limit_s": BATCH_LIMIT_S,
+            "total_limit_s": TOTAL_LIMIT_S,
+            "fits": all(b["expected_s"] <= BATCH_LIMIT_S for b in batches)
+            and total <= TOTAL_LIMIT_S}
+
+
+def print_plan(found: dict[str, Any]) -> None:
+    for batch in found["batches"]:
+        print(f"batch {batch['batch']}: expected {batch['expected_s']} s "
+              f"({batch['expected_s'] / 60:.1f} min of at most {BATCH_LIMIT_S // 60})")
+        for name, seconds in batch["cases"].items():
+            print(f"  {name:<40}{seconds:>5} s{'  (alone)' if name in ALONE else ''}")
+        call = batch["device_call"]
+        print(f"  device call: run(command='{call['command']}', carry={json.dumps(call['carry'])}"
+              f", timeout_s={call['timeout_s']})")
+    print(f"total: expected {found['total_s']} s ({found['total_s'] / 60:.1f} min of at most "
+          f"{TOTAL_LIMIT_S // 60}); {'fits' if found['fits'] else 'DOES NOT FIT'}; first, here: "
+          "bash benchmarks/gpu_check.sh --fetch-wheels (makes .whl/); run the batches one after "
+          "the other (a warm machine is not started again)")
+
+
+class Recorder:
+    """Each case's result as it ends, and ``gpu_check.json`` rewritten after every case (a call
+    cut off at its limit still brings back what ran)."""
+
+    def __init__(self, out: Path, device: str, batch: int | None) -> None:
+        self.out, self.device, self.batch = out, device, batch
+        self.cases: dict[str, dict[str, Any]] = {}
+        self.started = time.perf_counter()
+        self.lock = threading.Lock()
+
+    def add(self, name: str, result: dict[str, Any]) -> None:
+        with self.lock:
+            self.cases[name] = result
+            self.write()
+
+    def write(self) -> dict[str, Any]:
+        result = summarise(self.cases, self.device, time.perf_counter() - self.started)
+        result["batch"] = self.batch
+        self.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        return result
+
+
+def run_case(name: str, ctx: Context, recorder: Recorder | None = None) -> dict[str, Any]:
     case, on_cpu = CASES[name]
     if not ctx.cuda and not on_cpu:
-        return {"ok": None, "skipped": "needs CUDA"}
+        result: dict[str, Any] = {"ok": None, "skipped": "needs CUDA"}
+    elif time.monotonic() >= ctx.deadline:
+        result = {"ok": None, "not_run": "deadline", "seconds": 0.0}
+    else:
+        result = _timed_case(case, ctx)
+    with _print_lock:
+        if "seconds" in result:
+            print(f"== {name}: {_status(result, ctx.cuda)} in {result['seconds']} s", flush=True)
+            print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2,
+                             default=str)[:6000], flush=True)
+    if recorder is not None:
+        recorder.add(name, result)
+    return result
+
+
+def _timed_case(case: Case, ctx: Context) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         result = {"ok": True, **case(ctx)}
+    except NotRun as err:
+        result = {"ok": None, "not_run": str(err)}
     except (CaseFailed, subprocess.TimeoutExpired) as err:
         result = {"ok": False, "error": str(err)}
     except Exception as err:  # a bug in the case itself: its traceback, the others still run
         result = {"ok": False, "error": one_line(err), "traceback": traceback.format_exc()}
     result["seconds"] = round(time.perf_counter() - start, 1)
-    with _print_lock:
-        print(f"== {name}: {_status(result, ctx.cuda)} in {result['seconds']} s", flush=True)
-        print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2,
-                         default=str)[:6000], flush=True)
     return result
 
 
 def _status(result: dict[str, Any], cuda: bool) -> str:
-    """PASS, FAIL, or (``--device cpu`` only) skipped: on a GPU a case not run is a FAIL."""
+    """PASS, FAIL, ``NOT RUN (needs 2 GPUs)`` (not a failure), or (``--device cpu`` only)
+    skipped: on a GPU any other case not run (the deadline passed, say) is a FAIL."""
     if result["ok"] is None:
-        return "FAIL (not run)" if cuda else "skipped"
+        if result.get("not_run") == NEEDS_2_GPUS:
+            return f"NOT RUN ({NEEDS_2_GPUS})"
+        if not cuda and "not_run" not in result:
+            return "skipped"
+        return f"FAIL (not run{': ' + result['not_run'] if result.get('not_run') else ''})"
     return "PASS" if result["ok"] else "FAIL"
 
 
@@ -665,13 +795,30 @@ def cuda_missing() -> str | None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path, help="where gpu_check.json goes")
+    parser.add_argument("out_dir", type=Path, nargs="?", help="where gpu_check.json goes")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: the cases that can, on the CPU (for the tests)")
-    parser.add_argument("--only", default=",".join(CASES), help="comma-separated case names")
+    parser.add_argument("--only", help="comma-separated case names (default: every case)")
+    parser.add_argument("--batch", type=int, choices=range(1, len(BATCHES) + 1),
+                        help="the cases of one batch of the plan (one device call)")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the batches, their expected seconds and device commands")
+    parser.add_argument("--deadline", type=float, default=BATCH_LIMIT_S,
+                        help="seconds after which no case starts (a started one is cut then)")
     parser.add_argument("--parallel", type=int, default=4, help="cases run at once")
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    if args.plan:
+        found = plan()
+        print_plan(found)
+        if not found["fits"]:
+            sys.exit(1)
+        return found
+    if args.out_dir is None:
+        parser.error("give out_dir (or --plan)")
+    if args.only and args.batch:
+        parser.error("give --only or --batch, not both")
+    names = ([n.strip() for n in args.only.split(",") if n.strip()] if args.only
+             else list(BATCHES[args.batch - 1]) if args.batch else list(CASES))
     unknown = set(names) - set(CASES)
     if unknown:
         parser.error(f"unknown case(s) {', '.join(sorted(unknown))}; have {', '.join(CASES)}")
@@ -686,19 +833,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "failed" in result:
             sys.exit(1)
         return result
-    started = time.perf_counter()
+    recorder = Recorder(out, args.device, args.batch)
+    deadline = time.monotonic() + args.deadline
     work = Path(tempfile.mkdtemp(prefix="trainkit-gpu-check-"))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
-        ctx = Context(work, args.device)
+        ctx = Context(work, args.device, deadline)
         together = [n for n in names if n not in ALONE]
         with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-            cases = dict(zip(together, pool.map(lambda n: run_case(n, ctx), together)))
-        cases.update({n: run_case(n, ctx) for n in names if n in ALONE})
+            list(pool.map(lambda n: run_case(n, ctx, recorder), together))
+        for name in names:
+            if name in ALONE:
+                run_case(name, ctx, recorder)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result = summarise(cases, args.device, time.perf_counter() - started)
-    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    result = recorder.write()
     print_summary(result, out)
     if result["failed"]:
         sys.exit(1)
@@ -706,7 +855,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def summarise(cases: dict[str, dict[str, Any]], device: str, seconds: float) -> dict[str, Any]:
-    """The JSON's head: versions, and each case's status (on CUDA a case not run failed)."""
+    """The JSON's head: versions, and each case's status (on CUDA a case not run failed, but
+    for one that needs 2 GPUs on a machine with one)."""
     cuda = device == "cuda"
     status = {n: _status(r, cuda) for n, r in cases.items()}
     return {
@@ -717,6 +867,7 @@ def summarise(cases: dict[str, dict[str, Any]], device: str, seconds: float) -> 
         "status": status,
         "passed": [n for n, s in status.items() if s == "PASS"],
         "failed": [n for n, s in status.items() if s.startswith("FAIL")],
+        "not_run": [n for n, s in status.items() if s.startswith("NOT RUN")],
         "skipped": [n for n, s in status.items() if s == "skipped"],
         "cases": cases,
     }
@@ -729,8 +880,10 @@ def print_summary(result: dict[str, Any], out: Path) -> None:
         error = result["cases"][name].get("error", "")
         print(f"{name:<{width}}  {status}" + (f"  {error.splitlines()[0][:150]}" if error
                                               else ""))
+    not_run = f", {len(result['not_run'])} not run ({NEEDS_2_GPUS})" if result["not_run"] else ""
     print(f"gpu_check: {len(result['passed'])} passed, {len(result['failed'])} failed "
-          f"({', '.join(result['failed']) or 'none'}), {len(result['skipped'])} skipped, in "
+          f"({', '.join(result['failed']) or 'none'}){not_run}, {len(result['skipped'])} "
+          f"skipped, in "
           f"{result['seconds']} s; torch {result['torch']}, CUDA {result['cuda']}, "
           f"{result['device']} x{result['gpus']}; results in {out}")
 

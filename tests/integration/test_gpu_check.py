@@ -206,5 +206,82 @@ def test_on_a_gpu_a_case_not_run_is_a_failure() -> None:
     from benchmarks.gpu_check import CASES, _status
 
     assert _status({"ok": None}, cuda=True) == "FAIL (not run)"
+    assert _status({"ok": None, "not_run": "deadline"}, cuda=False) == "FAIL (not run: deadline)"
     assert _status({"ok": None}, cuda=False) == "skipped"  # --device cpu: CUDA-only cases
     assert "gpu_tests" in CASES and "unit_tests_on_cuda" not in CASES
+
+
+def test_the_plan_fits_a_lent_machine_and_prints_each_device_call() -> None:
+    """--plan on the CPU: every case in one batch, each batch <= 8 minutes on one H100, all of
+    them <= 14, and each batch's device call with the Hydra wheels carried."""
+    from benchmarks.gpu_check import BATCHES, CASES, EXPECTED_S, plan
+
+    result = subprocess.run(["bash", str(SCRIPT), "--plan"], capture_output=True, text=True,
+                            env=offline_env(PYTHON=sys.executable), timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    found = plan()
+    assert found["fits"] and found["total_s"] <= 14 * 60
+    assert sorted(n for b in BATCHES for n in b) == sorted(CASES) == sorted(EXPECTED_S)
+    for batch in found["batches"]:
+        assert batch["expected_s"] <= 8 * 60
+        assert any(line.startswith(f"batch {batch['batch']}: expected {batch['expected_s']} s ")
+                   for line in lines)
+        call = (f"  device call: run(command='bash benchmarks/gpu_check.sh --batch "
+                f"{batch['batch']} \"$OUT\"', carry=[\".whl\"], timeout_s=570)")
+        assert call in lines
+        for name, seconds in batch["cases"].items():
+            assert any(line.split()[:3] == [name, str(seconds), "s"] for line in lines), name
+    assert lines[-1].startswith(f"total: expected {found['total_s']} s")
+    assert "; fits;" in lines[-1]
+
+
+def _fake_cases(monkeypatch: pytest.MonkeyPatch, cases: dict) -> None:
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(gpu_check, "CASES", {n: (c, True) for n, c in cases.items()})
+    monkeypatch.setattr(gpu_check, "Context", lambda work, device, deadline: types.SimpleNamespace(
+        work=work, device=device, deadline=deadline, cuda=device == "cuda"))
+
+
+def test_the_json_is_written_after_every_case(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call cut off at its limit still brings back the cases that ran."""
+    from benchmarks import gpu_check
+
+    report = tmp_path / "gpu_check.json"
+
+    def second(ctx: object) -> dict:
+        return {"seen": json.loads(report.read_text())["status"]}  # written when first ended
+
+    _fake_cases(monkeypatch, {"first": lambda ctx: {"x": 1}, "second": second})
+    result = gpu_check.main([str(tmp_path), "--device", "cpu", "--only", "first,second",
+                             "--parallel", "1"])
+    assert result["cases"]["second"]["seen"] == {"first": "PASS"}
+    assert json.loads(report.read_text())["passed"] == ["first", "second"]
+
+
+def test_no_case_starts_after_the_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import gpu_check
+
+    _fake_cases(monkeypatch, {"late": lambda ctx: {"x": 1}})
+    with pytest.raises(SystemExit) as caught:
+        gpu_check.main([str(tmp_path), "--device", "cpu", "--only", "late", "--deadline", "0"])
+    assert caught.value.code == 1
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["status"] == {"late": "FAIL (not run: deadline)"}
+
+
+def test_nccl_on_one_gpu_is_not_run_and_leaves_the_verdict_to_the_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    result = gpu_check._timed_case(gpu_check.nccl, types.SimpleNamespace(cuda=True))
+    assert result["ok"] is None and result["not_run"] == "needs 2 GPUs"
+    assert gpu_check._status(result, cuda=True) == "NOT RUN (needs 2 GPUs)"
+    summary = gpu_check.summarise({"nccl": result, "bf16": {"ok": True}}, "cuda", 1.0)
+    assert summary["failed"] == [] and summary["not_run"] == ["nccl"]
+    assert summary["passed"] == ["bf16"]
