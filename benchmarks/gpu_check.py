@@ -458,15 +458,36 @@ def _amp(ctx: Context, precision: str) -> dict[str, Any]:
         "few skipped steps": summary["skipped_steps"] < summary["global_step"] // 2,
         "CUDA memory in TensorBoard": "memory/cuda_peak_allocated_gib" in tags,
         "loss scale iff fp16": ("amp/loss_scale" in tags) == (precision == "16-mixed"),
-        # issue 53: the GPU's peak for this precision (datasheet, or a matmul where unlisted)
         "MFU in TensorBoard and 0 < mfu < 1": ("throughput/mfu" in tags
                                                and 0 < summary.get("mfu", 0) < 1),
     }
     failed = [name for name, held in checks.items() if not held]
+    peak = peak_problem(summary, torch.cuda.get_device_name(0), precision)
+    if peak:
+        failed.append(peak)
     if failed:
         raise CaseFailed(f"{', '.join(failed)} (tags {sorted(tags)})")
     return {"skipped_steps": summary["skipped_steps"], "mfu": summary.get("mfu"),
             "peak_source": summary.get("peak_source"), **result}
+
+
+def peak_problem(summary: dict[str, Any], device_name: str, precision: str) -> str | None:
+    """What is wrong with a run's MFU denominator, or None: on a card in the table, the
+    datasheet's dense figure for the run's precision (a 2x peak reads as half the MFU); on
+    another, a measured peak at least the run's own TFLOP/s."""
+    from trainkit.observe.peaks import datasheet_peak
+
+    kind = {"bf16-mixed": "bf16", "16-mixed": "fp16"}[precision]
+    expected = datasheet_peak(device_name, kind)
+    got, source = summary.get("peak_tflops"), str(summary.get("peak_source", ""))
+    if expected is not None:
+        if got != expected[0] or source != f"datasheet: {expected[1]}":
+            return (f"peak {got} TFLOP/s ({source}), not the datasheet's {expected[0]} "
+                    f"({expected[1]}) for {device_name}")
+        return None
+    if not source.startswith("measured") or not got or got < summary.get("tflops", 0):
+        return f"peak {got} TFLOP/s ({source}) for {device_name}, unlisted: not a measured peak"
+    return None
 
 
 def fp16_gradscaler(ctx: Context) -> dict[str, Any]:

@@ -285,3 +285,28 @@ def test_nccl_on_one_gpu_is_not_run_and_leaves_the_verdict_to_the_others(
     summary = gpu_check.summarise({"nccl": result, "bf16": {"ok": True}}, "cuda", 1.0)
     assert summary["failed"] == [] and summary["not_run"] == ["nccl"]
     assert summary["passed"] == ["bf16"]
+
+
+@pytest.mark.parametrize(("device", "precision", "summary", "problem"), [
+    ("NVIDIA H100 80GB HBM3", "bf16-mixed",
+     {"peak_tflops": 989.5, "peak_source": "datasheet: H100 SXM bf16", "tflops": 300.0}, None),
+    ("NVIDIA L40", "16-mixed",  # the sparse figure: MFU would read half
+     {"peak_tflops": 362.0, "peak_source": "datasheet: L40 fp16", "tflops": 90.0},
+     "not the datasheet's 181.05 (L40 fp16)"),
+    ("NVIDIA H200", "16-mixed",  # a bf16 peak for an fp16 run
+     {"peak_tflops": 989.5, "peak_source": "datasheet: H200 SXM bf16", "tflops": 90.0},
+     "not the datasheet's 989.5 (H200 SXM fp16)"),
+    ("Some Future GPU", "bf16-mixed",
+     {"peak_tflops": 500.0, "peak_source": "measured: bf16 matmul on cuda", "tflops": 90.0}, None),
+    ("Some Future GPU", "bf16-mixed",
+     {"peak_tflops": 50.0, "peak_source": "measured: bf16 matmul on cuda", "tflops": 90.0},
+     "unlisted: not a measured peak"),
+])
+def test_the_amp_cases_check_the_peak_against_the_table(device: str, precision: str,
+                                                        summary: dict, problem: str | None
+                                                        ) -> None:
+    """(was: only 0 < mfu < 1, which a 2x peak passes)"""
+    from benchmarks.gpu_check import peak_problem
+
+    found = peak_problem(summary, device, precision)
+    assert found is None if problem is None else problem in found, found
