@@ -499,7 +499,9 @@ def bf16(ctx: Context) -> dict[str, Any]:
 
 
 def out_of_memory(ctx: Context) -> dict[str, Any]:
-    """A real allocator OOM in the third step: one line, status oom, the allocator's summary."""
+    """A real allocator OOM in the third step, the device's memory filled 1 GiB at a time until
+    the allocator refuses (tests.helpers.models.fill_device): one line, status oom, the
+    allocator's summary."""
     outcome = ctx.train("oom", "model._target_=tests.helpers.models.ExhaustingNet",
                         "trainer.max_steps=10", exp=ctx.mnist, expect=2)
     last = outcome["stderr"].strip().splitlines()[-1]
@@ -547,8 +549,9 @@ def dataloader_accumulation(ctx: Context) -> dict[str, Any]:
 
 
 def micro_batch_auto_and_profile(ctx: Context) -> dict[str, Any]:
-    """A real allocator OOM above 8 samples: ``micro_batch_size=auto`` settles at 8 and
-    completes; the profiler's trace holds CUDA kernels, the memory snapshots are written (one
+    """A real allocator OOM above 8 samples, the device's memory filled each time:
+    ``micro_batch_size=auto`` settles at 8 and completes only if each failed try's memory was
+    released; the profiler's trace holds CUDA kernels, the memory snapshots are written (one
     at the out-of-memory error)."""
     outcome = ctx.train(
         "micro_batch", "model._target_=tests.helpers.models.BatchHungryNet", "data.batch_size=32",

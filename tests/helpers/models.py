@@ -37,9 +37,22 @@ class BuggyNet(MnistNet):
         return super().forward(x)
 
 
+def fill_device(device: torch.device) -> None:
+    """Run a CUDA device out of memory for real: 1 GiB blocks until the caching allocator
+    refuses one, all held by this frame (so by the error's traceback, until whoever catches
+    it lets it go: the release a harness must get right). Elsewhere one request larger than
+    any machine, refused before anything is allocated."""
+    if device.type != "cuda":
+        torch.empty(2**48, dtype=torch.uint8, device=device)  # 256 TiB
+        return
+    held = []
+    while True:
+        held.append(torch.empty(2**30, dtype=torch.uint8, device=device))
+
+
 class ExhaustingNet(MnistNet):
-    """MnistNet whose third training forward asks the allocator for more than any device has
-    (a real out-of-memory on a GPU, from the caching allocator itself)."""
+    """MnistNet whose third training forward fills the device's memory until the allocator
+    refuses (a real out-of-memory on a GPU, from the caching allocator itself)."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -49,16 +62,17 @@ class ExhaustingNet(MnistNet):
         if self.training:
             self.calls += 1
             if self.calls == 3:
-                x = x + torch.empty(2**48, dtype=torch.uint8, device=x.device).sum()  # 256 TiB
+                fill_device(x.device)
         return super().forward(x)
 
 
 class BatchHungryNet(MnistNet):
-    """MnistNet whose training forward over more than 8 samples asks the allocator for more
-    than any device has: a real CUDA out-of-memory above a micro-batch of 8
-    (``trainer.micro_batch_size=auto`` must settle at 8; benchmarks/gpu_check.py)."""
+    """MnistNet whose training forward over more than 8 samples fills the device's memory: a
+    real CUDA out-of-memory above a micro-batch of 8, with the memory really taken, so
+    ``trainer.micro_batch_size=auto`` settles at 8 only if each failed try's memory was
+    released (benchmarks/gpu_check.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and len(x) > 8:
-            x = x + torch.empty(2**48, dtype=torch.uint8, device=x.device).sum()  # 256 TiB
+            fill_device(x.device)
         return super().forward(x)
