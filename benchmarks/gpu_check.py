@@ -339,9 +339,8 @@ def ddp_cpu_on_gpu_machine(ctx: Context) -> dict[str, Any]:
 def nccl(ctx: Context) -> dict[str, Any]:
     """trainkit over NCCL with 2 processes: DDP's gradient all-reduce and the StepVote every
     step, then ``micro_batch_size=auto``'s vote (a real OOM above 8 samples on every rank), and
-    NCCL with gloo in one group. On one GPU the two ranks share it where NCCL allows; where it
-    refuses, the case fails as not run, saying why (never a pass). A lent machine has one GPU:
-    there the case is ``NOT RUN (needs 2 GPUs)`` at once, which does not fail a one-GPU verdict."""
+    NCCL with gloo in one group. A lent machine has one GPU: there the case is ``NOT RUN (needs
+    2 GPUs)`` at once (NCCL refuses two ranks on one GPU), which does not fail a one-GPU verdict."""
     if torch.cuda.device_count() < 2:
         raise NotRun(NEEDS_2_GPUS)
     ddp = completed(_two_ranks(ctx, "nccl", "trainer.max_steps=20"))
@@ -361,52 +360,12 @@ def nccl(ctx: Context) -> dict[str, Any]:
 
 def _two_ranks(ctx: Context, name: str, *overrides: str,
                exp: list[str] | None = None) -> dict[str, Any]:
-    """A world of 2 over NCCL: torchrun on 2 GPUs; on one, two single-process "nodes" (each
-    LOCAL_RANK 0, so each takes cuda:0). CaseFailed "not run" where NCCL refuses that."""
-    if torch.cuda.device_count() >= 2:
-        outcome = ctx.train(name, *overrides, exp=exp, launcher=(
-            "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"))
-    else:
-        outcome = _two_nodes_one_gpu(ctx, name, overrides, exp)
+    """A world of 2 over NCCL: torchrun on 2 GPUs."""
+    outcome = ctx.train(name, *overrides, exp=exp, launcher=(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"))
     if outcome["summary"].get("world_size") != 2:
         raise CaseFailed(f"world size {outcome['summary'].get('world_size')}, not 2")
     return outcome
-
-
-def _two_nodes_one_gpu(ctx: Context, name: str, overrides: tuple[str, ...],
-                       exp: list[str] | None) -> dict[str, Any]:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    run = ctx.run_dir(name)
-    cmd = [sys.executable, "-m", "trainkit.train", *(ctx.exp if exp is None else exp),
-           *overrides, f"hydra.run.dir={run}"]
-    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2",
-                                              "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                                              "MASTER_ADDR": "127.0.0.1",
-                                              "MASTER_PORT": str(port)}) for r in (0, 1)]
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=CASE_TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise
-    output = "\n".join(outputs)
-    if any(p.returncode for p in procs):
-        refused = next((line for line in output.splitlines()
-                        if "duplicate gpu" in line.lower() or "ncclInvalidUsage" in line), None)
-        if refused:
-            raise CaseFailed(f"not run: NCCL refuses two ranks on one GPU ({refused.strip()[:200]})"
-                             "; run it on a machine with 2 GPUs")
-        raise CaseFailed(f"exit statuses {[p.returncode for p in procs]}: "
-                         f"{(output.strip().splitlines() or ['-'])[-1][:300]}")
-    summary = json.loads((run / "summary.json").read_text())
-    return {"run": run, "summary": summary, "output": output, "stderr": output}
 
 
 _COLLECTIVES = """
