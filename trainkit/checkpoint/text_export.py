@@ -116,7 +116,14 @@ def name_classes(model: nn.Module, classes: Any) -> None:
 def export_adapters(model: nn.Module, out: Path, *, tokenizer: Any = None) -> Path:
     """Write the LoRA adapters of ``model`` alone, in PEFT's format, to the new folder ``out``."""
     with new_folder(out) as tmp:
-        save_adapters(model, str(tmp))
+        try:
+            with quiet_libraries():
+                save_adapters(model, str(tmp))
+        except TrainkitError:
+            raise
+        except Exception as err:  # PEFT's refusal: one line
+            raise TrainkitError(f"cannot write the adapters of {type(model).__name__} "
+                                f"({one_line(err, 100)})") from None
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return out
