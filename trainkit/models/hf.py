@@ -4,7 +4,9 @@
 written by ``save_pretrained`` (offline: nothing is downloaded). Such a model computes its own
 loss when the batch carries ``labels``; :func:`hf_forward` and :func:`model_loss` are the
 ``forward`` and ``loss`` that ``configs/model/hf.yaml`` sets, so the run trains on that loss and
-evaluates the logits without glue of your own. Needs ``pip install 'trainkit[finetune]'``.
+evaluates the logits without glue of your own. transformers' load report is said in trainkit's
+lines (:mod:`trainkit.core.library_logs` turns its own off). Needs
+``pip install 'trainkit[finetune]'``.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def positions(model: nn.Module) -> int | None:
     """The longest text ``model`` takes, in tokens (its ``max_position_embeddings``), if it
     says."""
     config = getattr(model, "config", None)
-    if config is None:
+    if not hasattr(config, "get_text_config"):  # not a transformers model
         return None
     limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     return limit if isinstance(limit, int) and limit > 0 else None

@@ -2,7 +2,8 @@
 
 :func:`apply_lora` wraps a model in PEFT's ``PeftModel``: low-rank adapters beside the
 ``nn.Linear`` / ``nn.Conv2d`` layers named (and the others PEFT adapts: ``nn.Embedding``,
-transformers' ``Conv1D``), every other weight frozen -- PEFT's own freezing. A Hugging Face
+transformers' ``Conv1D``), every other weight frozen -- PEFT's own freezing. PEFT's task type
+(:func:`task_type`: ``SEQ_CLS``, ``CAUSAL_LM``) is what transformers says the model is; a
 sequence classifier also trains its new head (PEFT's ``modules_to_save`` for the task); name
 others with ``modules_to_save``. The wrapped model's ``state_dict`` keys are PEFT's
 (``base_model.model.<name>...lora_A.default.weight``): the checkpoints of a LoRA run load into
