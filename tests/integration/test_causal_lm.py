@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 # the model, how to build it, and the layers LoRA adapts (GPT-2's fused attention; Llama's q, v)
 MODELS = {"gpt2": (write_tiny_gpt2, "[c_attn]"), "llama": (write_tiny_llama, "[q_proj,v_proj]")}
 STEPS = 32  # 2 epochs of 16 batches; the cut run is stopped in the second, at step 20
-MARGIN = 0.02  # nats per token: the fine-tuned model's validation loss below the base model's
+MARGIN = 0.03  # nats per token: the fine-tuned model's validation loss below the base model's
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +215,9 @@ def test_predict_generates_text(trained: dict[str, Any]) -> None:
                          "max_new_tokens=12"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["input"] for row in rows] == prompts.read_text().splitlines()
-    assert all(isinstance(row["text"], str) and row["text"].strip() for row in rows), rows
+    # a continuation for each prompt (a tiny model's may be spaces), and words among them
+    assert all(isinstance(row["text"], str) and row["text"] for row in rows), rows
+    assert any(row["text"].strip() for row in rows), rows
 
 
 def test_the_runs_output_is_trainkits_lines_without_the_libraries_chatter(

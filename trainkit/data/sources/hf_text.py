@@ -111,9 +111,8 @@ def hf_text_loaders(cfg: HFTextConfig, runtime: Runtime, *, seed: int = 0,
                           f"{cfg.root} (its columns: {', '.join(train.column_names)})")
     label = cfg.label_column if cfg.label_column in train.column_names else None
     classes = class_names(train, label) if label else None
-    common = {"tokenizer": tokenizer, "seq_len": fitted_seq_len(cfg.seq_len, cfg.tokenizer,
-                                                                tokenizer),
-              "text_column": cfg.text_column,
+    seq_len = fitted_seq_len(cfg.seq_len, cfg.tokenizer, tokenizer)
+    common = {"tokenizer": tokenizer, "seq_len": seq_len, "text_column": cfg.text_column,
               "label_column": label, "classes": classes}
 
     def load(split: Any, training: bool) -> DevicePrefetcher:
