@@ -154,6 +154,9 @@ def test_export_merges_the_adapters_and_gives_the_adapted_models_logits(
         torch.testing.assert_close(logits, adapted, rtol=0, atol=1e-6, msg=name)
     info = json.loads((folders["pt2"] / "model.json").read_text())
     assert info["classes"] == ["code", "prose"] and "lora" not in info["model"]
+    config = AutoModelForSequenceClassification.from_pretrained(folders["safetensors"]).config
+    assert config.id2label == {0: "code", 1: "prose"}  # what pipelines show, not LABEL_0
+    assert config.label2id == {"code": 0, "prose": 1}
 
 
 def _peft_model(base: Path, adapters: Path) -> torch.nn.Module:

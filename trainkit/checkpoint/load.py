@@ -43,9 +43,28 @@ def build_model(node: Mapping[str, Any], weights: Mapping[str, torch.Tensor], *,
             f"here: install or fix its module, or name another with model._target_=...",
             details=[f"weights: {path}", *chain_lines(err)]) from None
     target = AdaptersOnly(model) if adapters_only else model
+    weights = with_shared(target, weights)
     check_weights_fit(target.state_dict(), weights, key="ckpt", path=path)
     target.load_state_dict(weights)
     return model
+
+
+def with_shared(model: nn.Module, weights: Mapping[str, torch.Tensor]
+                ) -> Mapping[str, torch.Tensor]:
+    """``weights`` and, for each name of ``model`` they lack that shares its tensor with a name
+    they have (tied input and output embeddings, which ``save_pretrained`` writes once), that
+    tensor."""
+    here = model.state_dict()
+    if all(name in weights for name in here):
+        return weights
+
+    def place(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+        return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)
+
+    held = {place(t): name for name, t in here.items()
+            if name in weights and t.numel() and not t.is_meta}
+    twins = {name: held.get(place(t)) for name, t in here.items() if name not in weights}
+    return {**weights, **{name: weights[twin] for name, twin in twins.items() if twin}}
 
 
 def load_model(source: str | Path, ckpt: str = "best", *, device: str | torch.device = "cpu",

@@ -4,11 +4,14 @@
 written by ``save_pretrained`` (offline: nothing is downloaded). Such a model computes its own
 loss when the batch carries ``labels``; :func:`hf_forward` and :func:`model_loss` are the
 ``forward`` and ``loss`` that ``configs/model/hf.yaml`` sets, so the run trains on that loss and
-evaluates the logits without glue of your own. Needs ``pip install 'trainkit[finetune]'``.
+evaluates the logits without glue of your own. transformers' load report is said in trainkit's
+lines (:mod:`trainkit.core.library_logs` turns its own off). Needs
+``pip install 'trainkit[finetune]'``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,10 @@ import torch
 from torch import nn
 
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
+from trainkit.core.library_logs import quiet_libraries
 from trainkit.data.sources.hf_text import load_tokenizer, pad_id
+
+log = logging.getLogger("trainkit")
 
 TASKS = ("classification", "causal_lm")
 
@@ -47,14 +53,20 @@ def from_folder(path: str | None, task: str = "classification", num_labels: int 
         raise ConfigError(f"model.path={path}: no config.json there; give a folder that "
                           "save_pretrained wrote (config.json and the weights)")
     try:
-        if task == "causal_lm":
-            model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-        else:
-            model = transformers.AutoModelForSequenceClassification.from_pretrained(
-                folder, num_labels=num_labels, ignore_mismatched_sizes=True)
+        with quiet_libraries():  # its load report said in one line below, without colours
+            if task == "causal_lm":
+                model, report = transformers.AutoModelForCausalLM.from_pretrained(
+                    folder, output_loading_info=True)
+            else:
+                model, report = transformers.AutoModelForSequenceClassification.from_pretrained(
+                    folder, num_labels=num_labels, ignore_mismatched_sizes=True,
+                    output_loading_info=True)
     except (OSError, ValueError) as err:
         raise ConfigError(f"model.path={path}: transformers cannot load it "
                           f"({one_line(err, 120)})") from None
+    _log_report(path, report)
+    if task == "causal_lm" and getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"  # what transformers falls back to, warning every run
     vocab = model.config.get_text_config().vocab_size
     if task == "causal_lm" and num_labels is not None and num_labels > vocab:
         raise ConfigError(f"the tokenizer has {num_labels} tokens but the model's vocabulary "
@@ -62,6 +74,29 @@ def from_folder(path: str | None, task: str = "classification", num_labels: int 
     if model.config.pad_token_id is None:  # a batch's padding, found by the classifier
         model.config.pad_token_id = pad_id(load_tokenizer(path, key="model.path"))
     return model
+
+
+def _log_report(path: str, report: Mapping[str, Any]) -> None:
+    """transformers' load report (weights new, unused or re-initialised) as one line each."""
+    said = {"missing_keys": "new (initialised here)", "mismatched_keys": "of another shape "
+            "(re-initialised)", "unexpected_keys": "in the folder but not in the model (unused)"}
+    for key, words in said.items():
+        names = sorted(name if isinstance(name, str) else name[0]
+                       for name in report.get(key) or ())
+        if names:
+            more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+            log.info("model.path=%s: %d weights %s: %s%s", path, len(names), words,
+                     ", ".join(names[:4]), more)
+
+
+def positions(model: nn.Module) -> int | None:
+    """The longest text ``model`` takes, in tokens (its ``max_position_embeddings``), if it
+    says."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "get_text_config"):  # not a transformers model
+        return None
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
 
 
 def hf_forward(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[Any, Any]:
@@ -99,7 +134,8 @@ def classify(model: nn.Module, tokenizer: Any, texts: list[str], *, seq_len: int
              classes: list[str], topk: int) -> list[dict[str, Any]]:
     """Rows ``{"input": text, "classes": the top-k names, "probs": their probabilities}``."""
     device = next(model.parameters()).device
-    batch = tokenizer(texts, truncation=True, max_length=seq_len, padding=True,
+    limit = min(seq_len, positions(model) or seq_len)
+    batch = tokenizer(texts, truncation=True, max_length=limit, padding=True,
                       return_tensors="pt").to(device)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     probs, index = logits.float().softmax(-1).topk(min(topk, len(classes)), dim=-1)
@@ -113,12 +149,18 @@ def generate(model: nn.Module, tokenizer: Any, prompts: list[str], *, seq_len: i
     """Rows ``{"input": prompt, "text": its continuation}`` (greedy, at most
     ``max_new_tokens`` tokens; the prompts padded on the left, as generation needs)."""
     device = next(model.parameters()).device
+    limit = positions(model)
+    if limit is not None:  # the prompt and its continuation within the model's positions
+        max_new_tokens = min(max_new_tokens, limit - 1)
+        seq_len = min(seq_len, limit - max_new_tokens)
     tokenizer.padding_side = "left"
     batch = tokenizer(prompts, truncation=True, max_length=seq_len, padding=True,
                       return_tensors="pt").to(device)
-    out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=pad_id(tokenizer))
+    with quiet_libraries():  # generate's notes on its settings, every call
+        out = model.generate(input_ids=batch["input_ids"],
+                             attention_mask=batch["attention_mask"],
+                             max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=pad_id(tokenizer))
     texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:],
                                    skip_special_tokens=True)
     return [{"input": prompt, "text": text} for prompt, text in zip(prompts, texts)]

@@ -2,7 +2,8 @@
 
 :func:`apply_lora` wraps a model in PEFT's ``PeftModel``: low-rank adapters beside the
 ``nn.Linear`` / ``nn.Conv2d`` layers named (and the others PEFT adapts: ``nn.Embedding``,
-transformers' ``Conv1D``), every other weight frozen -- PEFT's own freezing. A Hugging Face
+transformers' ``Conv1D``), every other weight frozen -- PEFT's own freezing. PEFT's task type
+(:func:`task_type`: ``SEQ_CLS``, ``CAUSAL_LM``) is what transformers says the model is; a
 sequence classifier also trains its new head (PEFT's ``modules_to_save`` for the task); name
 others with ``modules_to_save``. The wrapped model's ``state_dict`` keys are PEFT's
 (``base_model.model.<name>...lora_A.default.weight``): the checkpoints of a LoRA run load into
@@ -13,6 +14,7 @@ the plain model, as ``trainkit export`` writes it.
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -22,8 +24,11 @@ from torch import nn
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
 
 KEYS = ("r", "alpha", "dropout", "target_modules", "modules_to_save")
-# PEFT's task types, for a transformers model of each kind (its head is then trained too)
-TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForCausalLM": "CAUSAL_LM"}
+# PEFT's task type of a transformers model, by the auto class that builds models of its kind
+# (GPT2LMHeadModel is a causal LM though its name does not say so); a classifier's head is then
+# trained too
+TASK_TYPES = (("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING", "SEQ_CLS"),
+              ("MODEL_FOR_CAUSAL_LM_MAPPING", "CAUSAL_LM"))
 
 
 def apply_lora(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
@@ -56,7 +61,7 @@ def apply_lora(model: nn.Module, lora: Mapping[str, Any]) -> nn.Module:
     config = peft.LoraConfig(
         r=r, lora_alpha=lora.get("alpha", 2 * r), lora_dropout=lora.get("dropout", 0.0),
         target_modules=targets, modules_to_save=lora.get("modules_to_save"),
-        task_type=_task_type(model))
+        task_type=task_type(model), fan_in_fan_out=_transposed(model, targets))
     try:
         with warnings.catch_warnings():  # PEFT 0.21 reads a property transformers 5 deprecated
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
@@ -89,9 +94,33 @@ def save_adapters(model: nn.Module, folder: str) -> None:
     model.save_pretrained(folder)
 
 
-def _task_type(model: nn.Module) -> str | None:
-    name = type(model).__name__
-    return next((task for end, task in TASK_TYPES.items() if name.endswith(end)), None)
+def task_type(model: nn.Module) -> str | None:
+    """PEFT's task type for ``model`` (``SEQ_CLS``, ``CAUSAL_LM``), from what transformers says
+    it is: the auto class whose mapping builds its class for its config, else a model that
+    generates text without an encoder is a causal LM. None: not a transformers model."""
+    config = getattr(model, "config", None)
+    if config is None or "transformers" not in sys.modules:  # no transformers model without it
+        return None
+    import transformers
+
+    if not isinstance(model, transformers.PreTrainedModel):
+        return None
+    for mapping, task in TASK_TYPES:
+        auto = getattr(transformers, mapping)
+        if type(config) in auto and issubclass(type(model), auto[type(config)]):
+            return task
+    if model.can_generate() and not getattr(config, "is_encoder_decoder", False):
+        return "CAUSAL_LM"  # a class the mappings do not list (a subclass, the user's own)
+    return None
+
+
+def _transposed(model: nn.Module, targets: list[str]) -> bool:
+    """Whether the layers adapted are transformers' ``Conv1D`` (GPT-2's), whose weights are
+    stored transposed: PEFT's ``fan_in_fan_out``, which it would otherwise set with a warning."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    layers = [module for name, module in model.named_modules()
+              if any(name == t or name.endswith(f".{t}") for t in targets)]
+    return conv1d is not None and bool(layers) and all(isinstance(m, conv1d) for m in layers)
 
 
 def _layers(model: nn.Module) -> str:

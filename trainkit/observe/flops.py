@@ -255,8 +255,7 @@ class FlopsMeter:
         try:
             total = count_call(model, args, kwargs)
         except Exception as err:  # a model that needs real values: no MFU, and a line why
-            log.info("FLOPs not counted: the model does not run on meta tensors (%s)",
-                     _first_line(err))
+            log.info("FLOPs not counted, so no throughput/tflops or MFU: %s", _meta_refusal(err))
         else:
             self.per_sample = FlopCount(total.model // samples, total.recompute // samples)
             self.peak = device_peak(self.device, self.precision, self.override)
@@ -332,6 +331,15 @@ def mfu_text(summary: dict[str, Any]) -> str:
         return ""
     return (f"MFU {summary['mfu']:.0%} ({summary['tflops']:.3g} of {summary['peak_tflops']:.4g} "
             f"TFLOP/s, {summary['peak_source']})")
+
+
+def _meta_refusal(err: BaseException) -> str:
+    """Why the count on meta tensors failed, in words: most often a forward that reads a value
+    of its input (transformers' attention-mask checks), which a meta tensor does not have."""
+    if "item()" in str(err) or "data-dependent" in str(err).lower():
+        return ("the model's forward reads values of its inputs (Tensor.item()), and they are "
+                "counted on shapes alone")
+    return f"the model does not run on meta tensors ({_first_line(err)})"
 
 
 def _first_line(err: BaseException) -> str:

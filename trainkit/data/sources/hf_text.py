@@ -17,6 +17,7 @@ resumed run reads exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from torch.utils.data import Dataset
 
 from trainkit.config import HFTextConfig
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
+from trainkit.core.library_logs import quiet_libraries
 from trainkit.core.runtime import Runtime
 from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.resumable import make_loader
@@ -37,6 +39,7 @@ EVAL_SPLITS = ("validation", "val", "test")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
                    "tokenizer.model")
 IGNORE = -100  # the label of padding: left out of the loss (transformers' and torch's default)
+log = logging.getLogger("trainkit")
 
 
 class TextSamples(Dataset):
@@ -108,7 +111,8 @@ def hf_text_loaders(cfg: HFTextConfig, runtime: Runtime, *, seed: int = 0,
                           f"{cfg.root} (its columns: {', '.join(train.column_names)})")
     label = cfg.label_column if cfg.label_column in train.column_names else None
     classes = class_names(train, label) if label else None
-    common = {"tokenizer": tokenizer, "seq_len": cfg.seq_len, "text_column": cfg.text_column,
+    seq_len = fitted_seq_len(cfg.seq_len, cfg.tokenizer, tokenizer)
+    common = {"tokenizer": tokenizer, "seq_len": seq_len, "text_column": cfg.text_column,
               "label_column": label, "classes": classes}
 
     def load(split: Any, training: bool) -> DevicePrefetcher:
@@ -125,6 +129,32 @@ def hf_text_loaders(cfg: HFTextConfig, runtime: Runtime, *, seed: int = 0,
     return load(train, True), (load(val, False) if val is not None else None), count
 
 
+def fitted_seq_len(seq_len: int, folder: str, tokenizer: Any) -> int:
+    """``seq_len``, or the model's limit where it is shorter (its ``max_position_embeddings``
+    in ``folder``'s ``config.json``, the tokenizer's ``model_max_length``), said in one line:
+    a longer text would index past the position embeddings mid-run."""
+    limits = [n for n in (tokenizer.model_max_length, _positions(folder))
+              if isinstance(n, int) and 0 < n < 10**8]
+    if limits and min(limits) < seq_len:
+        log.info("data.seq_len=%d is longer than the model takes (%d tokens): texts are cut to "
+                 "%d tokens", seq_len, min(limits), min(limits))
+        return min(limits)
+    return seq_len
+
+
+def _positions(folder: str) -> int | None:
+    """The ``max_position_embeddings`` of the model config in ``folder``, if one is there."""
+    if not (Path(folder) / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder).get_text_config()
+    except (OSError, ValueError):  # not a config transformers knows: no limit known
+        return None
+    return getattr(config, "max_position_embeddings", None)
+
+
 def read_splits(root: str) -> Any:
     """The ``DatasetDict`` at ``root``: saved with ``save_to_disk``, data files, or a dataset
     name in the local Hugging Face cache."""
@@ -134,10 +164,11 @@ def read_splits(root: str) -> Any:
         raise TrainkitError("data=hf_text needs the datasets package: pip install "
                             "'trainkit[finetune]'") from None
     try:
-        if (Path(root) / "dataset_dict.json").is_file():
-            splits = datasets.load_from_disk(root)
-        else:
-            splits = datasets.load_dataset(root)
+        with quiet_libraries():  # no "Generating train split" bars
+            if (Path(root) / "dataset_dict.json").is_file():
+                splits = datasets.load_from_disk(root)
+            else:
+                splits = datasets.load_dataset(root)
     except (OSError, ValueError, FileNotFoundError) as err:
         raise ConfigError(f"data.root={root}: no text dataset there ({one_line(err, 120)}); "
                           "give a folder of train.csv/.jsonl/.txt files or a saved "
