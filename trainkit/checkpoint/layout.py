@@ -66,11 +66,11 @@ class Layout:
 
     def steps(self) -> list[Path]:
         """The periodic checkpoints present, oldest first (files or directories, by suffix)."""
-        found = [(step, self.directory / name) for name, is_dir in self._entries()
+        found = [(step, self.directory / name) for name, is_dir in self.entries()
                  if (step := self.step_of(name)) is not None and is_dir == (not self.suffix)]
         return [path for _, path in sorted(found)]
 
-    def _entries(self) -> list[tuple[str, bool]]:
+    def entries(self) -> list[tuple[str, bool]]:
         """The names in the directory, each with whether it is a directory."""
         if not self.directory.is_dir():
             return []

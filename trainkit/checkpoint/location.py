@@ -101,7 +101,7 @@ class StoreFolder:
         """The commit records here by name (``last``, ``best``, ``step_<N>``), as URLs."""
         fs, root = filesystem(self.url, "checkpoint.dir")
         layout = remote.RemoteLayout(fs, root, keep_last=1)
-        return {key: join(self.url, name) for name, is_dir in layout._entries()
+        return {key: join(self.url, name) for name, is_dir in layout.entries()
                 if not is_dir and (key := _key(name, ".json")) is not None}
 
 

@@ -50,7 +50,7 @@ class RemoteLayout(Layout):
         super().__init__(root, keep_last, suffix=".json")
         self.fs = fs
 
-    def _entries(self) -> list[tuple[str, bool]]:
+    def entries(self) -> list[tuple[str, bool]]:
         root = str(self.directory)
         self.fs.invalidate_cache(root)  # listings are cached; another process may have written
         try:

@@ -232,8 +232,7 @@ def shard_list(spec: str | Sequence[str] | None, index: Mapping[str, Any], split
             key = "shards" if split == "train" else "val_shards"
             raise ConfigError(f"no {split} shards: set data.{key} or point data.root at a "
                               f"folder with {INDEX} (python -m trainkit.data shards writes one)")
-        names = [child(root, e["shard"])
-                 for e in entries]
+        names = [child(root, e["shard"]) for e in entries]
         return names, sum(e["samples"] for e in entries)
     wds = _webdataset()
     specs = [spec] if isinstance(spec, str) else list(spec)
