@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and IDEs read; at run time: _SOURCES and __getattr__
     from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
-    from trainkit.checkpoint.files import CheckpointManager, load_checkpoint, save_atomic
+    from trainkit.checkpoint.files import (
+        CheckpointFiles,
+        CheckpointManager,
+        load_checkpoint,
+        save_atomic,
+    )
     from trainkit.checkpoint.load import load_model
     from trainkit.config import CheckpointConfig, DataConfig, TrainConfig, TrainerConfig
     from trainkit.core.device import available_devices, move_to_device, resolve_device
@@ -54,6 +59,7 @@ __all__ = [
     "AsyncCheckpointWriter",
     "Callback",
     "CheckpointConfig",
+    "CheckpointFiles",
     "CheckpointManager",
     "ConfigError",
     "DataConfig",
@@ -101,7 +107,7 @@ __all__ = [
 # public name -> the module that defines it
 _SOURCES = {name: module for module, names in (
     ("trainkit.checkpoint.async_writer", "AsyncCheckpointWriter"),
-    ("trainkit.checkpoint.files", "CheckpointManager load_checkpoint save_atomic"),
+    ("trainkit.checkpoint.files", "CheckpointFiles CheckpointManager load_checkpoint save_atomic"),
     ("trainkit.checkpoint.load", "load_model"),
     ("trainkit.config", "CheckpointConfig DataConfig TrainConfig TrainerConfig"),
     ("trainkit.core.device", "available_devices move_to_device resolve_device"),

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from tests.dist.nets import FlatNet
 from tests.dist.test_torchrun import data_root, overrides, torchrun  # noqa: F401 (a fixture)
-from trainkit.checkpoint.select import read_checkpoint
+from trainkit.checkpoint.select import read_whole
 
 pytestmark = pytest.mark.dist
 
@@ -39,7 +39,7 @@ def test_a_frozen_pretrained_backbone_trains_its_new_head_under_fsdp_and_resumes
     assert summary["status"] == "completed" and summary["global_step"] == 6
     assert summary["world_size"] == 2
     assert "resumed from" in (run / "train.log").read_text()
-    weights = read_checkpoint(run / "checkpoints" / "last")["model"]
+    weights = read_whole(run / "checkpoints" / "last")["model"]
     for name in ("net.1.weight", "net.1.bias"):  # frozen: as loaded
         assert torch.equal(weights[name], pretrained[name]), name
     assert not torch.equal(weights["net.3.bias"], torch.zeros(10))  # the new head trained

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import REPO, assert_same_weights, offline_env
 from tests.helpers.hf_text import write_code_or_prose, write_tiny_bert
-from trainkit.checkpoint.select import find_checkpoint, read_checkpoint
+from trainkit.checkpoint.select import find_checkpoint, read_whole
 
 pytestmark = pytest.mark.dist
 
@@ -63,7 +63,7 @@ def is_preempted(proc: subprocess.Popen[str], run_dir: Path) -> None:
 
 def last(run_dir: Path) -> dict:
     """The run's last checkpoint: ``last.pt``, or FSDP's ``last/`` consolidated."""
-    return read_checkpoint(find_checkpoint(run_dir, "last"))
+    return read_whole(find_checkpoint(run_dir, "last"))
 
 
 def test_lora_resumes_after_sigterm_under_ddp_and_fsdp_to_the_uninterrupted_weights(

@@ -32,7 +32,7 @@ from tests.conftest import (
     wait_for_pause,
 )
 from tests.helpers.s3 import S3, SECRET, s3_environment
-from trainkit.checkpoint.remote import UPLOAD_DELAY_ENV, read_checkpoint
+from trainkit.checkpoint.remote import UPLOAD_DELAY_ENV, read_committed
 from trainkit.core.runtime import Runtime
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path, s3: S3)
 
 
 def _weights(url: str) -> dict:
-    return read_checkpoint(url)["model"]
+    return read_committed(url)["model"]
 
 
 def test_keep_last_best_and_no_secret_in_the_bucket_run(straight: Path, s3: S3) -> None:
@@ -88,14 +88,14 @@ def test_keep_last_best_and_no_secret_in_the_bucket_run(straight: Path, s3: S3) 
     # every object a record names, and no other (the rotated ones and their bytes are gone)
     objects = {f"objects/{p.rsplit('/', 1)[-1]}" for p in fs.ls("runs/straight/objects")}
     assert objects == {record["object"] for record in records.values()}
-    assert read_checkpoint("s3://runs/straight/last.json")["global_step"] == 48
+    assert read_committed("s3://runs/straight/last.json")["global_step"] == 48
     # the step of the first highest val/acc of the evaluations the log shows
     evaluations = [(float(acc), -int(step)) for step, acc in re.findall(
         r" step (\d+) val/loss \S+ val/acc (\S+)", (straight / "train.log").read_text())]
     assert len(evaluations) == 3
     best_step = -max(evaluations)[1]
     assert records["best.json"]["global_step"] == best_step
-    assert read_checkpoint("s3://runs/straight/best.json")["global_step"] == best_step
+    assert read_committed("s3://runs/straight/best.json")["global_step"] == best_step
     assert not (straight / "checkpoints").exists()  # nothing written locally
     for path in straight.rglob("*"):  # config, train.log, console, summary, tb
         if path.is_file():
@@ -137,7 +137,7 @@ def test_sigterm_then_the_same_command_on_a_fresh_folder_resumes_bitwise_from_th
     wait_for_pause(proc, marker)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 75  # EXIT_PREEMPTED
-    stopped_at = read_checkpoint(f"{url}/last.json")["global_step"]
+    stopped_at = read_committed(f"{url}/last.json")["global_step"]
     assert 10 < stopped_at < 48
     fresh = tmp_path / "b"  # another machine: an empty local folder
     resumed = run_train(*_command(fresh, mnist_root, url), env=env)
@@ -160,7 +160,7 @@ def test_sigkills_during_async_uploads_leave_a_loadable_last_and_resume_bitwise(
         time.sleep(chance.uniform(0, 0.4))  # within the next uploads
         proc.kill()
         proc.wait(timeout=60)
-        state = read_checkpoint(f"{url}/last.json")  # loadable, checked against its record
+        state = read_committed(f"{url}/last.json")  # loadable, checked against its record
         assert {"model", "optimizer", "global_step"} <= state.keys()
         committed.append(state["global_step"])
         mid_upload += bool(_uncommitted(url))

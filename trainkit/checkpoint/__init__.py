@@ -1,1 +1,1 @@
-"""Checkpoints: the Checkpointer (what, when) and its storages (how, where): files, directories."""
+"""Checkpoints: what and when (Checkpointer), how (storages), where (location); readers apart."""

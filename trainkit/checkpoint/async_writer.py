@@ -2,8 +2,10 @@
 
 A save copies every tensor to CPU memory of its own (the loop may change the weights the moment
 it goes on), then a thread writes the copy with the same atomic steps as a synchronous save
-(:class:`~trainkit.checkpoint.files.CheckpointManager` or
-:class:`~trainkit.checkpoint.remote.RemoteCheckpoints`), one write in flight at a time. A failed
+(:class:`~trainkit.checkpoint.files.CheckpointFiles` or
+:class:`~trainkit.checkpoint.remote.RemoteCheckpoints`), one write in flight at a time. Its
+:class:`Background` thread is the one background writer: the sharded store's uploads run on it
+too. A failed
 write is raised by the next :meth:`~AsyncCheckpointWriter.save` or
 :meth:`~AsyncCheckpointWriter.wait` and leaves every earlier checkpoint as it was. The price:
 host memory for one more copy.
@@ -14,12 +16,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from trainkit.checkpoint.files import CheckpointManager
-from trainkit.checkpoint.remote import RemoteCheckpoints
 from trainkit.core.errors import one_line
 from trainkit.core.tree import tree_leaves, tree_map
 
@@ -65,17 +65,24 @@ def wait_for_copies(devices: set[torch.device]) -> None:
         done.synchronize()
 
 
+class Writer(Protocol):
+    """What the background thread writes through: a synchronous ``save``."""
+
+    def save(self, state: dict[str, Any], step: int, *, periodic: bool = True,
+             best: bool = False) -> Any: ...
+
+
 class AsyncCheckpointWriter:
     """Saves through ``manager`` on a background thread; same arguments as its ``save``.
 
     Example:
-        >>> manager = CheckpointManager("runs/a/checkpoints")  # doctest: +SKIP
+        >>> manager = CheckpointFiles("runs/a/checkpoints")  # doctest: +SKIP
         >>> writer = AsyncCheckpointWriter(manager)
         >>> writer.save(state, step=100)   # returns once the state is copied
         >>> writer.wait()                  # the file is on disk (or the write's error is raised)
     """
 
-    def __init__(self, manager: CheckpointManager | RemoteCheckpoints) -> None:
+    def __init__(self, manager: Writer) -> None:
         self.manager = manager
         self._background = Background()
         self._staging: Any = None  # the last snapshot: its memory is reused by the next one

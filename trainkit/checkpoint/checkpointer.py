@@ -22,14 +22,17 @@ from torch import nn
 
 from trainkit.checkpoint.adapters import AdaptersOnly
 from trainkit.checkpoint.contents import check_config, manifest
-from trainkit.checkpoint.files import CheckpointManager
 from trainkit.checkpoint.layout import newest_readable
-from trainkit.checkpoint.remote import RemoteCheckpoints
+from trainkit.checkpoint.location import (
+    Folder,
+    LocalFolder,
+    checkpoint_folder,
+    checkpoint_path,
+)
 from trainkit.checkpoint.storages import Content, Storage, storages_for
 from trainkit.config import CheckpointConfig
 from trainkit.core import rng, schedules
 from trainkit.core.errors import TrainkitError
-from trainkit.core.objectstore import is_url
 from trainkit.core.runtime import Runtime
 from trainkit.data.loader.resumable import ResumableData
 from trainkit.distributed import ddp, group
@@ -87,10 +90,12 @@ class Checkpointer:
         self.runtime = runtime
         self.run_config = dict(run_config or {})
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.directory = _directory(config.dir, self.run_dir)
-        if self.directory is not None and runtime.is_main:  # now, not hours into a run
-            (RemoteCheckpoints(self.directory) if isinstance(self.directory, str)
-             else CheckpointManager(self.directory)).check_writable()
+        self.where = _where(config.dir, self.run_dir)
+        # Path | str | None: where the checkpoints go, as the storages name them
+        self.directory = (self.where.directory if isinstance(self.where, LocalFolder)
+                          else str(self.where) if self.where is not None else None)
+        if self.where is not None and runtime.is_main:  # now, not hours into a run
+            self.where.check_writable()
         self._watchdog = watchdog or Watchdog(0)
         self.saved_step, self._saved_time = -1, time.monotonic()
         self._next_due = 0  # the next step step_done() looks at (set by start() and each save)
@@ -120,8 +125,7 @@ class Checkpointer:
                       "scheduler": scheduler, "precision": precision, "ema": ema,
                       "data": data if isinstance(data, ResumableData) else None,
                       "callbacks": callbacks}
-        self.storages = storages_for(model, self.directory, self.config,
-                                     self.runtime)
+        self.storages = storages_for(model, self.where, self.config, self.runtime)
 
     @property
     def storage(self) -> Storage:
@@ -185,7 +189,7 @@ class Checkpointer:
             return None
         if str(resume) == "auto":
             return self._latest()
-        return self._read(_location(resume), "checkpoint.resume")
+        return self._read(checkpoint_path(resume), "checkpoint.resume")
 
     def _latest(self) -> dict[str, Any] | None:
         """The newest checkpoint of this run dir, from the storages this run can resume from
@@ -244,7 +248,7 @@ class Checkpointer:
                                 "the same settings (trainer.seed)")
 
     def _init_from(self, path: str) -> None:
-        state = self._read(_location(path), "checkpoint.init_from")
+        state = self._read(checkpoint_path(path), "checkpoint.init_from")
         storage = next(s for s in self.storages if s.holds(state))
         has_ema = storage.load(state, self.parts, key="checkpoint.init_from", optimizer=False)
         if not has_ema:
@@ -377,14 +381,9 @@ class Checkpointer:
         return manifest(self.run_config)
 
 
-def _directory(configured: str | None, run_dir: Path | None) -> Path | str | None:
-    """Where the checkpoints go: ``checkpoint.dir`` (a URL stays a string), else
+def _where(configured: str | None, run_dir: Path | None) -> Folder | None:
+    """Where the checkpoints go: ``checkpoint.dir`` (a folder or a store's URL), else
     ``<run_dir>/checkpoints``; None: nowhere."""
     if configured:
-        return _location(str(configured))
-    return run_dir / "checkpoints" if run_dir is not None else None
-
-
-def _location(name: str) -> Path | str:
-    """A checkpoint location as the storages take it: a URL as a string, a path as a Path."""
-    return name.rstrip("/") if is_url(name) else Path(name)
+        return checkpoint_folder(str(configured))
+    return checkpoint_folder(run_dir / "checkpoints") if run_dir is not None else None

@@ -12,9 +12,9 @@ import torch
 
 from trainkit.checkpoint import remote_sharded
 from trainkit.checkpoint.files import save_atomic
-from trainkit.checkpoint.sharded import _quiet_single_process, read_meta
+from trainkit.checkpoint.location import checkpoint_path, read_shards
+from trainkit.checkpoint.sharded import _quiet_single_process
 from trainkit.core.errors import TrainkitError, one_line
-from trainkit.core.objectstore import is_url
 
 
 def load_full(path: str | Path, *, key: str = "checkpoint") -> dict[str, Any]:
@@ -23,8 +23,7 @@ def load_full(path: str | Path, *, key: str = "checkpoint") -> dict[str, Any]:
     may be a commit record's URL (:mod:`~trainkit.checkpoint.remote_sharded`)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    meta = (remote_sharded.read_meta(str(path), key=key) if is_url(path)
-            else read_meta(path, key=key))
+    meta = read_shards(checkpoint_path(path), key)
     fd, raw = tempfile.mkstemp(prefix=".consolidate-", suffix=".tmp")
     os.close(fd)
     try:
@@ -59,8 +58,8 @@ def consolidate(src: str | Path, out: str | Path, *, optimizer: bool = False) ->
         raise TrainkitError(f"cannot write {out}: folder {out.parent} does not exist")
     if out.is_dir():
         raise TrainkitError(f"{out} is a folder: give the file to write, e.g. {out}/model.pt")
-    if not is_url(src):
-        _check_sharded_source(Path(src))
+    if isinstance(where := checkpoint_path(src), Path):  # not a record in a store
+        _check_sharded_source(where)
     full = load_full(src, key="consolidate's source")
     plain = {"model": full["model"], "global_step": full["global_step"], "epoch": full["epoch"]}
     if optimizer:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 
 from trainkit.checkpoint.layout import (
     Layout,
+    Named,
     fsync_dir,
     missing,
     newest_readable,
@@ -106,33 +108,27 @@ def load_state(source: Any, path: str | Path) -> dict[str, Any]:
     return state
 
 
-class CheckpointManager:
-    """Saves numbered checkpoints, keeps the newest ``keep_last``, and finds one to resume from.
+class CheckpointFiles(Named):
+    """Checkpoint files of your own loop in one folder: saves any dict of state (several models
+    and optimizers by name, a step counter, ...) atomically as ``last.pt`` and ``step_<N>.pt``,
+    keeps the newest ``keep_last``, and loads the newest back. The Trainer's single-file storage
+    writes through one too.
+
+    ``required``: the keys :meth:`load_latest` needs in a file (e.g. ``("g", "d", "step")``);
+    a newest file without them is an error naming them, not a silent start from scratch.
 
     Example:
-        >>> ckpts = CheckpointManager("runs/a/checkpoints", keep_last=3)  # doctest: +SKIP
-        >>> ckpts.save(state, step=100)
-        >>> state = ckpts.load_latest()
+        >>> ckpts = CheckpointFiles("runs/a/checkpoints", keep_last=3,
+        ...                         required=("g", "d", "step"))  # doctest: +SKIP
+        >>> ckpts.save({"g": g.state_dict(), "d": d.state_dict(), "step": 7}, step=7)
+        >>> state = ckpts.load_latest()   # None in an empty folder
     """
 
-    def __init__(self, directory: str | Path, keep_last: int = 3) -> None:
+    def __init__(self, directory: str | Path, keep_last: int = 3, *,
+                 required: Iterable[str] = ()) -> None:
         self.layout = Layout(directory, keep_last, suffix=".pt")
         self.directory = self.layout.directory
-
-    @property
-    def keep_last(self) -> int:
-        return self.layout.keep_last
-
-    @property
-    def last(self) -> Path:
-        return self.layout.last
-
-    @property
-    def best(self) -> Path:
-        return self.layout.best
-
-    def step_path(self, step: int) -> Path:
-        return self.layout.step_path(step)
+        self.required = tuple(required)
 
     def check_writable(self) -> None:
         """Fail now, not hours into a run, when checkpoints could not be written here."""
@@ -177,16 +173,51 @@ class CheckpointManager:
                 old.unlink(missing_ok=True)
         return target
 
-    def candidates(self) -> list[Path]:
-        """Files to try when resuming, newest first."""
-        return self.layout.candidates()
+    def load_latest(self, required: Iterable[str] | None = None) -> dict[str, Any] | None:
+        """The newest checkpoint that loads (an unreadable one, cut short or corrupt, is skipped
+        with a warning line); None when the folder has none. ``required``: the keys it must
+        hold (default: the constructor's).
 
-    def load_latest(self) -> dict[str, Any] | None:
-        """The newest checkpoint that loads; an unreadable one is skipped with a warning."""
-        return newest_readable(self.candidates(), read_checkpoint)
+        Raises:
+            TrainkitError: the newest readable file lacks a required key (one line naming them).
+        """
+        state = newest_readable(self.candidates(), read_state_file)
+        if state is None:
+            return None
+        wanted = self.required if required is None else tuple(required)
+        if lacking := [key for key in wanted if key not in state]:
+            held = ", ".join(sorted(str(key) for key in state if not str(key).startswith("_")))
+            raise TrainkitError(
+                f"checkpoint {state['_path']} cannot be resumed: it has no "
+                f"{', '.join(map(repr, lacking))} (it holds {held}): resume from a checkpoint "
+                "this loop saved, or start in another folder")
+        return state
 
 
-def read_checkpoint(path: Path, key: str = "checkpoint.resume") -> dict[str, Any]:
+# The name before round seven, kept so that scripts written against it run unchanged.
+CheckpointManager = CheckpointFiles
+
+
+def read_state_file(path: Path) -> dict[str, Any]:
+    """Any dict saved by :class:`CheckpointFiles` (``torch.load`` with ``weights_only=True``),
+    with ``_path`` set.
+
+    Raises:
+        TrainkitError: the file is missing, cut short or corrupt, or holds no dict.
+    """
+    if not Path(path).is_file():
+        raise missing(path, "checkpoint")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise unreadable(path, err) from None
+    if not isinstance(state, dict):
+        raise TrainkitError(f"{path} holds a {type(state).__name__}, not a dict of state")
+    state["_path"] = str(path)
+    return state
+
+
+def read_file_checkpoint(path: Path, key: str = "checkpoint.resume") -> dict[str, Any]:
     """:func:`load_checkpoint`, with the path it came from as ``_path`` (for messages)."""
     state = load_checkpoint(path, key=key)
     state["_path"] = str(path)

@@ -66,11 +66,11 @@ class Layout:
 
     def steps(self) -> list[Path]:
         """The periodic checkpoints present, oldest first (files or directories, by suffix)."""
-        found = [(step, self.directory / name) for name, is_dir in self._entries()
+        found = [(step, self.directory / name) for name, is_dir in self.entries()
                  if (step := self.step_of(name)) is not None and is_dir == (not self.suffix)]
         return [path for _, path in sorted(found)]
 
-    def _entries(self) -> list[tuple[str, bool]]:
+    def entries(self) -> list[tuple[str, bool]]:
         """The names in the directory, each with whether it is a directory."""
         if not self.directory.is_dir():
             return []
@@ -107,6 +107,38 @@ class Layout:
         them, after the newest one is durable."""
         linked = {self._target(self.last), self._target(self.best)}
         return [path for path in self.steps()[: -self.keep_last] if path.name not in linked]
+
+
+class Named:
+    """The names of a writer's :attr:`layout` as the writer spells them (:meth:`name`: a path on
+    a disk, a URL in a store): written once for every writer, files or directories, local or
+    not."""
+
+    layout: Layout
+
+    def name(self, path: Path) -> Path | str:
+        """How this writer names ``path`` of its layout (a path, unless it lies in a store)."""
+        return path
+
+    @property
+    def keep_last(self) -> int:
+        return self.layout.keep_last
+
+    @property
+    def last(self) -> Path | str:
+        return self.name(self.layout.last)
+
+    @property
+    def best(self) -> Path | str:
+        return self.name(self.layout.best)
+
+    def step_path(self, step: int) -> Path | str:
+        """The name of step ``step``'s periodic checkpoint."""
+        return self.name(self.layout.step_path(step))
+
+    def candidates(self) -> list[Path | str]:
+        """What to resume from, newest first (:meth:`Layout.candidates`)."""
+        return [self.name(path) for path in self.layout.candidates()]
 
 
 def newest_readable(candidates: Iterable[Path],

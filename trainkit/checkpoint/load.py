@@ -17,7 +17,7 @@ from torch import nn
 
 from trainkit.checkpoint.adapters import AdaptersOnly
 from trainkit.checkpoint.contents import check_weights_fit
-from trainkit.checkpoint.select import find_checkpoint, model_weights, read_checkpoint
+from trainkit.checkpoint.select import find_checkpoint, model_weights, read_whole
 from trainkit.core.device import resolve_device
 from trainkit.core.errors import TrainkitError, chain_lines
 from trainkit.models.build import make_model
@@ -94,7 +94,7 @@ def load_model(source: str | Path, ckpt: str = "best", *, device: str | torch.de
         if isinstance(model, torch.fx.GraphModule):  # a pt2 program: traced in eval mode
             return model.to(target)
     else:
-        state = read_checkpoint(find_checkpoint(source, ckpt))
+        state = read_whole(find_checkpoint(source, ckpt))
         chosen, which = model_weights(state, weights)
         config = state.get("config") or {}
         model = build_model(config.get("model"), chosen, path=state["_path"],

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 
 from trainkit.checkpoint.files import load_state, on_cpu
-from trainkit.checkpoint.layout import Layout, missing, newest_readable, unreadable, write_failed
+from trainkit.checkpoint.layout import (
+    Layout,
+    Named,
+    missing,
+    newest_readable,
+    unreadable,
+    write_failed,
+)
 from trainkit.core.errors import TrainkitError
 from trainkit.core.objectstore import filesystem, join, store_error
 
@@ -43,7 +50,7 @@ class RemoteLayout(Layout):
         super().__init__(root, keep_last, suffix=".json")
         self.fs = fs
 
-    def _entries(self) -> list[tuple[str, bool]]:
+    def entries(self) -> list[tuple[str, bool]]:
         root = str(self.directory)
         self.fs.invalidate_cache(root)  # listings are cached; another process may have written
         try:
@@ -60,10 +67,10 @@ class RemoteLayout(Layout):
         return None
 
 
-class RemoteCheckpoints:
+class RemoteCheckpoints(Named):
     """Saves checkpoints to ``url`` as objects and commit records, keeps the newest
     ``keep_last`` and finds one to resume from; the interface of
-    :class:`~trainkit.checkpoint.files.CheckpointManager` (the async writer drives either).
+    :class:`~trainkit.checkpoint.files.CheckpointFiles` (the async writer drives either).
 
     Example:
         >>> ckpts = RemoteCheckpoints("s3://bucket/run", keep_last=3)  # doctest: +SKIP
@@ -76,18 +83,7 @@ class RemoteCheckpoints:
         self.fs, root = filesystem(self.url, "checkpoint.dir")
         self.layout = RemoteLayout(self.fs, root, keep_last)
 
-    @property
-    def last(self) -> str:
-        return self._url(self.layout.last)
-
-    @property
-    def best(self) -> str:
-        return self._url(self.layout.best)
-
-    def step_path(self, step: int) -> str:
-        return self._url(self.layout.step_path(step))
-
-    def _url(self, path: Path) -> str:
+    def name(self, path: Path) -> str:
         """A record's URL, spelled as ``checkpoint.dir`` is (records lie at its top)."""
         return join(self.url, path.name)
 
@@ -138,13 +134,9 @@ class RemoteCheckpoints:
         remove_unnamed(self.fs, self.layout)  # one save is in flight at a time: none now
         return target
 
-    def candidates(self) -> list[str]:
-        """Records to try when resuming, newest first: ``last.json``, then the periodic ones."""
-        return [self._url(path) for path in self.layout.candidates()]
-
     def load_latest(self) -> dict[str, Any] | None:
         """The newest checkpoint that loads; an unreadable one is skipped with a warning."""
-        return newest_readable(self.candidates(), read_checkpoint)
+        return newest_readable(self.candidates(), read_committed)
 
 
 def remove_unnamed(fs: Any, layout: RemoteLayout, *, recursive: bool = False) -> None:
@@ -172,7 +164,7 @@ def read_record(fs: Any, path: str) -> dict[str, Any]:
     return record if isinstance(record, dict) else {}
 
 
-def read_checkpoint(url: str, key: str = "checkpoint.resume") -> dict[str, Any]:
+def read_committed(url: str, key: str = "checkpoint.resume") -> dict[str, Any]:
     """The checkpoint a commit record at ``url`` names, checked against its size and hash, with
     ``_path`` set to ``url``.
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from trainkit.checkpoint import sharded
 from trainkit.checkpoint.async_writer import Background
 from trainkit.checkpoint.files import save_atomic
-from trainkit.checkpoint.layout import missing, write_failed
+from trainkit.checkpoint.layout import Named, missing, write_failed
 from trainkit.checkpoint.remote import (
     OBJECTS,
     UPLOAD_DELAY_ENV,
@@ -49,7 +49,7 @@ FORMAT = "trainkit-sharded-object-1"
 STAGING_PREFIX = "trainkit-dcp-"  # local folders (the system's temp dir, $TMPDIR)
 
 
-class RemoteShardedCheckpoints:
+class RemoteShardedCheckpoints(Named):
     """The interface of :class:`~trainkit.checkpoint.sharded.ShardedCheckpoints` over a URL.
     Every rank makes one at the same point (with ``async_save``, a collective: it makes a gloo
     group for the background saves) and calls :meth:`save` together."""
@@ -67,20 +67,9 @@ class RemoteShardedCheckpoints:
 
     in_flight = False  # a background save commits itself: nothing waits for poll()
 
-    @property
-    def last(self) -> str:
-        return join(self.url, self.layout.last.name)
-
-    @property
-    def best(self) -> str:
-        return join(self.url, self.layout.best.name)
-
-    def step_path(self, step: int) -> str:
-        return join(self.url, self.layout.step_path(step).name)
-
-    def candidates(self) -> list[str]:
-        """Records to try when resuming, newest first."""
-        return [join(self.url, path.name) for path in self.layout.candidates()]
+    def name(self, path: Path) -> str:
+        """A record's URL, spelled as ``checkpoint.dir`` is (records lie at its top)."""
+        return join(self.url, path.name)
 
     def save(self, tensors: dict[str, Any], meta: dict[str, Any] | None, step: int, *,
              best: bool = False) -> None:

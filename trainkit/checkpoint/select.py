@@ -1,13 +1,16 @@
 """A finished run's checkpoint by name, and the model weights it holds.
 
-``best``, ``last``, ``step_N`` or a path name a checkpoint of a run folder in either storage's
-layout (``checkpoints/best.pt`` or the sharded ``checkpoints/best/``); a sharded one is read
+``best``, ``last``, ``step_N`` or a path name a checkpoint of a run, wherever the run kept them:
+its recorded ``checkpoint.dir`` (another folder, or a store's URL: commit records) or its own
+``checkpoints/``, in either format (``best.pt`` or the sharded ``best/``). A sharded one is read
 whole in this process (:func:`~trainkit.checkpoint.consolidate.load_full`), so evaluating or
-exporting an FSDP run needs neither torchrun nor a consolidate step first.
+exporting an FSDP run needs neither torchrun nor a consolidate step first. These readers sit
+beside the writers and import them; no writer imports a reader.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,68 +18,118 @@ from typing import Any
 
 import torch
 
-from trainkit.checkpoint.files import load_checkpoint
-from trainkit.core.errors import TrainkitError
+from trainkit.checkpoint.location import (
+    Folder,
+    LocalFolder,
+    checkpoint_folder,
+    checkpoint_path,
+    is_sharded,
+    read_file,
+)
+from trainkit.core.errors import TrainkitError, one_line
+from trainkit.core.objectstore import store_error
 
-_STEP = re.compile(r"^step_(\d+)(\.pt)?$")
+_STEP = re.compile(r"^step_(\d+)(\.pt|\.json)?$")
 WEIGHTS = ("auto", "ema", "raw")
+RUN_CONFIG = Path(".hydra") / "config.yaml"  # the entry point's record of a run's settings
 
 
-def find_checkpoint(run_dir: str | Path, ckpt: str | None = "best") -> Path:
+def find_checkpoint(run_dir: str | Path, ckpt: str | None = "best") -> Path | str:
     """The checkpoint ``ckpt`` names in ``run_dir``: ``best``, ``last``, ``step_N`` (as the log
-    numbers steps) or a path (a ``.pt`` file or a sharded checkpoint directory); None: ``best``
-    where the run kept one, else ``last`` (the commands' default when no ckpt is given).
+    numbers steps) or a path (a ``.pt`` file, a sharded checkpoint directory, or a commit
+    record's URL); None: ``best`` where the run kept one, else ``last`` (the commands' default
+    when no ckpt is given). The run's checkpoints are looked for where it wrote them
+    (:func:`checkpoints_of`). A checkpoint in a store is named by its record's URL (a string).
 
     Raises:
         TrainkitError: the run has no checkpoints, or none by that name (the message lists
             those it has); ``best`` in a run that monitored no metric.
     """
     run_dir = Path(run_dir)
-    if ckpt is None:
-        ckpt = "best" if "best" in available(run_dir / "checkpoints") else "last"
-    if ckpt not in ("best", "last") and not _STEP.match(ckpt):
-        path = Path(ckpt)
-        if not path.exists():
+    if ckpt is not None and ckpt not in ("best", "last") and not _STEP.match(ckpt):
+        path = checkpoint_path(ckpt)
+        if isinstance(path, Path) and not path.exists():
             raise TrainkitError(f"ckpt={ckpt}: no such file or folder; use best, last, step_N "
                                 "or the path of a checkpoint")
-        return path
-    folder = run_dir / "checkpoints"
+        return path  # a record's URL: reading it says whether it is there
     if not run_dir.is_dir():
         raise TrainkitError(f"run folder {run_dir} does not exist: give the hydra.run.dir of a "
                             "finished run")
-    have = available(folder)
+    where = checkpoints_of(run_dir)
+    have = _listed(where)
+    if ckpt is None:
+        ckpt = "best" if "best" in have else "last"
     if not have:
         raise TrainkitError(f"{run_dir} has no checkpoints: train it first, or give another "
-                            "run folder", details=[f"no last.pt or last/ in {folder}"])
+                            "run folder", details=[f"no last.pt, last/ or last.json in {where}"])
     if ckpt in have:
         return have[ckpt]
     if ckpt == "best":
         raise TrainkitError("ckpt=best: this run kept no best checkpoint (it ran without "
                             "checkpoint.monitor): use ckpt=last or step_N, or train with "
                             "checkpoint.monitor=val/acc")
-    steps = {int(m.group(1)): path for name, path in have.items() if (m := _STEP.match(name))}
     wanted = _STEP.match(ckpt)
-    if wanted and int(wanted.group(1)) in steps:
-        return steps[int(wanted.group(1))]
+    if wanted and f"step_{int(wanted.group(1))}" in have:
+        return have[f"step_{int(wanted.group(1))}"]
     raise TrainkitError(f"ckpt={ckpt}: {run_dir} has no such checkpoint; it has "
                         f"{', '.join(sorted(have, key=_order))}")
 
 
-def available(folder: Path) -> dict[str, Path]:
+def checkpoints_of(run_dir: str | Path) -> Folder:
+    """Where a run wrote its checkpoints: the ``checkpoint.dir`` its config records (a folder or
+    a store's URL), else the one its summary's best checkpoint lies in, else
+    ``<run_dir>/checkpoints``."""
+    run_dir = Path(run_dir)
+    if configured := recorded_dir(run_dir):
+        return checkpoint_folder(configured)
+    if best := _summary_best(run_dir):  # best.pt, best/ or best.json: its folder
+        folder = checkpoint_path(best.rstrip("/").rsplit("/", 1)[0])
+        if isinstance(folder, str) or (folder.is_absolute() and folder.is_dir()):
+            return checkpoint_folder(folder)
+    return LocalFolder(run_dir / "checkpoints")
+
+
+def recorded_dir(run_dir: Path) -> str | None:
+    """``checkpoint.dir`` as the run's ``.hydra/config.yaml`` records it (resolved); None where
+    it is unset, not recorded or does not resolve outside the run."""
+    file = run_dir / RUN_CONFIG
+    if not file.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    try:
+        value = OmegaConf.select(OmegaConf.load(file), "checkpoint.dir", default=None,
+                                 throw_on_resolution_failure=False)
+    except Exception:  # an unreadable record: the run's own folder is looked in
+        return None
+    return str(value) if value not in (None, "") else None
+
+
+def _summary_best(run_dir: Path) -> str | None:
+    """``summary.json``'s ``best.path`` (a library run records no config, but its summary)."""
+    try:
+        best = json.loads((run_dir / "summary.json").read_text()).get("best") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    path = best.get("path") if isinstance(best, dict) else None
+    return str(path) if path else None
+
+
+def _listed(where: Folder) -> dict[str, Path | str]:
+    """:meth:`available` of ``where``, a store that cannot be reached said in one line."""
+    try:
+        return where.available()
+    except TrainkitError:
+        raise
+    except Exception as err:
+        raise (store_error(err, str(where), "checkpoint.dir") or TrainkitError(
+            f"cannot list the checkpoints in {where} ({one_line(err, 80)})")) from None
+
+
+def available(folder: Path) -> dict[str, Path | str]:
     """``{"last": path, "best": path, "step_<N>": path}`` of a ``checkpoints`` folder (either
-    layout; leftovers of unfinished saves, ``.*.tmp``, are not checkpoints)."""
-    if not folder.is_dir():
-        return {}
-    found: dict[str, Path] = {}
-    for path in folder.iterdir():
-        name = path.name.removesuffix(".pt")
-        if path.name.startswith("."):
-            continue
-        if name in ("best", "last") and path.exists():
-            found[name] = path
-        elif m := _STEP.match(path.name):
-            found[f"step_{int(m.group(1))}"] = path
-    return found
+    format; leftovers of unfinished saves, ``.*.tmp``, are not checkpoints)."""
+    return LocalFolder(Path(folder)).available()
 
 
 def _order(name: str) -> tuple[int, int]:
@@ -84,16 +137,27 @@ def _order(name: str) -> tuple[int, int]:
     return (1, int(m.group(1))) if m else (0, 0)
 
 
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The checkpoint at ``path`` on the CPU: a ``.pt`` file as it was saved, a sharded
-    directory consolidated in this process."""
-    path = Path(path)
-    if path.is_dir():
+def checkpoint_name(path: Path | str, ckpt: str | None) -> str:
+    """The name a checkpoint goes by in the commands' files (``eval_<name>.json``): ``ckpt`` as
+    the user gave it (best, last, step_N), else the file's (``step_000000008.pt`` -> step_8)."""
+    if ckpt and (ckpt in ("best", "last") or _STEP.match(ckpt)) and str(path) != ckpt:
+        name = ckpt
+    else:
+        name = re.sub(r"\.(pt|json)$", "", str(path).rstrip("/").rsplit("/", 1)[-1])
+    return re.sub(r"^step_0+(?=\d)", "step_", name)
+
+
+def read_whole(path: str | Path) -> dict[str, Any]:
+    """The checkpoint at ``path`` whole on the CPU, ``_path`` set: a ``.pt`` file as it was
+    saved, a sharded directory consolidated in this process, a commit record's URL (either
+    format) read from its store."""
+    path = checkpoint_path(path) if isinstance(path, str) else path
+    if is_sharded(path):
         from trainkit.checkpoint.consolidate import load_full  # torch.distributed: only here
 
         state = load_full(path, key="ckpt")
     else:
-        state = load_checkpoint(path, key="ckpt")
+        state = read_file(path, "ckpt")
     state["_path"] = str(path)
     return state
 

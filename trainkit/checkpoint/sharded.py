@@ -28,6 +28,7 @@ import torch.distributed as dist
 from trainkit.checkpoint.files import save_atomic
 from trainkit.checkpoint.layout import (
     Layout,
+    Named,
     fsync_dir,
     missing,
     newest_readable,
@@ -61,7 +62,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-class ShardedCheckpoints:
+class ShardedCheckpoints(Named):
     """Writes ``step_<N>/`` directories through DCP, rotates them, and finds one to resume from.
 
     Every rank makes one, at the same point (with ``async_save`` it makes a gloo group for
@@ -83,21 +84,6 @@ class ShardedCheckpoints:
         self.group = _group(self.distributed, async_save)
         self._pending: tuple[Future, int, bool] | None = None
         self.written_step = -1  # the step this process last wrote its part of (not a file test)
-
-    @property
-    def keep_last(self) -> int:
-        return self.layout.keep_last
-
-    @property
-    def last(self) -> Path:
-        return self.layout.last
-
-    @property
-    def best(self) -> Path:
-        return self.layout.best
-
-    def step_path(self, step: int) -> Path:
-        return self.layout.step_path(step)
 
     # -- saving -------------------------------------------------------------------------------
 

@@ -2,14 +2,13 @@
 
 The :class:`~trainkit.checkpoint.checkpointer.Checkpointer` decides what a checkpoint holds and
 when; a :class:`Storage` decides how and where (names, atomic writes, rotation, finding and
-loading one to resume from). :class:`FileStorage` keeps one ``.pt`` file per checkpoint written
-by rank 0 (:mod:`~trainkit.checkpoint.files`, :mod:`~trainkit.checkpoint.async_writer`), or one
-object and commit record at a URL (:mod:`~trainkit.checkpoint.remote`); :class:`ShardedStorage`
-one directory per checkpoint written by every rank through DCP
-(:mod:`~trainkit.checkpoint.sharded`), or a folder of objects at a URL
-(:mod:`~trainkit.checkpoint.remote_sharded`). :func:`storages_for` chooses once: the storage
-this run writes with first, then the others, which only read (``init_from`` of a file into a
-sharded run, say).
+loading one to resume from). :class:`FileStorage` keeps one file per checkpoint written by
+rank 0 (:mod:`~trainkit.checkpoint.files`, :mod:`~trainkit.checkpoint.async_writer`);
+:class:`ShardedStorage` one directory per checkpoint written by every rank through DCP
+(:mod:`~trainkit.checkpoint.sharded`). Where they are -- a disk or an object store -- is the
+location's business (:mod:`~trainkit.checkpoint.location`), handed in, never tested here.
+:func:`storages_for` chooses once: the storage this run writes with first, then the others,
+which only read (``init_from`` of a file into a sharded run, say).
 """
 
 from __future__ import annotations
@@ -22,15 +21,15 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from trainkit.checkpoint import remote, remote_sharded, reshard, sharded
+from trainkit.checkpoint import location, remote_sharded, reshard, sharded
 from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
 from trainkit.checkpoint.contents import check_weights_fit
-from trainkit.checkpoint.files import CheckpointManager, read_checkpoint
-from trainkit.checkpoint.layout import Layout
+from trainkit.checkpoint.files import CheckpointFiles
+from trainkit.checkpoint.location import Folder
+from trainkit.checkpoint.remote import RemoteCheckpoints
 from trainkit.config import CheckpointConfig
 from trainkit.core import rng
 from trainkit.core.errors import TrainkitError
-from trainkit.core.objectstore import is_url
 from trainkit.core.runtime import Runtime
 from trainkit.distributed import fsdp
 
@@ -104,37 +103,32 @@ class Storage(Protocol):
         """Let a write still in flight end whole; its error is logged, not raised."""
 
 
-def storages_for(model: nn.Module, directory: Path | str | None, config: CheckpointConfig,
+def storages_for(model: nn.Module, where: Folder | None, config: CheckpointConfig,
                  runtime: Runtime) -> tuple[Storage, ...]:
-    """This run's storages, the one it writes with first: directories for a model sharded by
-    ``fully_shard`` (FSDP2), else files (``directory`` a URL: objects and commit records). A
-    collective: every rank calls it at the same point."""
-    if is_url(directory) and not fsdp.is_sharded(model):
-        return (FileStorage(directory, config, runtime, writes=True),
-                ShardedStorage(None, config, runtime, writes=False))
+    """This run's storages in ``where`` (None: it writes none), the one it writes with first:
+    directories for a model sharded by ``fully_shard`` (FSDP2), else files. A collective: every
+    rank calls it at the same point."""
     if fsdp.is_sharded(model):  # a sharded optimizer takes its state from directories only
-        return (ShardedStorage(directory, config, runtime, writes=True),
-                FileStorage(directory, config, runtime, writes=False, listed=False))
-    return (FileStorage(directory, config, runtime, writes=True),
-            ShardedStorage(directory, config, runtime, writes=False))
+        return (ShardedStorage(where, config, runtime, writes=True),
+                FileStorage(where, config, runtime, writes=False, listed=False))
+    return (FileStorage(where, config, runtime, writes=True),
+            ShardedStorage(where, config, runtime, writes=False))
 
 
 class FileStorage:
-    """``step_<N>.pt``, ``last.pt`` and ``best.pt`` in ``directory``: rank 0 writes whole files
-    atomically (on a thread of their own with ``checkpoint.async_save``), every rank reads. A URL
-    ``directory`` holds objects and commit records instead (:mod:`~trainkit.checkpoint.remote`).
+    """``step_<N>.pt``, ``last.pt`` and ``best.pt`` in ``where``: rank 0 writes whole files
+    atomically (on a thread of their own with ``checkpoint.async_save``), every rank reads. In a
+    store they are objects and commit records (:mod:`~trainkit.checkpoint.remote`).
 
-    ``directory`` None: the run writes no checkpoints (it can still start from a named one).
+    ``where`` None: the run writes no checkpoints (it can still start from a named one).
     ``listed`` False: :meth:`list` finds none (a sharded run resumes from directories only).
     """
 
-    def __init__(self, directory: Path | str | None, config: CheckpointConfig,
+    def __init__(self, where: Folder | None, config: CheckpointConfig,
                  runtime: Runtime, *, writes: bool = True, listed: bool = True) -> None:
         self.runtime, self.listed = runtime, listed
-        self.manager: CheckpointManager | remote.RemoteCheckpoints | None = (
-            None if directory is None
-            else remote.RemoteCheckpoints(directory, config.keep_last) if is_url(directory)
-            else CheckpointManager(directory, config.keep_last))
+        self.manager: CheckpointFiles | RemoteCheckpoints | None = (
+            where.files(config.keep_last) if where is not None else None)
         self.writes = writes and self.manager is not None and runtime.is_main  # rank 0 writes
         self._writer = (AsyncCheckpointWriter(self.manager)
                         if self.writes and config.async_save else None)
@@ -165,16 +159,12 @@ class FileStorage:
         return self.manager.candidates() if self.manager is not None and self.listed else []
 
     def holds(self, checkpoint: Path | str | Mapping[str, Any]) -> bool:
-        if isinstance(checkpoint, str):  # a commit record
-            return is_url(checkpoint) and not remote_sharded.is_sharded_record(checkpoint)
-        if isinstance(checkpoint, Path):
-            return not checkpoint.is_dir()  # a missing path too: its message says so
+        if isinstance(checkpoint, (Path, str)):  # a missing path too: its message says so
+            return not location.is_sharded(checkpoint)
         return "format" not in checkpoint
 
     def read(self, path: Path | str, key: str) -> dict[str, Any]:
-        if isinstance(path, str):
-            return remote.read_checkpoint(path, key)
-        return read_checkpoint(path, key)
+        return location.read_file(path, key)
 
     def load(self, state: Mapping[str, Any], parts: Mapping[str, Any], *, key: str,
              optimizer: bool) -> bool:
@@ -215,28 +205,22 @@ class FileStorage:
 
 
 class ShardedStorage:
-    """``step_<N>/`` directories with ``last`` and ``best`` links in ``directory``: every rank
+    """``step_<N>/`` directories with ``last`` and ``best`` links in ``where``: every rank
     writes its shards through DCP, rank 0 adds ``trainkit.pt`` (the rest of the state); they load
-    into a sharded or a plain model on any number of ranks. A URL ``directory`` holds object
-    folders and commit records instead (:mod:`~trainkit.checkpoint.remote_sharded`).
+    into a sharded or a plain model on any number of ranks. In a store they are object folders
+    and commit records (:mod:`~trainkit.checkpoint.remote_sharded`).
 
     ``writes``: this run saves here (with the process group DCP's collectives run on); a storage
     that only reads loads on the default group.
     """
 
-    def __init__(self, directory: Path | str | None, config: CheckpointConfig,
+    def __init__(self, where: Folder | None, config: CheckpointConfig,
                  runtime: Runtime, *, writes: bool = True) -> None:
-        self.directory, self.runtime = directory, runtime
-        self.layout = (Layout(directory, config.keep_last, suffix="")
-                       if directory and not is_url(directory) else None)
+        self.where, self.runtime = where, runtime
         # a collective with async_save (a gloo group of its own): made by every rank at once
         self._dirs: sharded.ShardedCheckpoints | remote_sharded.RemoteShardedCheckpoints | None
-        self._dirs = (None if not writes or directory is None
-                      else remote_sharded.RemoteShardedCheckpoints(
-                          directory, config.keep_last, async_save=config.async_save)
-                      if is_url(directory)
-                      else sharded.ShardedCheckpoints(directory, config.keep_last,
-                                                      async_save=config.async_save))
+        self._dirs = (where.shards(config.keep_last, async_save=config.async_save)
+                      if writes and where is not None else None)
 
     @property
     def last(self) -> Path | str:
@@ -271,22 +255,19 @@ class ShardedStorage:
         return self._dirs.step_path(step)
 
     def list(self) -> list[Path | str]:
-        if isinstance(self._dirs, remote_sharded.RemoteShardedCheckpoints):
+        if self._dirs is not None:
             return self._dirs.candidates()
         # DCP reshards onto any model, sharded or not: a plain run lists them too
-        return self.layout.candidates() if self.layout is not None else []
+        return self.where.sharded_candidates() if self.where is not None else []
 
     def holds(self, checkpoint: Path | str | Mapping[str, Any]) -> bool:
-        if isinstance(checkpoint, str):
-            return remote_sharded.is_sharded_record(checkpoint)
-        if isinstance(checkpoint, Path):
-            return checkpoint.is_dir()
+        if isinstance(checkpoint, (Path, str)):
+            return location.is_sharded(checkpoint)
         return checkpoint.get("format") == sharded.FORMAT
 
     def read(self, path: Path | str, key: str) -> dict[str, Any]:
-        if isinstance(path, str):  # downloaded into a local folder, removed once loaded
-            return remote_sharded.read_meta(path, key=key)
-        return sharded.read_meta(path, key=key)
+        # a record's checkpoint is downloaded into a local folder, removed once loaded
+        return location.read_shards(path, key)
 
     def load(self, state: Mapping[str, Any], parts: Mapping[str, Any], *, key: str,
              optimizer: bool) -> bool:

@@ -4,18 +4,17 @@ Checkpoints and data reach object storage through fsspec and its protocol packag
 credentials and endpoints where their SDKs do (the environment, profiles, fsspec's own
 configuration): trainkit takes none of its own, so none can end up in a run's config,
 checkpoints or logs. A failure on first contact (a missing package, no credentials, no answer,
-no bucket) is one line naming what to install or set (:func:`store_error`).
+no bucket) is one line naming what to install or set (:func:`store_error`). Whether a setting
+names a URL at all is :mod:`~trainkit.core.location`'s to say.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # the package that serves each protocol, and the trainkit extra that installs it
 _PACKAGES = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"),
              "gcs": ("gcsfs", "gcs"), "az": ("adlfs", "azure"), "abfs": ("adlfs", "azure"),
@@ -31,11 +30,6 @@ _ENDPOINTS = {"s3": "AWS_ENDPOINT_URL"}
 # the hours of saves afterwards want, from the filesystem made without ``quick``.
 _QUICK = {"s3": {"config_kwargs": {"connect_timeout": 5, "read_timeout": 10,
                                    "retries": {"total_max_attempts": 1}}}}
-
-
-def is_url(location: object) -> bool:
-    """Whether ``location`` is a URL with a protocol (a string; a Path never is)."""
-    return isinstance(location, str) and bool(_URL.match(location))
 
 
 def protocol(url: str) -> str:

@@ -193,9 +193,9 @@ def fetch_tree(root: str, *, key: str = "data.root") -> Path:
 
 def is_store_url(location: str) -> bool:
     """Whether a shard location is read through fsspec here (not by webdataset's gopen)."""
-    from trainkit.core.objectstore import is_url
+    from trainkit.core.location import on_store
 
-    return is_url(location) and not location.startswith(WEBDATASET_SCHEMES)
+    return on_store(location) and not location.startswith(WEBDATASET_SCHEMES)
 
 
 def open_shard(url: str, cache_bytes: int) -> IO[bytes]:

@@ -11,7 +11,6 @@ run trains (``inputs.json``) for export and predict.
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from torch import nn
 from trainkit.checkpoint import load
 from trainkit.checkpoint.adapters import check_adapters_only
 from trainkit.checkpoint.export import Inputs, read_inputs, write_inputs
-from trainkit.checkpoint.select import find_checkpoint, model_weights, read_checkpoint
+from trainkit.checkpoint.select import checkpoint_name, find_checkpoint, model_weights, read_whole
 from trainkit.config import TrainConfig
 from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.runtime import Runtime
@@ -241,7 +240,7 @@ def rebuild(run_dir: Path, ckpt: str, weights: str, overrides: Sequence[str]) ->
     """The run's checkpoint ``ckpt`` (``""``: ``best`` where kept, else ``last``) with its model
     built from the config it stores, changed by ``overrides`` and checked as training checks."""
     path = find_checkpoint(run_dir, ckpt or None)
-    state = read_checkpoint(path)
+    state = read_whole(path)
     saved = state.get("config")
     if not saved:
         raise TrainkitError(f"checkpoint {path} holds no config (not written by the trainkit "
@@ -254,8 +253,7 @@ def rebuild(run_dir: Path, ckpt: str, weights: str, overrides: Sequence[str]) ->
     model = build_model(cfg, settings.data.num_classes, channels=settings.data.channels,
                         weights=chosen, source=path,
                         adapters_only=settings.checkpoint.adapters_only and which == "raw")
-    name = path.name.removesuffix(".pt") if not ckpt or path == Path(ckpt) else ckpt
-    name = re.sub(r"^step_0+(?=\d)", "step_", name)  # step_000000008 -> step_8, as ckpt= says
+    name = checkpoint_name(path, ckpt)  # step_000000008 -> step_8, as ckpt= says
     data_overridden = any(o.lstrip("+~").startswith("data.") and o.lstrip("+~").split("=")[0]
                           not in LOCATION_KEYS for o in overrides)
     return Rebuilt(Path(run_dir), name, state, cfg, settings, model.eval(), which,

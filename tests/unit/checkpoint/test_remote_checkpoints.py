@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainkit.checkpoint.async_writer import AsyncCheckpointWriter
-from trainkit.checkpoint.remote import RemoteCheckpoints, read_checkpoint
+from trainkit.checkpoint.remote import RemoteCheckpoints, read_committed
 from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.objectstore import filesystem, store_error
 
@@ -44,7 +44,7 @@ def test_saves_commit_records_keep_the_newest_and_the_best_and_only_their_object
     assert ckpts.candidates() == [f"{url}/{name}" for name in (
         "last.json", "step_000000005.json", "step_000000004.json")]
     assert ckpts.load_latest()["global_step"] == 5
-    assert read_checkpoint(f"{url}/best.json")["model"]["w"].tolist() == [2.0] * 3
+    assert read_committed(f"{url}/best.json")["model"]["w"].tolist() == [2.0] * 3
 
 
 def test_an_upload_without_its_record_is_never_resumed_and_the_next_save_removes_it(
@@ -66,7 +66,7 @@ def test_a_record_whose_object_differs_is_skipped_for_the_one_before(url: str) -
     record = json.loads(fs.cat(f"{root}/last.json"))
     fs.pipe(f"{root}/{record['object']}", fs.cat(f"{root}/{record['object']}")[:100])
     with pytest.raises(TrainkitError, match="is incomplete"):
-        read_checkpoint(f"{url}/last.json")
+        read_committed(f"{url}/last.json")
     # last.json and step 2 name the truncated object: step 1 is resumed
     assert ckpts.load_latest()["global_step"] == 1
 
@@ -79,8 +79,8 @@ def test_the_async_writer_uploads_in_the_background_with_the_same_records(url: s
     live["model"]["w"].add_(1)  # the loop goes on: the upload has its own copy
     writer.save(state(8), 8, periodic=False)
     writer.wait()
-    assert read_checkpoint(f"{url}/step_000000007.json")["model"]["w"].tolist() == [7.0] * 3
-    assert read_checkpoint(f"{url}/last.json")["global_step"] == 8
+    assert read_committed(f"{url}/step_000000007.json")["model"]["w"].tolist() == [7.0] * 3
+    assert read_committed(f"{url}/last.json")["global_step"] == 8
 
 
 def test_unusable_urls_are_one_line_naming_what_to_install_or_set() -> None:
@@ -90,7 +90,7 @@ def test_unusable_urls_are_one_line_naming_what_to_install_or_set() -> None:
     with pytest.raises(ConfigError, match="Protocol not known: nope; use a protocol fsspec"):
         RemoteCheckpoints("nope://bucket/run")
     with pytest.raises(TrainkitError, match="does not exist"):
-        read_checkpoint("memory://bucket/none/last.json")
+        read_committed("memory://bucket/none/last.json")
     error = type("NoCredentialsError", (Exception,), {})("Unable to locate credentials")
     said = store_error(error, "s3://b/run", "checkpoint.dir")
     assert str(said) == ("checkpoint.dir=s3://b/run: no credentials for s3:// were found: set "

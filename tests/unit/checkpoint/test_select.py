@@ -65,3 +65,26 @@ def test_weights_are_the_emas_when_kept_unless_raw_is_asked() -> None:
         model_weights({"model": raw, "ema": None}, "ema")
     with pytest.raises(TrainkitError, match="weights=best: use one of auto, ema, raw"):
         model_weights(with_ema, "best")
+
+
+def test_the_run_is_looked_for_where_its_config_put_its_checkpoints(tmp_path: Path) -> None:
+    from trainkit.checkpoint.remote import RemoteCheckpoints
+    from trainkit.checkpoint.select import read_whole
+
+    other = file_run(tmp_path / "other", best=True) / "checkpoints"  # another folder
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(f"checkpoint:\n  dir: {other}\n")
+    assert find_checkpoint(run, None) == other / "best.pt"
+    assert find_checkpoint(run, "step_8") == other / "step_000000008.pt"
+    url = "memory://bucket/select-run"  # a store: commit records
+    store = RemoteCheckpoints(url, keep_last=2)
+    store.save({"model": {"w": torch.ones(1)}, "global_step": 3}, 3, best=True)
+    store.save({"model": {"w": torch.zeros(1)}, "global_step": 6}, 6)
+    (run / ".hydra" / "config.yaml").write_text(f"checkpoint:\n  dir: {url}/\n")
+    assert find_checkpoint(run, None) == f"{url}/best.json"
+    assert read_whole(find_checkpoint(run, "step_6"))["model"]["w"].tolist() == [0.0]
+    assert read_whole(f"{url}/best.json")["global_step"] == 3  # ckpt=<a record's URL>
+    with pytest.raises(TrainkitError, match="no such checkpoint; it has best, last, step_3, "
+                                            "step_6"):
+        find_checkpoint(run, "step_4")

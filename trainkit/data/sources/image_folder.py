@@ -23,7 +23,7 @@ from torch.utils.data import Dataset, default_collate
 
 from trainkit.config import DatasetConfig, ImageFolderConfig
 from trainkit.core.errors import TrainkitError
-from trainkit.core.objectstore import is_url
+from trainkit.core.location import fetched
 from trainkit.core.runtime import Runtime
 from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.resumable import make_loader
@@ -70,7 +70,7 @@ def read_image_folder(root: str | Path, *, val_fraction: float = 0.1,
             holds a non-image file, or ``val/``'s classes differ from ``train/``'s.
     """
     # a URL: the folder's files copied once into the local cache, read from there
-    root = fetch_tree(root) if is_url(root) else Path(root).expanduser()
+    root = fetched(root, fetch_tree)
     if not root.is_dir():
         raise TrainkitError(f"data.root={root} is not a folder: point it at a folder holding "
                             "train/<class>/ (and val/<class>/) image folders")

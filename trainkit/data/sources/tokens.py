@@ -24,7 +24,7 @@ import torch
 
 from trainkit.config import TokensConfig
 from trainkit.core.errors import ConfigError
-from trainkit.core.objectstore import is_url
+from trainkit.core.location import fetched
 from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
 from trainkit.data.loader.order import epoch_order
@@ -128,8 +128,8 @@ def token_loaders(cfg: TokensConfig, runtime: Runtime, *, seed: int = 0,
     ``eval_max_batches`` bounds the evaluation to windows spread evenly over ``val.bin``.
     """
     # a URL: the files fetched once into the local cache, checked, and mapped from there
-    root = (fetch_files(cfg.root, ("train.bin", "val.bin"), optional=("meta.json",))
-            if is_url(cfg.root) else Path(cfg.root))
+    root = fetched(cfg.root, lambda url: fetch_files(url, ("train.bin", "val.bin"),
+                                                     optional=("meta.json",)))
     if not root.is_dir():
         raise ConfigError(f"data.root={cfg.root} is not a folder: point it at the folder of "
                           "train.bin and val.bin (python -m trainkit.data tokenize writes them)")

@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainkit.config import WebDatasetConfig
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
-from trainkit.core.objectstore import filesystem, is_url, join, store_error
+from trainkit.core.location import child, locate, on_store
+from trainkit.core.objectstore import filesystem, join, store_error
 from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
 from trainkit.core.signals import shielded_worker_init
@@ -208,7 +209,7 @@ def _opened(shards: Iterator[dict[str, Any]], cache_bytes: int) -> Iterator[dict
 
 def read_index(root: Path | str) -> dict[str, Any]:
     """``shards.json`` of ``root`` (``{}`` when there is none), a folder or a URL."""
-    if is_url(root):
+    if on_store(root):
         fs, path = filesystem(str(root), "data.root")
         try:
             return json.loads(fs.cat(join(path, INDEX)))
@@ -231,8 +232,7 @@ def shard_list(spec: str | Sequence[str] | None, index: Mapping[str, Any], split
             key = "shards" if split == "train" else "val_shards"
             raise ConfigError(f"no {split} shards: set data.{key} or point data.root at a "
                               f"folder with {INDEX} (python -m trainkit.data shards writes one)")
-        names = [join(str(root), e["shard"]) if is_url(root) else str(Path(root) / e["shard"])
-                 for e in entries]
+        names = [child(root, e["shard"]) for e in entries]
         return names, sum(e["samples"] for e in entries)
     wds = _webdataset()
     specs = [spec] if isinstance(spec, str) else list(spec)
@@ -249,7 +249,7 @@ def shard_loaders(cfg: WebDatasetConfig, runtime: Runtime, *, seed: int = 0,
     _webdataset()
     import torchvision.io  # decode_image's JPEG path
     import torchvision.transforms.v2.functional  # noqa: F401  (the crops and resizes)
-    root = cfg.root if is_url(cfg.root) else Path(cfg.root)
+    root = locate(cfg.root)
     index = read_index(root)
     classes = index.get("classes")
     num_classes = cfg.num_classes or (len(classes) if classes else None)
@@ -271,7 +271,7 @@ def _loader(cfg: WebDatasetConfig, runtime: Runtime, seed: int, index: Mapping[s
             custom: Transforms, *, training: bool) -> ShardLoader:
     shards, samples = shard_list(cfg.shards if training else cfg.val_shards, index,
                                  "train" if training else "val",
-                                 cfg.root if is_url(cfg.root) else Path(cfg.root))
+                                 locate(cfg.root))
     workers = cfg.num_workers if cfg.num_workers is not None else 2
     world = runtime.world_size
     if not training:  # each rank reads its shards once, a worker each at most (none: nothing)
