@@ -1,7 +1,8 @@
 """Tiny Hugging Face causal language models and their text, made offline from local files.
 
-:func:`write_tokenizer` trains a byte-level BPE tokenizer on this repository's ``.py`` and
-``.md`` files; :func:`write_tiny_gpt2` and :func:`write_tiny_llama` save a 2-layer, 64-wide
+:func:`write_tokenizer` trains a byte-level BPE tokenizer on standard-library modules other than
+the fine-tuning data's (so the models do not change as this repository does);
+:func:`write_tiny_gpt2` and :func:`write_tiny_llama` save a 2-layer, 64-wide
 ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (input and output embeddings tied, 64 positions) with
 it; :func:`write_code_lines` writes ``train.txt`` / ``test.txt`` of Python source lines (one text
 a line, no label column: causal language modelling).
@@ -13,21 +14,22 @@ import random
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.hf_text import code_lines
+from tests.helpers.hf_text import STDLIB, code_lines, prose_lines
 
-REPO = Path(__file__).resolve().parents[2]
+# pretraining's text: standard-library modules apart from hf_text.SOURCES (the fine-tuning data)
+BASE_SOURCES = ["inspect.py", "typing.py", "collections/__init__.py", "logging/__init__.py",
+                "subprocess.py", "tarfile.py", "email/message.py", "ast.py"]
 POSITIONS = 64  # the models' max_position_embeddings: below data.seq_len's default 128
 EOS = "<|endoftext|>"
 
 
-def repo_texts() -> list[str]:
-    """The text of this repository's Python sources and Markdown documents."""
-    files = sorted((REPO / "trainkit").rglob("*.py")) + sorted((REPO / "docs").glob("*.md"))
-    return [path.read_text(encoding="utf-8") for path in files]
+def base_texts() -> list[str]:
+    """The text of the pretraining modules (:data:`BASE_SOURCES`)."""
+    return [(STDLIB / name).read_text(encoding="utf-8") for name in BASE_SOURCES]
 
 
 def write_tokenizer(folder: Path, vocab_size: int = 512) -> Any:
-    """A byte-level BPE tokenizer (GPT-2's kind) trained on :func:`repo_texts`, saved in
+    """A byte-level BPE tokenizer (GPT-2's kind) trained on :func:`base_texts`, saved in
     ``folder``; its end-of-text token pads."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -35,7 +37,7 @@ def write_tokenizer(folder: Path, vocab_size: int = 512) -> Any:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(repo_texts(), trainers.BpeTrainer(
+    tokenizer.train_from_iterator(base_texts(), trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS,
@@ -44,18 +46,18 @@ def write_tokenizer(folder: Path, vocab_size: int = 512) -> Any:
     return fast
 
 
-def repo_lines() -> list[str]:
-    """The lines of this repository's Python sources (trainkit's code, not Python's own)."""
-    return [line.strip() for path in sorted((REPO / "trainkit").rglob("*.py"))
-            for line in path.read_text(encoding="utf-8").splitlines() if len(line.strip()) > 25]
+def base_lines() -> list[str]:
+    """Pretraining's lines: the English of the standard library's docstrings, so that the
+    fine-tuning on code has something to adapt to."""
+    return prose_lines()
 
 
 def pretrain(model: Any, tokenizer: Any, *, steps: int, batch: int = 32) -> None:
-    """Train the whole model on lines of :func:`repo_lines` for ``steps`` steps: a base that
-    knows some code, for fine-tuning to adapt to Python's own."""
+    """Train the whole model on lines of :func:`base_lines` for ``steps`` steps: a base that
+    knows English, for fine-tuning to adapt to Python."""
     import torch
 
-    lines = repo_lines()
+    lines = base_lines()
     order = torch.randperm(len(lines), generator=torch.Generator().manual_seed(1)).tolist()
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     model.train()
