@@ -45,7 +45,7 @@ def _import_seconds(module: str) -> float:
 
 def figures() -> list[str]:
     """One line per figure."""
-    from trainkit.data.device.prefetch import Normalize
+    from trainkit.data.transforms import Normalize
     from trainkit.data.loader.augment import _by_gather, _by_unfold
 
     torch.set_num_threads(1)

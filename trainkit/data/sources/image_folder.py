@@ -25,6 +25,7 @@ from trainkit.config import DatasetConfig, ImageFolderConfig
 from trainkit.core.errors import TrainkitError
 from trainkit.core.objectstore import is_url
 from trainkit.core.runtime import Runtime
+from trainkit.data.batches import BadFile, ImageBatch
 from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.resumable import make_loader
 from trainkit.data.remote import fetch_tree
@@ -151,13 +152,6 @@ def _few(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" (+{len(names) - 5})" if len(names) > 5 else "") or "none"
 
 
-class BadFile(NamedTuple):
-    """A sample that could not be loaded: its file and why."""
-
-    path: str
-    message: str
-
-
 class PathTable:
     """File paths as one byte buffer and offsets: loader workers read them without touching
     Python objects' reference counts, so their copy-on-write pages stay shared (a list of a
@@ -218,15 +212,6 @@ class ImageFiles(Dataset):
         return self.transform(image) if self.transform is not None else image
 
 
-class ImageBatch(NamedTuple):
-    """A collated batch: images, labels, the files skipped for it, and any file that failed."""
-
-    images: Any
-    labels: torch.Tensor
-    skipped: list[str]
-    bad: list[BadFile]
-
-
 def collate_images(samples: list[Any]) -> ImageBatch:
     """Stack :class:`ImageFiles` samples; bad ones travel as they are, to fail in the main
     process (``default_collate`` puts the images in shared memory inside a worker).
@@ -259,7 +244,7 @@ def load(cfg: ImageFolderConfig, runtime: Runtime, options: Options) -> tuple[An
     folder = read_image_folder(cfg.root, val_fraction=cfg.val_fraction, seed=options.seed)
     files_kind: Any = ImageFiles
     if cfg.decode == "gpu":  # JPEGs decoded on the device (trainkit.data.device.gpu_decode)
-        from trainkit.data.device.gpu_decode import JpegFiles
+        from trainkit.data.sources.jpeg_files import JpegFiles
 
         files_kind = JpegFiles
 
@@ -285,7 +270,8 @@ def image_loader(dataset: Dataset, cfg: ImageFolderConfig | DatasetConfig, runti
     collate: Callable[[list[Any]], Any] = collate_images
     decoder = None
     if cfg.decode == "gpu" and options.reader is None:
-        from trainkit.data.device.gpu_decode import JpegDecoder, collate_encoded
+        from trainkit.data.device.gpu_decode import JpegDecoder
+        from trainkit.data.sources.jpeg_files import collate_encoded
 
         collate = collate_encoded
         decoder = JpegDecoder(runtime.device, channels=cfg.channels, transform=transform,

@@ -13,7 +13,6 @@ import math
 import os
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +23,7 @@ from torch.utils.data import Dataset
 from trainkit.config import DatasetConfig, TensorDataConfig
 from trainkit.core.errors import TrainkitError, chain_lines
 from trainkit.core.runtime import Runtime
+from trainkit.data.batches import TensorData
 from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.memory import InMemoryLoader
 from trainkit.data.loader.resumable import make_loader
@@ -48,20 +48,6 @@ MNIST_MD5 = {
 }
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-
-
-@dataclass(frozen=True)
-class TensorData:
-    """A whole split in memory: ``images`` uint8 ``[N, C, H, W]``, ``labels`` int64 ``[N]``."""
-
-    images: torch.Tensor
-    labels: torch.Tensor
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    num_classes: int
-
-    def __len__(self) -> int:
-        return len(self.labels)
 
 
 def load_mnist(
