@@ -45,8 +45,8 @@ def _import_seconds(module: str) -> float:
 
 def figures() -> list[str]:
     """One line per figure."""
-    from trainkit.data.transforms import Normalize
     from trainkit.data.loader.augment import _by_gather, _by_unfold
+    from trainkit.data.transforms import Normalize
 
     torch.set_num_threads(1)
     lines = []

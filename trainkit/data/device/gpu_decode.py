@@ -227,7 +227,7 @@ class JpegDecoder:
         return out.flip(-1) if plan.flip else out
 
 
-def check_gpu_decode(cfg: SharedDataConfig, device: torch.device | str, *, own_dataset: bool,
+def check_gpu_decode(cfg: SharedDataConfig, device: torch.device | str, *, decodes_files: bool,
                      custom_transforms: bool) -> None:
     """``data.decode=gpu``'s preconditions, each a one-line :class:`ConfigError`; nvJPEG is
     tried once here (:func:`probe_nvjpeg`) and its line logged."""
@@ -236,7 +236,7 @@ def check_gpu_decode(cfg: SharedDataConfig, device: torch.device | str, *, own_d
         raise ConfigError(f"data.decode=gpu needs a CUDA device (this run's is {device}, CUDA "
                           f"{'available' if torch.cuda.is_available() else 'unavailable'}): "
                           "use data.decode=cpu")
-    if own_dataset or cfg.name != "image_folder":
+    if not decodes_files:  # the source's answer (an image folder's; not your own dataset's)
         raise ConfigError(f"data.decode=gpu is for data=image_folder (data.name={cfg.name!r}): "
                           "use data.decode=cpu")
     if custom_transforms:

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from trainkit.data.batches import BadFile, ImageBatch
 from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.resumable import make_loader
 from trainkit.data.remote import fetch_tree
+from trainkit.data.sources.source import Options, Source
 from trainkit.data.transforms import (
     IMAGE_SUFFIXES,
     UnreadableImage,
@@ -36,9 +37,6 @@ from trainkit.data.transforms import (
     stats_for,
     transform_for,
 )
-
-if TYPE_CHECKING:
-    from trainkit.data.sources import Options
 
 Transform = Callable[[torch.Tensor], Any]
 
@@ -286,3 +284,26 @@ def image_loader(dataset: Dataset, cfg: ImageFolderConfig | DatasetConfig, runti
     return DevicePrefetcher(loader, runtime.device, mean=mean, std=std, classes=classes,
                             channels_last=options.channels_last, normalize_float=False,
                             decoder=decoder)
+
+
+def _classes_on_disk(root: Path) -> int | None:
+    train = root / "train"
+    return (sum(1 for p in train.iterdir() if p.is_dir()) or None) if train.is_dir() else None
+
+
+def split_files(data: Any, seed: int, *, train: bool) -> list[str]:
+    """The image files of a run's own split (``val/``, or the part it held out with ``seed``).
+
+    Raises:
+        TrainkitError: the split asked for is not there.
+    """
+    folder = read_image_folder(data.root, val_fraction=data.val_fraction, seed=seed)
+    split = folder.train if train else folder.val
+    if split is None:
+        raise TrainkitError(f"inputs=test: the image folder {data.root} has no val/ and the "
+                            "run held none out (data.val_fraction=0); give a folder instead")
+    return list(split.files)
+
+
+SOURCE = Source("image_folder", ImageFolderConfig, load, classes_on_disk=_classes_on_disk,
+                split_files=split_files, gpu_decode=True)

@@ -14,7 +14,7 @@ import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.memory import InMemoryLoader
 from trainkit.data.loader.resumable import make_loader
 from trainkit.data.sources.safe_pickle import load_restricted
+from trainkit.data.sources.source import Options, Source
 from trainkit.data.tools.checksums import check_md5
 from trainkit.data.tools.download import (
     CIFAR10_FOLDER,
@@ -35,9 +36,6 @@ from trainkit.data.tools.download import (
     download_error_lines,
     download_mnist,
 )
-
-if TYPE_CHECKING:
-    from trainkit.data.sources import Options
 
 # md5 of the uncompressed files torchvision leaves in <root>/MNIST/raw.
 MNIST_MD5 = {
@@ -253,6 +251,22 @@ def tensor_loaders(train: TensorData, test: TensorData, cfg: TensorDataConfig | 
 
 
 READERS = {"mnist": load_mnist, "cifar10": load_cifar10}  # the built-in datasets, by data.name
+
+
+def _split_of(read: Callable[..., TensorData]) -> Callable[..., TensorData]:
+    def read_split(data: Any, *, train: bool) -> TensorData:
+        return read(data.root, train=train, verify=data.verify, download=data.download)
+
+    return read_split
+
+
+# bytes of a split pair held on the device by data.loader=memory (uint8 images, int64 labels)
+MNIST = Source("mnist", TensorDataConfig, load, shape=lambda data: (1, 28, 28), num_classes=10,
+               read_split=_split_of(load_mnist), in_memory=True, eval_split="test",
+               resident_bytes=(60000 + 10000) * (28 * 28 + 8))
+CIFAR10 = Source("cifar10", TensorDataConfig, load, shape=lambda data: (3, 32, 32),
+                 num_classes=10, read_split=_split_of(load_cifar10), in_memory=True,
+                 eval_split="test", resident_bytes=(50000 + 10000) * (3 * 32 * 32 + 8))
 
 
 class ImageSamples(Dataset):
