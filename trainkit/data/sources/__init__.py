@@ -16,7 +16,15 @@ from typing import Any, NamedTuple
 from trainkit.config import DataConfig, SharedDataConfig
 from trainkit.core.errors import ConfigError
 from trainkit.core.runtime import Runtime
-from trainkit.data.sources import dataset, hf_text, image_folder, tensors, tokens, webdataset
+from trainkit.data.sources import (
+    dataset,
+    hf_text,
+    image_folder,
+    npy_folder,
+    tensors,
+    tokens,
+    webdataset,
+)
 from trainkit.data.sources.source import Options, Reader, Source
 
 
@@ -30,7 +38,7 @@ class Data(NamedTuple):
 
 SOURCES: dict[str, Source] = {source.name: source for source in (  # data.name -> its source
     tensors.MNIST, tensors.CIFAR10, image_folder.SOURCE, tokens.SOURCE, webdataset.SOURCE,
-    hf_text.SOURCE)}
+    hf_text.SOURCE, npy_folder.SOURCE)}
 OWN = dataset.SOURCE  # a reader (dataset._target_) replaces the image kinds
 
 
