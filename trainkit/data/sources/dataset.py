@@ -22,8 +22,9 @@ from torch.utils.data import Dataset
 from trainkit.config import DatasetConfig
 from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.runtime import Runtime
+from trainkit.data.batches import BadFile
 from trainkit.data.device.prefetch import DevicePrefetcher
-from trainkit.data.sources.image_folder import BadFile, image_loader
+from trainkit.data.sources.image_folder import image_loader
 from trainkit.data.sources.source import Options, Source
 from trainkit.data.sources.tensors import TensorData, tensor_loaders
 from trainkit.data.transforms import (

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from trainkit.data.batches import BadFile, Encoded, EncodedBatch, ImageBatch, Plan
-from trainkit.data.sources.image_folder import ImageFiles
+from trainkit.data.sources.image_files import ImageFiles
 from trainkit.data.transforms import (
     RandomResizedCropFlip,
     UnreadableImage,
@@ -55,7 +55,7 @@ def jpeg_plan(data: bytes, transform: Any) -> Plan | None:
 
 
 class JpegFiles(ImageFiles):
-    """:class:`~trainkit.data.sources.image_folder.ImageFiles` whose JPEG samples are
+    """:class:`~trainkit.data.sources.image_files.ImageFiles` whose JPEG samples are
     :class:`Encoded` (bytes and plan), every other file decoded and transformed here as the CPU
     path does.
     ``transform`` is :class:`RandomResizedCropFlip` (training) or :class:`ResizeCenterCrop`."""
