@@ -292,9 +292,9 @@ def data_inputs(cfg: DictConfig, settings: TrainConfig, classes: Sequence[str] |
     """What a run's image model takes: tensor data's (MNIST, CIFAR-10, a ``TensorData`` of
     yours) from its evaluation split, read here; decoded images' (an image folder, shards,
     your own ``Dataset``) from the config (:func:`decoded_inputs`)."""
-    own = cfg.get("dataset") is not None
-    if own or source_of(settings.data.name).read_split is not None:  # tensor data's own split
-        split = read_split(cfg, settings, train=False)
+    source = None if cfg.get("dataset") is not None else source_of(settings.data.name)
+    if source is None or source.read_split is not None or source.takes != "images":
+        split = read_split(cfg, settings, train=False)  # tensor data's own (tokens: refused)
         if isinstance(split, TensorData):
             return inputs_of(split)
     return decoded_inputs(cfg, settings, classes, num_classes)

@@ -95,7 +95,8 @@ def predict_run(run_dir: Path, options: dict[str, str], overrides: Sequence[str]
     runtime = Runtime.from_env(run.settings.trainer.device)
     use_device(runtime.device)
     group.init_process_group(runtime)
-    if source_of(run.settings.data.name).takes == "text":  # texts in, labels or generated text
+    own = run.cfg.get("dataset") is not None
+    if source_of(run.settings.data.name, own_reader=own).takes == "text":  # texts in and out
         return _predict_text(run, options, runtime)
     names, read, inputs = _source(options["inputs"], run)
     model = Normalized(run.model, inputs).to(runtime.device).eval()

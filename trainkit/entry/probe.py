@@ -180,7 +180,8 @@ def _variants(cfg: Any, settings: TrainConfig, runtime: Runtime, seconds: float
         workers = data.num_workers if data.num_workers is not None else default_num_workers()
         more = max(2, 2 * workers)
         tries.append((f"data.num_workers={more}", dataclasses.replace(data, num_workers=more)))
-        if source_of(data.name).in_memory:  # files, streams: no in-memory form to try
+        own = cfg.get("dataset") is not None
+        if source_of(data.name, own_reader=own).in_memory:  # files, streams: none to try
             tries.append(("data.loader=memory", dataclasses.replace(data, loader="memory")))
     measured = []
     for setting, changed in tries:
