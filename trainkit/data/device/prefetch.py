@@ -130,15 +130,27 @@ class DevicePrefetcher:
                             path, len(self.skipped))
 
     def __iter__(self) -> Iterator[Any]:
+        return self._on_device(self.loader)
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[Any]:
+        """The batches ``start, ...`` of ``epoch`` on the device, for a caller that holds the
+        position itself (the look-ahead stays inside this pass: nothing to subtract)."""
+        source = getattr(self.loader, "batches", None)
+        if source is None:  # a loader of another kind: pointed there, then iterated
+            set_epoch(self.loader, epoch, start)
+            return self._on_device(self.loader)
+        return self._on_device(source(epoch, start))
+
+    def _on_device(self, loader: Iterable[Any]) -> Iterator[Any]:
         self._ahead = 0
         if self._stream is None:
-            for batch in self.loader:
+            for batch in loader:
                 yield self._prepare(move_to_device(self._checked(batch), self.device))
             return
-        yield from self._iter_cuda(self._stream)
+        yield from self._iter_cuda(self._stream, loader)
 
-    def _iter_cuda(self, stream: torch.cuda.Stream) -> Iterator[Any]:
-        batches = iter(self.loader)
+    def _iter_cuda(self, stream: torch.cuda.Stream, loader: Iterable[Any]) -> Iterator[Any]:
+        batches = iter(loader)
         upcoming = self._preload(batches, stream)
         while upcoming is not None:
             current = torch.cuda.current_stream(self.device)
