@@ -1,7 +1,7 @@
 """Feeding the device in three stages: source -> loader -> device.
 
 * ``sources/`` -- one :class:`Source` per kind of data, in :data:`SOURCES` by ``data.name``
-  (:func:`source_of`); :func:`load_data` builds a run's loaders and reads its class count.
+  (:func:`source_of`); ``pipeline.py``'s :func:`load_data` builds a run's loaders from it.
 * ``batches.py`` -- the types a batch takes on its way, imported by every stage.
 * ``loader/`` -- :class:`ResumableLoader` (epoch, batch): the DataLoader variant
   (:func:`make_loader`) and the in-memory one (:class:`InMemoryLoader`); all resume mid-epoch
@@ -27,7 +27,8 @@ from trainkit.data.loader.resumable import (
     default_num_workers,
     make_loader,
 )
-from trainkit.data.sources import SOURCES, Data, build_loaders, load_data, source_of
+from trainkit.data.pipeline import Data, build_loaders, load_data
+from trainkit.data.sources import SOURCES, source_of
 from trainkit.data.sources.dataset import Samples
 from trainkit.data.sources.image_folder import read_image_folder
 from trainkit.data.sources.source import Source

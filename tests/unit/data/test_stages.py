@@ -12,7 +12,6 @@ from benchmarks import data_structure as plan
 # The sources that still build their own loader and device stage (a pipeline that builds them
 # from any Source removes these); no import may join them.
 STILL_AGAINST = {
-    "trainkit.data.sources -> trainkit.data.device.gpu_decode",
     "trainkit.data.sources.dataset -> trainkit.data.device.prefetch",
     "trainkit.data.sources.hf_text -> trainkit.data.device.prefetch",
     "trainkit.data.sources.hf_text -> trainkit.data.loader.resumable",
