@@ -130,7 +130,7 @@ class DevicePrefetcher:
                             path, len(self.skipped))
 
     def __iter__(self) -> Iterator[Any]:
-        return self._on_device(self.loader)
+        return self._on_device(self.loader, counted=True)
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[Any]:
         """The batches ``start, ...`` of ``epoch`` on the device, for a caller that holds the
@@ -138,18 +138,22 @@ class DevicePrefetcher:
         source = getattr(self.loader, "batches", None)
         if source is None:  # a loader of another kind: pointed there, then iterated
             set_epoch(self.loader, epoch, start)
-            return self._on_device(self.loader)
-        return self._on_device(source(epoch, start))
+            return self._on_device(self.loader, counted=False)
+        return self._on_device(source(epoch, start), counted=False)
 
-    def _on_device(self, loader: Iterable[Any]) -> Iterator[Any]:
-        self._ahead = 0
+    def _on_device(self, loader: Iterable[Any], *, counted: bool) -> Iterator[Any]:
+        """``loader``'s batches on the device; ``counted``: the batch held in flight is
+        subtracted from the position :meth:`state_dict` reports (a pass of ``__iter__``)."""
+        if counted:
+            self._ahead = 0
         if self._stream is None:
             for batch in loader:
                 yield self._prepare(move_to_device(self._checked(batch), self.device))
             return
-        yield from self._iter_cuda(self._stream, loader)
+        yield from self._iter_cuda(self._stream, loader, counted)
 
-    def _iter_cuda(self, stream: torch.cuda.Stream, loader: Iterable[Any]) -> Iterator[Any]:
+    def _iter_cuda(self, stream: torch.cuda.Stream, loader: Iterable[Any],
+                   counted: bool) -> Iterator[Any]:
         batches = iter(loader)
         upcoming = self._preload(batches, stream)
         while upcoming is not None:
@@ -160,9 +164,11 @@ class DevicePrefetcher:
                 # allocator could hand the memory to the next copy while compute still reads it.
                 tensor.record_stream(current)
             batch, upcoming = upcoming, self._preload(batches, stream)
-            self._ahead = 1 if upcoming is not None else 0
+            if counted:
+                self._ahead = 1 if upcoming is not None else 0
             yield batch
-        self._ahead = 0
+        if counted:
+            self._ahead = 0
 
     def _preload(self, batches: Iterator[Any], stream: torch.cuda.Stream) -> Any:
         try:
