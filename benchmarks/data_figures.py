@@ -45,8 +45,8 @@ def _import_seconds(module: str) -> float:
 
 def figures() -> list[str]:
     """One line per figure."""
-    from trainkit.data.device.prefetch import Normalize
     from trainkit.data.loader.augment import _by_gather, _by_unfold
+    from trainkit.data.transforms import Normalize
 
     torch.set_num_threads(1)
     lines = []
@@ -60,7 +60,7 @@ def figures() -> list[str]:
     norm = Normalize((0.5, 0.4, 0.3), (0.2, 0.25, 0.3), "cpu")
     mixed = _median(lambda: torch.addcmul(norm.shift, batch, norm.scale))
     cast = _median(lambda: norm(batch))
-    lines.append(f"normalise on CPU (device/prefetch.py Normalize): mixed-dtype addcmul "
+    lines.append(f"normalise on CPU (transforms.py Normalize): mixed-dtype addcmul "
                  f"{mixed * 1e6:.0f} us, cast then addcmul {cast * 1e6:.0f} us: "
                  f"{mixed / cast:.1f}x")
     shifts = torch.randint(-4, 5, (2, 256))
@@ -102,5 +102,7 @@ def _md5_line() -> str:
 
 
 if __name__ == "__main__":
-    for line in figures():
+    from benchmarks import data_structure
+
+    for line in data_structure.figures() + figures():  # the floor plan first, then the timings
         print(line)

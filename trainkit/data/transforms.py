@@ -11,7 +11,7 @@ and export), so training, evaluation and serving see the same pixels:
 * :func:`eval_transform` -- resize the short side to ``image_size / crop_pct``, centre crop.
 
 Samples stay uint8 through workers, pinned memory and the copy; the device stage normalises
-them (:class:`~trainkit.data.device.prefetch.Normalize`, kept importable from here).
+them, with :class:`Normalize` (defined here, beside the statistics it takes).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from trainkit.config import ImageFields
 from trainkit.core.errors import TrainkitError, one_line
-from trainkit.data.device.prefetch import Normalize, normalize  # noqa: F401  (the device stage's)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -269,3 +268,46 @@ def stats_for(cfg: ImageFields) -> tuple[tuple[float, ...], tuple[float, ...]]:
     mean, std = default_stats(cfg.channels)
     return (tuple(cfg.mean) if cfg.mean is not None else mean,
             tuple(cfg.std) if cfg.std is not None else std)
+
+
+def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *,
+              memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+    """``(images / 255 - mean) / std`` as float32 for a uint8 ``[B, C, H, W]`` batch.
+
+    Builds its constants on each call (on CUDA a blocking copy from host memory): for a loader's
+    every batch use one :class:`Normalize`, which builds them once. Float input is returned as
+    it is.
+    """
+    if images.dtype != torch.uint8:
+        return images
+    return Normalize(mean, std, images.device)(images, memory_format=memory_format)
+
+
+class Normalize:
+    """:func:`normalize` with its constants built once, on ``device``: no host sync per batch.
+
+    One multiply-add, ``x * (1 / (255 std)) - mean / std``, written in ``memory_format`` whatever
+    the batch's own layout: on a GPU one kernel reading uint8; on a CPU the cast into the output
+    first (torch's vectorised copy; its mixed-dtype multiply-add is not, and is slower:
+    benchmarks/README.md, data figures), then the multiply-add in place. The constants are made
+    here, once (from host memory: on CUDA a copy the host waits for), never per batch.
+    """
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float],
+                 device: torch.device | str) -> None:
+        self.mean, self.std, self.device = tuple(mean), tuple(std), torch.device(device)
+        scale = torch.tensor([1 / (255 * s) for s in self.std], dtype=torch.float32)
+        shift = torch.tensor([-m / s for m, s in zip(self.mean, self.std)], dtype=torch.float32)
+        self.scale = scale.view(1, -1, 1, 1).to(self.device)
+        self.shift = shift.view(1, -1, 1, 1).to(self.device)
+
+    def __call__(self, images: torch.Tensor, *,
+                 memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+        if images.dtype != torch.uint8:
+            return images
+        out = torch.empty(images.shape, dtype=torch.float32, device=images.device,
+                          memory_format=memory_format)
+        if images.device.type == "cpu":
+            out.copy_(images)
+            return torch.addcmul(self.shift, out, self.scale, out=out)
+        return torch.addcmul(self.shift, images, self.scale, out=out)

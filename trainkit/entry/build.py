@@ -31,11 +31,12 @@ from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.runtime import Runtime
 from trainkit.core.schema import check_known_keys
 from trainkit.data import (
-    READERS,
+    SOURCES,
     Data,
     TensorData,
     load_data,
     read_classes,
+    source_of,
     stats_for,
     transform_for,
     write_classes,
@@ -213,7 +214,8 @@ def save_run_files(run_dir: str | Path, cfg: DictConfig, settings: TrainConfig,
     classes = getattr(parts.train_data, "classes", None)
     if classes is not None:
         write_classes(run_dir, classes)
-    if settings.data.name not in ("tokens", "hf_text"):  # image models only
+    source = source_of(settings.data.name, own_reader=cfg.get("dataset") is not None)
+    if source.takes == "images":  # image models only
         write_inputs(run_dir, data_inputs(cfg, settings, classes, parts.num_classes))
 
 
@@ -288,8 +290,9 @@ def data_inputs(cfg: DictConfig, settings: TrainConfig, classes: Sequence[str] |
     """What a run's image model takes: tensor data's (MNIST, CIFAR-10, a ``TensorData`` of
     yours) from its evaluation split, read here; decoded images' (an image folder, shards,
     your own ``Dataset``) from the config (:func:`decoded_inputs`)."""
-    if cfg.get("dataset") is not None or settings.data.name not in ("image_folder", "webdataset"):
-        split = read_split(cfg, settings, train=False)
+    source = None if cfg.get("dataset") is not None else source_of(settings.data.name)
+    if source is None or source.read_split is not None or source.takes != "images":
+        split = read_split(cfg, settings, train=False)  # tensor data's own (tokens: refused)
         if isinstance(split, TensorData):
             return inputs_of(split)
     return decoded_inputs(cfg, settings, classes, num_classes)
@@ -323,15 +326,17 @@ def read_split(cfg: DictConfig, settings: TrainConfig, *, train: bool) -> Any:
     data = settings.data
     if cfg.get("dataset") is not None:
         return instantiate(cfg.dataset, _partial_=True)(root=data.root, train=train)
-    if data.name == "tokens":  # predict's and export's inputs are images
+    source = source_of(data.name)
+    if source.takes == "tokens":  # predict's and export's inputs are images
         raise TrainkitError("this run trained a language model on tokens: predict and export "
                             "take image models; `trainkit evaluate` evaluates it, and its "
                             "weights load with trainkit.load_checkpoint")
-    if data.name not in READERS:
+    if source.read_split is None:
+        whole = [name for name, s in SOURCES.items() if s.read_split is not None]
         raise TrainkitError(f"data.name={data.name!r}: only the built-in datasets "
-                            f"({', '.join(READERS)}) have test and train splits here; give a "
+                            f"({', '.join(whole)}) have test and train splits here; give a "
                             "folder of images instead")
-    return READERS[data.name](data.root, train=train, verify=data.verify, download=data.download)
+    return source.read_split(data, train=train)
 
 
 def eval_transform(run: Rebuilt) -> tuple[Inputs, Any, bool]:

@@ -32,6 +32,7 @@ from torch import nn
 from trainkit.config import TrainConfig
 from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.submodules import match_modules, repeated_blocks
+from trainkit.data import SOURCES, source_of
 from trainkit.distributed.fsdp import default_blocks, resolve_strategy
 from trainkit.entry.build import build_criterion, build_forward, build_model, build_settings
 from trainkit.entry.errors import errors_as_one_line
@@ -61,14 +62,6 @@ HEADROOM = 0.9  # of a GPU's memory a run may plan on: CUDA context, allocator, 
 MOST = 65536  # the largest micro-batch the search tries
 TRACED_MICRO_BATCHES = 2  # a step's peak is reached by its second micro-batch at the latest
 
-
-# bytes of the built-in in-memory datasets' splits (uint8 images, int64 labels), train + test
-RESIDENT = {"mnist": (60000 + 10000) * (28 * 28 + 8),
-            "cifar10": (50000 + 10000) * (3 * 32 * 32 + 8)}
-
-
-# the image data the estimate makes batches of: a fixed shape, or data.channels/image_size's
-IMAGES = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32), "image_folder": None, "webdataset": None}
 
 
 @dataclass(frozen=True)
@@ -163,14 +156,15 @@ def _settings(cfg: DictConfig) -> TrainConfig:
         raise ConfigError("dataset._target_: the estimate makes batches of the built-in data "
                           "only; give data=image_folder (or tokens) with your data's "
                           "data.image_size, data.channels and data.num_classes instead")
-    if data.name not in IMAGES and data.name != "tokens":
+    source = source_of(data.name)
+    if not source.estimable():
         raise ConfigError(f"data={data.name}: the estimate knows the built-in image and token "
-                          f"data ({', '.join([*IMAGES, 'tokens'])})")
+                          f"data ({', '.join(n for n, s in SOURCES.items() if s.estimable())})")
     if OmegaConf.is_missing(data, "root"):  # not read here: an image folder's is required
         with open_dict(cfg):
             cfg.data.root = "."
     if data.get("num_classes") is None:
-        known = {"mnist": 10, "cifar10": 10}.get(data.name) or _classes_on_disk(cfg)
+        known = source.known_classes(str(cfg.data.get("root") or "."))
         if known is None:
             raise ConfigError(f"data={data.name}: the estimate does not read the data; set "
                               "data.num_classes (its classes, or a token corpus's vocabulary)")
@@ -179,34 +173,11 @@ def _settings(cfg: DictConfig) -> TrainConfig:
     return build_settings(cfg)
 
 
-def _classes_on_disk(cfg: DictConfig) -> int | None:
-    """The class count the data on disk says cheaply: a token corpus's meta.json, an image
-    folder's class folders; None where neither is there."""
-    root = Path(str(cfg.data.get("root") or "."))
-    meta = root / "meta.json"
-    if cfg.data.name == "tokens" and meta.is_file():
-        return json.loads(meta.read_text()).get("vocab_size")
-    train = root / "train"
-    if cfg.data.name == "image_folder" and train.is_dir():
-        return sum(1 for p in train.iterdir() if p.is_dir()) or None
-    return None
-
-
 def sample_batch(settings: TrainConfig, size: int, device: str = "meta") -> Callable[[], Any]:
-    """A maker of batches of ``size`` samples as the configured data gives them to the step."""
-    data = settings.data
-    if data.name == "tokens":
-        return lambda: {"tokens": torch.zeros(size, data.seq_len + 1, dtype=torch.long,
-                                              device=device)}
-    shape = IMAGES[data.name] or (data.channels, data.image_size, data.image_size)
-    layout = (torch.channels_last if settings.trainer.channels_last
-              else torch.contiguous_format)
-
-    def make() -> Any:
-        images = torch.zeros(size, *shape, device=device).contiguous(memory_format=layout)
-        return images, torch.zeros(size, dtype=torch.long, device=device)
-
-    return make
+    """A maker of batches of ``size`` samples as the configured data gives them to the step
+    (the source's :meth:`~trainkit.data.Source.example_batch`)."""
+    return source_of(settings.data.name).example_batch(
+        settings.data, size, channels_last=settings.trainer.channels_last, device=device)
 
 
 class Plan:
@@ -224,8 +195,9 @@ class Plan:
         self.checkpointed = _selectors(trainer.activation_checkpointing)
         self.fused = False  # the optimizer's config asks for a fused kernel (set by build)
         # data.loader=memory on a GPU: the uint8 splits live there (trainkit.data.memory)
-        self.resident = (RESIDENT.get(settings.data.name, 0) if target.device_type == "cuda"
-                         and settings.data.loader == "memory" else 0)
+        self.resident = (source_of(settings.data.name).resident_bytes
+                         if target.device_type == "cuda" and settings.data.loader == "memory"
+                         else 0)
 
     def micro_batches(self, size: int) -> int:
         """Micro-batches an optimizer step takes at ``size`` samples each."""

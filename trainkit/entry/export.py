@@ -30,6 +30,7 @@ from trainkit.checkpoint.export import DTYPES, FORMATS, export
 from trainkit.checkpoint.select import WEIGHTS
 from trainkit.checkpoint.text_export import export_adapters, export_text
 from trainkit.core.errors import TrainkitError, command_name, help_text
+from trainkit.data import source_of
 from trainkit.data.sources.hf_text import load_tokenizer
 from trainkit.entry.build import Rebuilt, model_inputs, rebuild, run_classes
 from trainkit.entry.cli import split_args
@@ -68,7 +69,9 @@ def export_run(args: list[str], *, fmt: str = "safetensors", dtype: str = "fp32"
         raise TrainkitError(f"export folder {out} exists: remove it, or give another --out")
     run = rebuild(run_dir, options["ckpt"], weights, overrides)
     out = out if out is not None else run_dir / f"export_{run.name}{'_adapters' * adapters}"
-    if adapters or run.settings.data.name == "hf_text":  # a Hugging Face model, or adapters
+    own = run.cfg.get("dataset") is not None
+    text = source_of(run.settings.data.name, own_reader=own).takes == "text"
+    if adapters or text:  # a Hugging Face model, or adapters
         return export_text_run(run, out, fmt=fmt, dtype=dtype, adapters=adapters)
     inputs = model_inputs(run)  # mean/std, image size, classes: as the run recorded
     info = {"model": model_node(OmegaConf.to_container(run.cfg.model, resolve=True)),
@@ -82,7 +85,8 @@ def export_text_run(run: Rebuilt, out: Path, *, fmt: str, dtype: str, adapters: 
     """A text model's export (:mod:`trainkit.checkpoint.text_export`): merged, with its
     tokenizer, or (``adapters``) its LoRA adapters alone."""
     data = run.settings.data
-    tokenizer = load_tokenizer(data.tokenizer) if data.name == "hf_text" else None
+    text = source_of(data.name, own_reader=run.cfg.get("dataset") is not None).takes == "text"
+    tokenizer = load_tokenizer(data.tokenizer) if text else None
     if adapters:
         return export_adapters(run.model, out, tokenizer=tokenizer)
     node = OmegaConf.to_container(run.cfg.model, resolve=True)

@@ -45,7 +45,7 @@ from trainkit.data import (
     UnreadableImage,
     load_image,
     read_classes,
-    read_image_folder,
+    source_of,
 )
 from trainkit.distributed import group
 from trainkit.entry.build import (
@@ -95,7 +95,8 @@ def predict_run(run_dir: Path, options: dict[str, str], overrides: Sequence[str]
     runtime = Runtime.from_env(run.settings.trainer.device)
     use_device(runtime.device)
     group.init_process_group(runtime)
-    if run.settings.data.name == "hf_text":  # texts in, labels or generated text out
+    own = run.cfg.get("dataset") is not None
+    if source_of(run.settings.data.name, own_reader=own).takes == "text":  # texts in and out
         return _predict_text(run, options, runtime)
     names, read, inputs = _source(options["inputs"], run)
     model = Normalized(run.model, inputs).to(runtime.device).eval()
@@ -213,14 +214,10 @@ def _split(run: Any, *, train: bool) -> Source:
     """A split of the run's data: an image folder's files (``test``: its validation files), a
     tensor dataset's images, or your own ``Dataset``'s samples, each by its index."""
     data = run.settings.data
-    if run.cfg.get("dataset") is None and data.name == "image_folder":
-        folder = read_image_folder(data.root, val_fraction=data.val_fraction,
-                                   seed=run.settings.trainer.seed)  # the run's own split
-        split = folder.train if train else folder.val
-        if split is None:
-            raise TrainkitError(f"inputs=test: the image folder {data.root} has no val/ and the "
-                                "run held none out (data.val_fraction=0); give a folder instead")
-        return _files(run, [Path(f) for f in split.files])
+    source = source_of(data.name, own_reader=run.cfg.get("dataset") is not None)
+    if source.split_files is not None:  # the run's own split of its files
+        files = source.split_files(data, run.settings.trainer.seed, train=train)
+        return _files(run, [Path(f) for f in files])
     split = read_split(run.cfg, run.settings, train=train)
     if isinstance(split, TensorData):
         return list(range(len(split))), lambda i: split.images[i], inputs_of(split)

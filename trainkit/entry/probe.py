@@ -30,7 +30,7 @@ from trainkit.core.device import GIB
 from trainkit.core.errors import TrainkitError
 from trainkit.core.rng import seed_everything
 from trainkit.core.runtime import Runtime
-from trainkit.data import default_num_workers
+from trainkit.data import default_num_workers, source_of
 from trainkit.distributed import group, strategy
 from trainkit.entry.build import build_data, build_parts, build_settings
 from trainkit.entry.errors import errors_as_one_line
@@ -181,14 +181,12 @@ def _input_bound(loader: Phase, alone: Phase, together: Phase) -> bool:
         loader.samples_per_s < 0.9 * alone.samples_per_s)
 
 
-IN_MEMORY = ("mnist", "cifar10")  # the data kinds data.loader=memory holds on the device
-
-
 def _in_memory(cfg: Any, settings: TrainConfig) -> bool:
     """Whether the run loads through the in-memory loader (``data.loader`` is read by the
     built-in tensor datasets and a reader of your own only)."""
+    own = cfg.get("dataset") is not None
     return settings.data.loader == "memory" and (
-        settings.data.name in IN_MEMORY or cfg.get("dataset") is not None)
+        own or source_of(settings.data.name).in_memory)
 
 
 def _variants(cfg: Any, settings: TrainConfig, runtime: Runtime, seconds: float
@@ -200,7 +198,8 @@ def _variants(cfg: Any, settings: TrainConfig, runtime: Runtime, seconds: float
         workers = data.num_workers if data.num_workers is not None else default_num_workers()
         more = max(2, 2 * workers)
         tries.append((f"data.num_workers={more}", dataclasses.replace(data, num_workers=more)))
-        if data.name in IN_MEMORY:  # files of any size, streams: no in-memory form to try
+        own = cfg.get("dataset") is not None
+        if source_of(data.name, own_reader=own).in_memory:  # files, streams: none to try
             tries.append(("data.loader=memory", dataclasses.replace(data, loader="memory")))
     measured = []
     for setting, changed in tries:

@@ -22,6 +22,7 @@ from trainkit.core.rng import seed_everything
 from trainkit.core.runtime import Runtime
 from trainkit.core.schema import config_dir, schema
 from trainkit.core.signals import EXIT_PREEMPTED, Preemption, stop_outside_training
+from trainkit.data import source_of
 from trainkit.distributed import group, slurm
 from trainkit.distributed.ranks import join_ranks
 from trainkit.distributed.slurm_requeue import name_run_after_slurm_job, requeue_after_stop
@@ -107,7 +108,7 @@ def final_result(cfg: DictConfig, summary: dict[str, Any]) -> str:
     metrics = summary["metrics"]
     if "val/acc" not in metrics:
         return f"val/loss {metrics.get('val/loss', float('nan')):.4f}"
-    test = cfg.get("dataset") is None and cfg.data.name in ("mnist", "cifar10")
+    test = cfg.get("dataset") is None and source_of(cfg.data.name).eval_split == "test"
     return f"{'test' if test else 'validation'} accuracy {metrics['val/acc']:.4f}"
 
 

@@ -94,5 +94,5 @@ def test_build_loaders_serves_a_dataset_of_ones_own() -> None:
 def test_an_unknown_dataset_name_points_to_dataset_target() -> None:
     with pytest.raises(ConfigError,
                        match=r"not one of mnist, cifar10, image_folder, tokens, webdataset, "
-                             r"hf_text; .*dataset\._target_"):
+                             r"hf_text, npy_folder; .*dataset\._target_"):
         build_loaders(DataConfig(name="imagenet"), Runtime.from_env("cpu"))

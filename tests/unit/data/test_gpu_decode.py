@@ -17,15 +17,11 @@ from PIL import Image
 from tests.image_files import picture, truncate
 from trainkit.core.errors import TrainkitError
 from trainkit.data import DevicePrefetcher
-from trainkit.data.device.gpu_decode import (
-    Encoded,
-    JpegDecoder,
-    JpegFiles,
-    collate_encoded,
-    jpeg_plan,
-)
+from trainkit.data.batches import Encoded
+from trainkit.data.device.gpu_decode import JpegDecoder
 from trainkit.data.loader.resumable import make_loader
 from trainkit.data.sources.image_folder import ImageFiles, collate_images
+from trainkit.data.sources.jpeg_files import JpegFiles, collate_encoded, jpeg_plan
 from trainkit.data.transforms import eval_transform, train_transform
 
 SIZES = [(48, 64), (71, 53), (40, 40), (90, 33)]

@@ -11,9 +11,9 @@ import torch
 
 from tests.image_files import make_folder, truncate
 from trainkit.core.errors import TrainkitError
+from trainkit.data.batches import BadFile
 from trainkit.data.classes import check_same_classes, read_classes, write_classes
 from trainkit.data.sources.image_folder import (
-    BadFile,
     ImageFiles,
     collate_images,
     read_image_folder,

@@ -253,3 +253,25 @@ def test_every_trainkit_loader_implements_the_resume_protocol(mnist_root: Path) 
         next(iter(loader))
         assert loader.state_dict()["batch"] == 4
     assert not isinstance([(torch.zeros(1), torch.zeros(1))], ResumableData)  # a plain list
+
+
+def test_batches_of_an_epoch_from_a_start_leave_the_loaders_position_alone() -> None:
+    """``batches(epoch, start)`` serves a pass for a caller that holds the position: the same
+    batches as ``set_epoch`` then ``iter``, and the loader's own position untouched."""
+    from trainkit.data import DevicePrefetcher, InMemoryLoader, TensorData
+
+    loader = make_loader(NoisyRange(50), 8, shuffle=True, seed=2, num_workers=0)
+    torch.manual_seed(0)
+    full = [i for i, _ in _epoch(loader, 3)]
+    before = loader.state_dict()
+    assert [i.tolist() for i, _ in loader.batches(3, 2)] == full[2:]
+    assert loader.state_dict() == before
+
+    data = TensorData(torch.arange(40, dtype=torch.uint8).view(40, 1, 1, 1).expand(40, 1, 2, 2),
+                      torch.arange(40), (0.5,), (0.5,), 40)
+    fed = DevicePrefetcher(InMemoryLoader(data, 8, shuffle=True, seed=1), "cpu")
+    fed.set_epoch(5)
+    whole = [y.tolist() for _, y in fed]
+    position = fed.state_dict()
+    assert [y.tolist() for _, y in fed.batches(5, 3)] == whole[3:]
+    assert fed.state_dict() == position

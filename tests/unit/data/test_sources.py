@@ -20,7 +20,8 @@ def _fields(kind: type) -> set[str]:
 
 def test_every_source_config_holds_the_shared_fields_and_no_other_kinds() -> None:
     assert set(SOURCES) == {"mnist", "cifar10", "image_folder", "tokens", "webdataset",
-                            "hf_text"}
+                            "hf_text", "npy_folder"}
+    assert all(name == source.name for name, source in SOURCES.items())
     for name, source in SOURCES.items():
         assert _fields(source.config) >= SHARED, name
     image_folder = _fields(SOURCES["image_folder"].config)

@@ -1,144 +1,32 @@
 """``data.decode=gpu``: an image folder's JPEGs decoded on the GPU, a batch in one nvJPEG call.
 
-Workers (:class:`JpegFiles`) read each file's bytes and JPEG header and draw the training crop
-with the CPU path's code and random numbers; other files (PNG, CMYK or progressive JPEG, ...)
-are decoded in the worker as on the CPU path. On the device (:class:`JpegDecoder`, called by
-the :class:`~trainkit.data.DevicePrefetcher` before normalising): one ``decode_jpeg`` call per
-batch, then per image the EXIF orientation (nvJPEG ignores it), the crop, the CPU path's resize
-and flip (or ``ResizeCenterCrop``). A JPEG nvJPEG refuses is decoded on the CPU instead; an
-out-of-memory or device error is raised, never hidden by that fallback (:func:`fatal`). On the
-CPU the pixels equal the CPU path's; on CUDA they may differ by a grey level or two (nvJPEG's
-IDCT and upsampling, a float resize).
+Workers (:class:`~trainkit.data.sources.jpeg_files.JpegFiles`) read each file's bytes and
+JPEG header and draw the training crop with the CPU path's code and random numbers; other
+files (PNG, CMYK or progressive JPEG, ...) are decoded in the worker as on the CPU path. On
+the device (:class:`JpegDecoder`, called by the :class:`~trainkit.data.DevicePrefetcher`
+before normalising): one ``decode_jpeg`` call per batch, then per image the EXIF orientation
+(nvJPEG ignores it), the crop, the CPU path's resize and flip (or ``ResizeCenterCrop``). A
+JPEG nvJPEG refuses is decoded on the CPU instead; an out-of-memory or device error is raised,
+never hidden by that fallback (:func:`fatal`). On the CPU the pixels equal the CPU path's; on
+CUDA they may differ by a grey level or two (nvJPEG's IDCT and upsampling, a float resize).
 """
 
 from __future__ import annotations
 
 import io
-import itertools
 import logging
-import random
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from PIL import Image
 
 from trainkit.config import SharedDataConfig
 from trainkit.core.errors import ConfigError, TrainkitError
-from trainkit.data.sources.image_folder import BadFile, ImageBatch, ImageFiles
-from trainkit.data.transforms import (
-    RandomResizedCropFlip,
-    UnreadableImage,
-    crop_box,
-    decode_image,
-    resize,
-)
+from trainkit.data.batches import EncodedBatch, Plan
+from trainkit.data.transforms import UnreadableImage, decode_image, resize
 
 log = logging.getLogger("trainkit")
 
-_ORIENTATION = 0x0112  # the EXIF tag
-_TRANSPOSED = (5, 6, 7, 8)  # orientations that swap height and width
-
-
-class Plan(NamedTuple):
-    """What the device does to one decoded JPEG: its header's (oriented) size, the EXIF
-    orientation, the crop ``(top, left, h, w)`` in oriented coordinates (None: evaluation's
-    resize and centre crop), and whether to flip."""
-
-    height: int
-    width: int
-    orientation: int
-    box: tuple[int, int, int, int] | None
-    flip: bool
-
-
-class Encoded:
-    """A JPEG sample from a worker: its bytes (uint8, 1-D), its :class:`Plan`, its path.
-
-    A plain class, not a tuple or dataclass: the prefetcher's device move leaves it whole (the
-    bytes go to the decoder from host memory)."""
-
-    def __init__(self, data: torch.Tensor, plan: Plan, path: str) -> None:
-        self.data, self.plan, self.path = data, plan, path
-
-
-class EncodedBatch:
-    """A collated batch: the JPEGs' bytes in one tensor with their spans, and by position
-    either a JPEG's index or an already finished image (decoded in the worker)."""
-
-    def __init__(self, samples: Sequence[Encoded | torch.Tensor]) -> None:
-        jpegs = [s for s in samples if isinstance(s, Encoded)]
-        self.data = torch.cat([s.data for s in jpegs]) if jpegs else torch.empty(
-            0, dtype=torch.uint8)
-        ends = list(itertools.accumulate(len(s.data) for s in jpegs))
-        self.spans = list(zip([0, *ends[:-1]], ends))
-        self.plans = [s.plan for s in jpegs]
-        self.paths = [s.path for s in jpegs]
-        self.items = [s if isinstance(s, torch.Tensor) else None for s in samples]
-
-    def pin_memory(self) -> EncodedBatch:
-        """The DataLoader's pinning (on CUDA): the finished images pinned, so their copy to the
-        device does not block the host; the bytes stay (nvJPEG reads them on the host)."""
-        self.items = [s.pin_memory() if s is not None else None for s in self.items]
-        return self
-
-
-def jpeg_plan(data: bytes, transform: Any) -> Plan | None:
-    """The :class:`Plan` of a baseline RGB/grayscale JPEG (drawing the training crop and flip
-    as ``transform`` would); None for any other file, which the CPU path decodes."""
-    if data[:3] != b"\xff\xd8\xff":
-        return None
-    try:
-        with Image.open(io.BytesIO(data)) as pil:  # the header only: no pixels decoded
-            if pil.format != "JPEG" or pil.mode not in ("RGB", "L") or pil.info.get(
-                    "progressive") or pil.info.get("progression"):
-                return None
-            width, height = pil.size
-            orientation = int(pil.getexif().get(_ORIENTATION, 1))
-    except Exception:  # Pillow raises many types: the CPU path says what is wrong
-        return None
-    if orientation not in range(1, 9):
-        orientation = 1
-    if orientation in _TRANSPOSED:
-        height, width = width, height
-    if not isinstance(transform, RandomResizedCropFlip):
-        return Plan(height, width, orientation, None, False)
-    # RandomResizedCropFlip.__call__'s draws, in its order
-    box = crop_box(height, width, scale=transform.scale, ratio=transform.ratio)
-    flip = transform.flip and random.random() < 0.5
-    return Plan(height, width, orientation, box, flip)
-
-
-class JpegFiles(ImageFiles):
-    """:class:`~trainkit.data.sources.image_folder.ImageFiles` whose JPEG samples are
-    :class:`Encoded` (bytes and plan), every other file decoded and transformed here as the CPU
-    path does.
-    ``transform`` is :class:`RandomResizedCropFlip` (training) or :class:`ResizeCenterCrop`."""
-
-    def _load(self, path: str) -> Encoded | torch.Tensor:
-        """A JPEG's bytes and plan; any other file decoded and transformed (the skip and
-        bad-file handling around it is :class:`ImageFiles`'s)."""
-        try:
-            data = Path(path).read_bytes()
-        except OSError as err:
-            raise UnreadableImage(f"cannot read image file {path}: {err}") from None
-        plan = jpeg_plan(data, self.transform)
-        if plan is not None:
-            return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), plan, path)
-        image = decode_image(data, channels=self.channels, name=path)
-        return self.transform(image) if self.transform is not None else image
-
-
-def collate_encoded(samples: list[Any]) -> ImageBatch:
-    """:class:`JpegFiles` samples as an :class:`ImageBatch` whose images are an
-    :class:`EncodedBatch`; bad files travel as they are (the main process reports them)."""
-    bad = [s for s in samples if isinstance(s, BadFile)]
-    if bad:
-        return ImageBatch(None, torch.empty(0, dtype=torch.int64), [], bad)
-    labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
-    return ImageBatch(EncodedBatch([s[0] for s in samples]), labels,
-                      [p for s in samples for p in s[2]], [])
 
 
 def orient(image: torch.Tensor, orientation: int) -> torch.Tensor:
@@ -339,7 +227,7 @@ class JpegDecoder:
         return out.flip(-1) if plan.flip else out
 
 
-def check_gpu_decode(cfg: SharedDataConfig, device: torch.device | str, *, own_dataset: bool,
+def check_gpu_decode(cfg: SharedDataConfig, device: torch.device | str, *, decodes_files: bool,
                      custom_transforms: bool) -> None:
     """``data.decode=gpu``'s preconditions, each a one-line :class:`ConfigError`; nvJPEG is
     tried once here (:func:`probe_nvjpeg`) and its line logged."""
@@ -348,7 +236,7 @@ def check_gpu_decode(cfg: SharedDataConfig, device: torch.device | str, *, own_d
         raise ConfigError(f"data.decode=gpu needs a CUDA device (this run's is {device}, CUDA "
                           f"{'available' if torch.cuda.is_available() else 'unavailable'}): "
                           "use data.decode=cpu")
-    if own_dataset or cfg.name != "image_folder":
+    if not decodes_files:  # the source's answer (an image folder's; not your own dataset's)
         raise ConfigError(f"data.decode=gpu is for data=image_folder (data.name={cfg.name!r}): "
                           "use data.decode=cpu")
     if custom_transforms:

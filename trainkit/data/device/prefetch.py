@@ -18,6 +18,7 @@ from trainkit.core.errors import TrainkitError
 from trainkit.core.tree import tensors
 from trainkit.data.classes import STATE_KEY, check_same_classes
 from trainkit.data.loader.resumable import ResumableData, saved_position, set_epoch
+from trainkit.data.transforms import Normalize
 
 log = logging.getLogger("trainkit")
 
@@ -129,15 +130,31 @@ class DevicePrefetcher:
                             path, len(self.skipped))
 
     def __iter__(self) -> Iterator[Any]:
-        self._ahead = 0
+        return self._on_device(self.loader, counted=True)
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[Any]:
+        """The batches ``start, ...`` of ``epoch`` on the device, for a caller that holds the
+        position itself (the look-ahead stays inside this pass: nothing to subtract)."""
+        source = getattr(self.loader, "batches", None)
+        if source is None:  # a loader of another kind: pointed there, then iterated
+            set_epoch(self.loader, epoch, start)
+            return self._on_device(self.loader, counted=False)
+        return self._on_device(source(epoch, start), counted=False)
+
+    def _on_device(self, loader: Iterable[Any], *, counted: bool) -> Iterator[Any]:
+        """``loader``'s batches on the device; ``counted``: the batch held in flight is
+        subtracted from the position :meth:`state_dict` reports (a pass of ``__iter__``)."""
+        if counted:
+            self._ahead = 0
         if self._stream is None:
-            for batch in self.loader:
+            for batch in loader:
                 yield self._prepare(move_to_device(self._checked(batch), self.device))
             return
-        yield from self._iter_cuda(self._stream)
+        yield from self._iter_cuda(self._stream, loader, counted)
 
-    def _iter_cuda(self, stream: torch.cuda.Stream) -> Iterator[Any]:
-        batches = iter(self.loader)
+    def _iter_cuda(self, stream: torch.cuda.Stream, loader: Iterable[Any],
+                   counted: bool) -> Iterator[Any]:
+        batches = iter(loader)
         upcoming = self._preload(batches, stream)
         while upcoming is not None:
             current = torch.cuda.current_stream(self.device)
@@ -147,9 +164,11 @@ class DevicePrefetcher:
                 # allocator could hand the memory to the next copy while compute still reads it.
                 tensor.record_stream(current)
             batch, upcoming = upcoming, self._preload(batches, stream)
-            self._ahead = 1 if upcoming is not None else 0
+            if counted:
+                self._ahead = 1 if upcoming is not None else 0
             yield batch
-        self._ahead = 0
+        if counted:
+            self._ahead = 0
 
     def _preload(self, batches: Iterator[Any], stream: torch.cuda.Stream) -> Any:
         try:
@@ -187,45 +206,3 @@ class DevicePrefetcher:
             x = x.contiguous(memory_format=torch.channels_last)
         return type(batch)([x, *batch[1:]]) if isinstance(batch, list) else (x, *batch[1:])
 
-
-def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *,
-              memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-    """``(images / 255 - mean) / std`` as float32 for a uint8 ``[B, C, H, W]`` batch.
-
-    Builds its constants on each call (on CUDA a blocking copy from host memory): for a loader's
-    every batch use one :class:`Normalize`, which builds them once. Float input is returned as
-    it is.
-    """
-    if images.dtype != torch.uint8:
-        return images
-    return Normalize(mean, std, images.device)(images, memory_format=memory_format)
-
-
-class Normalize:
-    """:func:`normalize` with its constants built once, on ``device``: no host sync per batch.
-
-    One multiply-add, ``x * (1 / (255 std)) - mean / std``, written in ``memory_format`` whatever
-    the batch's own layout: on a GPU one kernel reading uint8; on a CPU the cast into the output
-    first (torch's vectorised copy; its mixed-dtype multiply-add is not, and is slower:
-    benchmarks/README.md, data figures), then the multiply-add in place. The constants are made
-    here, once (from host memory: on CUDA a copy the host waits for), never per batch.
-    """
-
-    def __init__(self, mean: Sequence[float], std: Sequence[float],
-                 device: torch.device | str) -> None:
-        self.mean, self.std, self.device = tuple(mean), tuple(std), torch.device(device)
-        scale = torch.tensor([1 / (255 * s) for s in self.std], dtype=torch.float32)
-        shift = torch.tensor([-m / s for m, s in zip(self.mean, self.std)], dtype=torch.float32)
-        self.scale = scale.view(1, -1, 1, 1).to(self.device)
-        self.shift = shift.view(1, -1, 1, 1).to(self.device)
-
-    def __call__(self, images: torch.Tensor, *,
-                 memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-        if images.dtype != torch.uint8:
-            return images
-        out = torch.empty(images.shape, dtype=torch.float32, device=images.device,
-                          memory_format=memory_format)
-        if images.device.type == "cpu":
-            out.copy_(images)
-            return torch.addcmul(self.shift, out, self.scale, out=out)
-        return torch.addcmul(self.shift, images, self.scale, out=out)

@@ -8,18 +8,15 @@ the batches an uninterrupted run would have seen.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
 from trainkit.core.errors import ConfigError
 from trainkit.core.rng import mix_seed
+from trainkit.data.batches import TensorData
 from trainkit.data.loader.augment import PAD_MODES, crop_flip
 from trainkit.data.loader.order import check_shard, epoch_order, shard_size
 from trainkit.data.loader.resumable import ResumableLoader
-
-if TYPE_CHECKING:
-    from trainkit.data.sources.tensors import TensorData
 
 
 class InMemoryLoader(ResumableLoader):

@@ -172,6 +172,11 @@ class ResumableLoader:
             self.batch += 1
             yield batch
 
+    def batches(self, epoch: int, start: int = 0) -> Iterator[Any]:
+        """The batches ``start, start + 1, ...`` of ``epoch``, for a caller that holds the
+        position itself: this loader's own (``state_dict``) is neither read nor moved."""
+        return self._pass(epoch, start)
+
     def _pass(self, epoch: int, start: int) -> Iterator[Any]:
         """The batches ``start, start + 1, ...`` of ``epoch`` (a variant's one job)."""
         self.sampler.set_epoch(epoch, start)  # the sampler skips the batches before `start`

@@ -1,123 +1,51 @@
 """The sources: one module per kind of data, each its dataset (and loaders) from its own config.
 
-:data:`SOURCES` is the one table, keyed by ``data.name``: each kind's typed config (the shared
-fields and its own, :mod:`trainkit.config`) and its ``load``. :func:`load_data` looks the kind
+:data:`SOURCES` is the one table, keyed by ``data.name``: each kind's
+:class:`~trainkit.data.sources.source.Source` (its typed config, its ``load``, and its answers
+to the commands: :func:`source_of`). :func:`trainkit.data.pipeline.load_data` builds a run's
+loaders from the one ``data.name`` picks. :func:`load_data` looks the kind
 up, hands it its config, and returns the training and evaluation loaders and the class count,
 which the caller reads before it builds the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, fields
-from typing import Any, NamedTuple
+from dataclasses import MISSING, fields
+from typing import Any
 
-from trainkit.config import (
-    DataConfig,
-    DatasetConfig,
-    HFTextConfig,
-    ImageFolderConfig,
-    SharedDataConfig,
-    TensorDataConfig,
-    TokensConfig,
-    WebDatasetConfig,
-)
+from trainkit.config import DataConfig, SharedDataConfig
 from trainkit.core.errors import ConfigError
-from trainkit.core.runtime import Runtime
-from trainkit.data.sources import dataset, hf_text, image_folder, tensors, tokens, webdataset
+from trainkit.data.sources import (
+    dataset,
+    hf_text,
+    image_folder,
+    npy_folder,
+    tensors,
+    tokens,
+    webdataset,
+)
+from trainkit.data.sources.source import Options, Reader, Source  # noqa: F401  (their API)
 
-# A user's own dataset: called as ``reader(root=data.root, train=True/False)``, returns one split:
-Reader = Callable[..., Any]  # TensorData, a torch Dataset or a datasets.Dataset
-
-
-class Data(NamedTuple):
-    """What a source gives: the loaders (``val`` may be None) and the number of classes."""
-
-    train: Any
-    val: Any
-    num_classes: int
-
-
-@dataclass(frozen=True)
-class Options:
-    """What every source may take besides its config: the run's seed and layout, your own
-    reader and transforms (built callables), and a bound on evaluation batches per rank."""
-
-    seed: int = 0
-    channels_last: bool = False
-    reader: Reader | None = None
-    train_transforms: Sequence[Callable[..., Any]] | None = None
-    eval_transforms: Sequence[Callable[..., Any]] | None = None
-    eval_max_batches: int | None = None
+SOURCES: dict[str, Source] = {source.name: source for source in (  # data.name -> its source
+    tensors.MNIST, tensors.CIFAR10, image_folder.SOURCE, tokens.SOURCE, webdataset.SOURCE,
+    hf_text.SOURCE, npy_folder.SOURCE)}
+OWN = dataset.SOURCE  # a reader (dataset._target_) replaces the image kinds
 
 
-class Source(NamedTuple):
-    """A kind of data: its typed config, and ``load(config, runtime, options)`` returning the
-    training loader, the evaluation loader (or None) and the class count."""
-
-    config: type[SharedDataConfig]
-    load: Callable[[Any, Runtime, Options], tuple[Any, Any, int]]
-
-
-SOURCES: dict[str, Source] = {  # data.name -> its source
-    "mnist": Source(TensorDataConfig, tensors.load),
-    "cifar10": Source(TensorDataConfig, tensors.load),
-    "image_folder": Source(ImageFolderConfig, image_folder.load),
-    "tokens": Source(TokensConfig, tokens.load),
-    "webdataset": Source(WebDatasetConfig, webdataset.load),
-    "hf_text": Source(HFTextConfig, hf_text.load),
-}
-OWN = Source(DatasetConfig, dataset.load)  # a reader (dataset._target_) replaces the image kinds
-STREAMED = ("webdataset", "tokens", "hf_text")  # kinds that never take a reader
-
-
-def load_data(cfg: SharedDataConfig, runtime: Runtime, *, seed: int = 0,
-              channels_last: bool = False,
-              reader: Reader | None = None,
-              train_transforms: Sequence[Callable[..., Any]] | None = None,
-              eval_transforms: Sequence[Callable[..., Any]] | None = None,
-              eval_max_batches: int | None = None) -> Data:
-    """The training and evaluation loaders of ``cfg.name``'s source, and its class count.
-
-    ``cfg`` is the ``data`` node (:class:`~trainkit.config.DataConfig`, every source's keys)
-    or a source's own typed config; the source gets its own part of it.
-
-    ``reader`` (the entry point's ``dataset._target_``) replaces the built-in images: called
-    as ``reader(root=cfg.root, train=...)``, it returns a
-    :class:`~trainkit.data.sources.tensors.TensorData` or any map-style ``Dataset`` (torch's,
-    or Hugging Face's). ``train_transforms`` / ``eval_transforms`` (callables) replace the
-    default transforms of image files. ``eval_max_batches`` (``trainer.eval_max_batches``)
-    bounds evaluation to that many batches per rank, spread evenly over the split.
+def source_of(name: str, *, own_reader: bool = False) -> Source:
+    """The :class:`Source` of ``data.name`` (with ``own_reader``: your ``dataset._target_``'s,
+    which replaces the image kinds).
 
     Raises:
-        ConfigError: an unknown ``data.name``, a batch size the data cannot fill, or a
-            ``data.num_classes`` other than the data's.
-        TrainkitError: the files are missing (offline), corrupt or malformed.
+        ConfigError: an unknown ``data.name``.
     """
-    if getattr(cfg, "decode", "cpu") == "gpu":  # JPEGs decoded on the device: its preconditions
-        from trainkit.data.device.gpu_decode import check_gpu_decode  # (imports image_folder)
-
-        check_gpu_decode(cfg, runtime.device, own_dataset=reader is not None,
-                         custom_transforms=bool(train_transforms or eval_transforms))
-    source = SOURCES.get(cfg.name)
-    if reader is not None and cfg.name not in STREAMED:
-        source = OWN
+    source = SOURCES.get(name)
+    if own_reader and (source is None or source.reader_replaces):
+        return OWN
     if source is None:
-        raise ConfigError(f"data.name={cfg.name!r} is not one of {', '.join(SOURCES)}; "
+        raise ConfigError(f"data.name={name!r} is not one of {', '.join(SOURCES)}; "
                           "for your own dataset set dataset._target_ (see the README)")
-    refuse_unread(cfg, source.config, "your dataset (dataset._target_)" if source is OWN
-                  else f"data={cfg.name}")
-    options = Options(seed, channels_last, reader, train_transforms, eval_transforms,
-                      eval_max_batches)
-    data = Data(*source.load(own_config(cfg, source.config), runtime, options))
-    if cfg.num_classes is not None and cfg.num_classes != data.num_classes:
-        raise ConfigError(f"data.num_classes={cfg.num_classes} but the data has "
-                          f"{data.num_classes} classes: leave data.num_classes unset (null), "
-                          "it is read from the data")
-    return data
-
-
-build_loaders = load_data  # the name trainkit's API has had
+    return source
 
 
 READ_BY_EVERY_SOURCE = {"channels"}  # the model's stem is built for it, whatever the data

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,8 +22,10 @@ from torch.utils.data import Dataset
 from trainkit.config import DatasetConfig
 from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.runtime import Runtime
+from trainkit.data.batches import BadFile
 from trainkit.data.device.prefetch import DevicePrefetcher
-from trainkit.data.sources.image_folder import BadFile, image_loader
+from trainkit.data.sources.image_folder import image_loader
+from trainkit.data.sources.source import Options, Source
 from trainkit.data.sources.tensors import TensorData, tensor_loaders
 from trainkit.data.transforms import (
     UnreadableImage,
@@ -31,9 +33,6 @@ from trainkit.data.transforms import (
     pil_to_tensor,
     transform_for,
 )
-
-if TYPE_CHECKING:
-    from trainkit.data.sources import Options
 
 
 def load(cfg: DatasetConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
@@ -224,3 +223,7 @@ def _hold_out(split: Any, fraction: float, seed: int) -> tuple[Any, Any]:
     parts = split.train_test_split(test_size=fraction, seed=seed,
                                    stratify_by_column=labels[0] if labels else None)
     return parts["train"], parts["test"]
+
+
+# a reader (dataset._target_) replaces the image kinds: reader(root, train) -> one split
+SOURCE = Source("dataset", DatasetConfig, load, in_memory=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -31,9 +31,7 @@ from trainkit.core.library_logs import quiet_libraries
 from trainkit.core.runtime import Runtime
 from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.resumable import make_loader
-
-if TYPE_CHECKING:
-    from trainkit.data.sources import Options
+from trainkit.data.sources.source import Options, Source
 
 EVAL_SPLITS = ("validation", "val", "test")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
@@ -227,3 +225,6 @@ def load(cfg: HFTextConfig, runtime: Runtime, options: Options) -> tuple[Any, An
     """:func:`hf_text_loaders` as :data:`trainkit.data.sources.SOURCES` calls it."""
     return hf_text_loaders(cfg, runtime, seed=options.seed,
                            eval_max_batches=options.eval_max_batches)
+
+
+SOURCE = Source("hf_text", HFTextConfig, load, takes="text", reader_replaces=False)

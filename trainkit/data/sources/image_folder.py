@@ -15,11 +15,10 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from trainkit.config import DatasetConfig, ImageFolderConfig
 from trainkit.core.errors import TrainkitError
@@ -28,18 +27,14 @@ from trainkit.core.runtime import Runtime
 from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.resumable import make_loader
 from trainkit.data.remote import fetch_tree
+from trainkit.data.sources.image_files import ImageFiles, Transform, collate_images
+from trainkit.data.sources.jpeg_files import JpegFiles, collate_encoded
+from trainkit.data.sources.source import Options, Source
 from trainkit.data.transforms import (
     IMAGE_SUFFIXES,
-    UnreadableImage,
-    load_image,
     stats_for,
     transform_for,
 )
-
-if TYPE_CHECKING:
-    from trainkit.data.sources import Options
-
-Transform = Callable[[torch.Tensor], Any]
 
 
 @dataclass(frozen=True)
@@ -151,104 +146,6 @@ def _few(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" (+{len(names) - 5})" if len(names) > 5 else "") or "none"
 
 
-class BadFile(NamedTuple):
-    """A sample that could not be loaded: its file and why."""
-
-    path: str
-    message: str
-
-
-class PathTable:
-    """File paths as one byte buffer and offsets: loader workers read them without touching
-    Python objects' reference counts, so their copy-on-write pages stay shared (a list of a
-    million ``str`` grows every worker by its size; pytorch/pytorch#13246)."""
-
-    def __init__(self, paths: Sequence[str]) -> None:
-        encoded = [os.fsencode(p) for p in paths]
-        self._offsets = np.cumsum([0] + [len(b) for b in encoded], dtype=np.int64)
-        self._bytes = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-
-    def __len__(self) -> int:
-        return len(self._offsets) - 1
-
-    def __getitem__(self, i: int) -> str:
-        return os.fsdecode(self._bytes[self._offsets[i]:self._offsets[i + 1]].tobytes())
-
-
-class ImageFiles(Dataset):
-    """One split as ``(uint8 image [C, H, W] after ``transform``, label)`` samples.
-
-    Args:
-        files: image paths.
-        labels: their class indices.
-        transform: applied to the decoded uint8 tensor (:mod:`trainkit.data.transforms`).
-        channels: 3 (RGB) or 1 (grayscale).
-        skip_corrupt: an unreadable file's sample is the next readable file's (the epoch keeps
-            its length and order), and the sample carries the skipped path; else the sample is
-            a :class:`BadFile`.
-    """
-
-    def __init__(self, files: Sequence[str], labels: Sequence[int], transform: Transform | None,
-                 *, channels: int = 3, skip_corrupt: bool = False) -> None:
-        self.paths = PathTable(files)
-        self.labels = np.asarray(labels, dtype=np.int64)
-        self.transform, self.channels, self.skip_corrupt = transform, channels, skip_corrupt
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, index: int) -> tuple[Any, int, list[str]] | BadFile:
-        skipped: list[str] = []
-        for step in range(len(self)):
-            i = (index + step) % len(self)
-            path = self.paths[i]
-            try:
-                image = self._load(path)
-            except UnreadableImage as err:
-                if not self.skip_corrupt:
-                    return BadFile(path, str(err))
-                skipped.append(path)
-                continue
-            return image, int(self.labels[i]), skipped
-        return BadFile(self.paths[index], "no file of this split can be decoded")
-
-    def _load(self, path: str) -> Any:
-        """One file decoded and transformed (raises :class:`UnreadableImage`)."""
-        image = load_image(path, channels=self.channels)
-        return self.transform(image) if self.transform is not None else image
-
-
-class ImageBatch(NamedTuple):
-    """A collated batch: images, labels, the files skipped for it, and any file that failed."""
-
-    images: Any
-    labels: torch.Tensor
-    skipped: list[str]
-    bad: list[BadFile]
-
-
-def collate_images(samples: list[Any]) -> ImageBatch:
-    """Stack :class:`ImageFiles` samples; bad ones travel as they are, to fail in the main
-    process (``default_collate`` puts the images in shared memory inside a worker).
-
-    uint8 images stay uint8: a quarter of float32's bytes through shared memory and the pinned
-    copy, and one copy fewer than normalising here (the
-    :class:`~trainkit.data.DevicePrefetcher` normalises where the batch lands, on any device).
-    """
-    bad = [s for s in samples if isinstance(s, BadFile)]
-    if bad:
-        return ImageBatch(None, torch.empty(0, dtype=torch.int64), [], bad)
-    first = samples[0][0]
-    if isinstance(first, torch.Tensor) and first.dim() == 3 and first.stride(0) == 1:
-        # channels-last images (decoders' and the transforms' layout): stacked as [B, H, W, C],
-        # one plain copy each, viewed as [B, C, H, W] (normalize writes the layout asked for)
-        images = default_collate([s[0].permute(1, 2, 0) for s in samples]).permute(0, 3, 1, 2)
-    else:
-        images = default_collate([s[0] for s in samples])
-    labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
-    return ImageBatch(images, labels, [p for s in samples for p in s[2]], [])
-
-
 def load(cfg: ImageFolderConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
     """Training and validation loaders of the image folder at ``cfg.root``, and its class count.
 
@@ -259,8 +156,6 @@ def load(cfg: ImageFolderConfig, runtime: Runtime, options: Options) -> tuple[An
     folder = read_image_folder(cfg.root, val_fraction=cfg.val_fraction, seed=options.seed)
     files_kind: Any = ImageFiles
     if cfg.decode == "gpu":  # JPEGs decoded on the device (trainkit.data.device.gpu_decode)
-        from trainkit.data.device.gpu_decode import JpegFiles
-
         files_kind = JpegFiles
 
     def split_loader(split: Split, training: bool) -> DevicePrefetcher:
@@ -285,7 +180,7 @@ def image_loader(dataset: Dataset, cfg: ImageFolderConfig | DatasetConfig, runti
     collate: Callable[[list[Any]], Any] = collate_images
     decoder = None
     if cfg.decode == "gpu" and options.reader is None:
-        from trainkit.data.device.gpu_decode import JpegDecoder, collate_encoded
+        from trainkit.data.device.gpu_decode import JpegDecoder
 
         collate = collate_encoded
         decoder = JpegDecoder(runtime.device, channels=cfg.channels, transform=transform,
@@ -300,3 +195,26 @@ def image_loader(dataset: Dataset, cfg: ImageFolderConfig | DatasetConfig, runti
     return DevicePrefetcher(loader, runtime.device, mean=mean, std=std, classes=classes,
                             channels_last=options.channels_last, normalize_float=False,
                             decoder=decoder)
+
+
+def _classes_on_disk(root: Path) -> int | None:
+    train = root / "train"
+    return (sum(1 for p in train.iterdir() if p.is_dir()) or None) if train.is_dir() else None
+
+
+def split_files(data: Any, seed: int, *, train: bool) -> list[str]:
+    """The image files of a run's own split (``val/``, or the part it held out with ``seed``).
+
+    Raises:
+        TrainkitError: the split asked for is not there.
+    """
+    folder = read_image_folder(data.root, val_fraction=data.val_fraction, seed=seed)
+    split = folder.train if train else folder.val
+    if split is None:
+        raise TrainkitError(f"inputs=test: the image folder {data.root} has no val/ and the "
+                            "run held none out (data.val_fraction=0); give a folder instead")
+    return list(split.files)
+
+
+SOURCE = Source("image_folder", ImageFolderConfig, load, classes_on_disk=_classes_on_disk,
+                split_files=split_files, gpu_decode=True)

@@ -13,9 +13,8 @@ import math
 import os
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,10 +23,12 @@ from torch.utils.data import Dataset
 from trainkit.config import DatasetConfig, TensorDataConfig
 from trainkit.core.errors import TrainkitError, chain_lines
 from trainkit.core.runtime import Runtime
+from trainkit.data.batches import TensorData
 from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.memory import InMemoryLoader
 from trainkit.data.loader.resumable import make_loader
 from trainkit.data.sources.safe_pickle import load_restricted
+from trainkit.data.sources.source import Options, Source
 from trainkit.data.tools.checksums import check_md5
 from trainkit.data.tools.download import (
     CIFAR10_FOLDER,
@@ -35,9 +36,6 @@ from trainkit.data.tools.download import (
     download_error_lines,
     download_mnist,
 )
-
-if TYPE_CHECKING:
-    from trainkit.data.sources import Options
 
 # md5 of the uncompressed files torchvision leaves in <root>/MNIST/raw.
 MNIST_MD5 = {
@@ -48,20 +46,6 @@ MNIST_MD5 = {
 }
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-
-
-@dataclass(frozen=True)
-class TensorData:
-    """A whole split in memory: ``images`` uint8 ``[N, C, H, W]``, ``labels`` int64 ``[N]``."""
-
-    images: torch.Tensor
-    labels: torch.Tensor
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    num_classes: int
-
-    def __len__(self) -> int:
-        return len(self.labels)
 
 
 def load_mnist(
@@ -267,6 +251,22 @@ def tensor_loaders(train: TensorData, test: TensorData, cfg: TensorDataConfig | 
 
 
 READERS = {"mnist": load_mnist, "cifar10": load_cifar10}  # the built-in datasets, by data.name
+
+
+def _split_of(read: Callable[..., TensorData]) -> Callable[..., TensorData]:
+    def read_split(data: Any, *, train: bool) -> TensorData:
+        return read(data.root, train=train, verify=data.verify, download=data.download)
+
+    return read_split
+
+
+# bytes of a split pair held on the device by data.loader=memory (uint8 images, int64 labels)
+MNIST = Source("mnist", TensorDataConfig, load, shape=lambda data: (1, 28, 28), num_classes=10,
+               read_split=_split_of(load_mnist), in_memory=True, eval_split="test",
+               resident_bytes=(60000 + 10000) * (28 * 28 + 8))
+CIFAR10 = Source("cifar10", TensorDataConfig, load, shape=lambda data: (3, 32, 32),
+                 num_classes=10, read_split=_split_of(load_cifar10), in_memory=True,
+                 eval_split="test", resident_bytes=(50000 + 10000) * (3 * 32 * 32 + 8))
 
 
 class ImageSamples(Dataset):

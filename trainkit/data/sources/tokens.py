@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,9 +30,7 @@ from trainkit.core.runtime import Runtime
 from trainkit.data.loader.order import epoch_order
 from trainkit.data.loader.resumable import ResumableLoader
 from trainkit.data.remote import fetch_files
-
-if TYPE_CHECKING:
-    from trainkit.data.sources import Options
+from trainkit.data.sources.source import Options, Source
 
 DTYPES = ("uint16", "uint32")
 
@@ -157,3 +155,12 @@ def load(cfg: TokensConfig, runtime: Runtime, options: Options) -> tuple[Any, An
     """:func:`token_loaders` as :data:`trainkit.data.sources.SOURCES` calls it."""
     return token_loaders(cfg, runtime, seed=options.seed,
                          eval_max_batches=options.eval_max_batches)
+
+
+def _vocab_on_disk(root: Path) -> int | None:
+    meta = root / "meta.json"
+    return json.loads(meta.read_text()).get("vocab_size") if meta.is_file() else None
+
+
+SOURCE = Source("tokens", TokensConfig, load, takes="tokens", classes_on_disk=_vocab_on_disk,
+                reader_replaces=False)

@@ -21,7 +21,7 @@ import json
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -37,10 +37,8 @@ from trainkit.core.signals import shielded_worker_init
 from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.resumable import ResumableLoader
 from trainkit.data.remote import is_store_url, open_shard
+from trainkit.data.sources.source import Options, Source
 from trainkit.data.transforms import IMAGE_SUFFIXES, decode_image, stats_for, transform_for
-
-if TYPE_CHECKING:
-    from trainkit.data.sources import Options
 
 IMAGE_KEYS = tuple(suffix[1:] for suffix in IMAGE_SUFFIXES)
 INDEX = "shards.json"
@@ -314,3 +312,6 @@ def load(cfg: WebDatasetConfig, runtime: Runtime, options: Options) -> tuple[Any
     return shard_loaders(cfg, runtime, seed=options.seed, channels_last=options.channels_last,
                          train_transforms=options.train_transforms,
                          eval_transforms=options.eval_transforms)
+
+
+SOURCE = Source("webdataset", WebDatasetConfig, load, reader_replaces=False)
