@@ -230,6 +230,7 @@ def loader_syncs(steps: int, log_every: int, device: torch.device | str, root: P
     ``device`` (on the CPU: libjpeg-turbo through the same list call)."""
     from trainkit.config import ImageFolderConfig
     from trainkit.core.runtime import Runtime
+    from trainkit.data.pipeline import loaders_of
     from trainkit.data.sources import Options
     from trainkit.data.sources import image_folder as image_folder_source
 
@@ -238,7 +239,9 @@ def loader_syncs(steps: int, log_every: int, device: torch.device | str, root: P
                             num_workers=0, image_size=16, decode=decode)
     # the source itself, not load_data, whose check refuses decode=gpu off CUDA to a user: here
     # the JpegDecoder's list call runs on the CPU on purpose
-    train, _, classes = image_folder_source.load(cfg, Runtime(device), Options(seed=0))
+    runtime, options = Runtime(device), Options(seed=0)
+    train, _, classes = loaders_of(image_folder_source.load(cfg, runtime, options), runtime,
+                                   options)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                           nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, classes))
