@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time: _SOURCES and
     from trainkit.loop.callbacks import Callback, EarlyStopping
     from trainkit.loop.ema import EMA
     from trainkit.loop.precision import Precision
+    from trainkit.loop.preemptible import preemptible
     from trainkit.loop.step import StepResult, WindowStep, train_window, windows
     from trainkit.loop.trainer import NonFiniteLossError, Trainer, TrainState
     from trainkit.models.param_groups import param_groups
@@ -90,6 +91,7 @@ __all__ = [
     "make_loader",
     "move_to_device",
     "param_groups",
+    "preemptible",
     "resolve_device",
     "save_atomic",
     "seed_everything",
@@ -118,6 +120,7 @@ _SOURCES = {name: module for module, names in (
     ("trainkit.loop.callbacks", "Callback EarlyStopping"),
     ("trainkit.loop.ema", "EMA"),
     ("trainkit.loop.precision", "Precision"),
+    ("trainkit.loop.preemptible", "preemptible"),
     ("trainkit.loop.step", "StepResult WindowStep train_window windows"),
     ("trainkit.loop.trainer", "NonFiniteLossError Trainer TrainState"),
     ("trainkit.models.param_groups", "param_groups"),

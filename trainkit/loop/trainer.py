@@ -40,6 +40,7 @@ from trainkit.loop.ema import EMA
 from trainkit.loop.micro_batch import micro_batched
 from trainkit.loop.nonfinite import NonFiniteGuard, NonFiniteLossError
 from trainkit.loop.precision import Precision
+from trainkit.loop.preemptible import exit_if_preempted
 from trainkit.loop.run import Run, new_run
 from trainkit.loop.run_report import RunReport
 from trainkit.loop.spike import LossSpikeError, spike_guard
@@ -145,7 +146,9 @@ class Trainer:
                                   scheduler=scheduler, val_data=val_data, metrics=metrics,
                                   forward=forward, preemption=preemption or Preemption(),
                                   stop_at_step=stop_at_step)
-                return run if isinstance(run, dict) else self._run(run)  # dict: it had ended
+                summary = run if isinstance(run, dict) else self._run(run)  # dict: it had ended
+                exit_if_preempted(summary)  # inside trainkit.preemptible(): exit 75 now
+                return summary
             except torch.cuda.OutOfMemoryError as err:  # moving the model, resuming, a step, eval
                 error = report.out_of_memory(
                     err, optimizer, batch=getattr(train_data, "batch_size", "?"),
