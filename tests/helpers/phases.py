@@ -4,6 +4,7 @@ trains a small net, phase ``b`` fine-tunes a copy of it, each ``fit`` in its own
 ``--signal-at`` makes the script send itself a real signal at one point: ``setup`` (SIGTERM
 inside phase a's ``fit``, before its first step: the loader's ``len``), ``between`` (SIGINT
 after phase a), ``step`` (SIGTERM at the end of phase b's step 3, a callback's).
+``--unseeded`` draws phase a's initial weights from an unseeded generator: runs differ.
 """
 
 from __future__ import annotations
@@ -56,11 +57,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--signal-at", choices=["setup", "between", "step"], default=None)
+    parser.add_argument("--unseeded", action="store_true")
     args = parser.parse_args()
     at = args.signal_at
     with trainkit.preemptible():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 3))
+        if args.unseeded:
+            unseeded = torch.Generator()
+            unseeded.seed()  # from the OS's entropy: another start each run
+            with torch.no_grad():
+                model[0].weight.normal_(0.0, 0.2, generator=unseeded)
         data = batches(8)
         phase(args.run_dir / "a", model,
               SignalInLen(data, signal.SIGTERM) if at == "setup" else ListLoader(data))
