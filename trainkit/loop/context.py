@@ -401,8 +401,9 @@ class NamedFit:
     def place(self, prepare: Callable[[nn.Module, Any], nn.Module], config: Any,
               runtime: Any) -> nn.Module:
         """Each model placed as fit trains it: a trained one by ``prepare`` (the Trainer's
-        ``prepare_model``: DDP wraps it once), one no optimizer holds moved to the device only
-        (nothing to average, nothing to step); the first-named returned.
+        ``prepare_model``: DDP wraps it once), one no optimizer holds (a teacher) moved to the
+        device and frozen (``requires_grad_(False)``: nothing to average, step or keep
+        gradients for); the first-named returned.
 
         Raises:
             TrainkitError: several models under FSDP, or ``micro_batch_size=auto`` with
@@ -423,7 +424,7 @@ class NamedFit:
         for name in reversed(list(self.models)):
             model = self.models[name]
             self.models[name] = (prepare(model, self.first_optimizer) if self.trained[name]
-                                 else model.to(runtime.device))
+                                 else model.to(runtime.device).requires_grad_(False))
         self.step_models = dict(self.models)
         return self.first_model
 

@@ -238,3 +238,170 @@ def test_several_models_without_a_step_are_refused() -> None:
         Trainer(TrainerConfig(device="cpu")).fit(
             {"a": a, "b": b}, {"a": torch.optim.SGD(a.parameters(), lr=0.1),
                                "b": torch.optim.SGD(b.parameters(), lr=0.1)}, [])
+
+
+def _classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+
+
+def _labelled(n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g))
+            for _ in range(n)]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_loss_parts_are_logged_for_training_and_evaluation_computed_once(tmp_path: Path) -> None:
+    calls = []
+
+    def criterion(outputs: torch.Tensor, targets: torch.Tensor):
+        calls.append(1)
+        ce = F.cross_entropy(outputs, targets)
+        l2 = outputs.pow(2).mean() * 0.01
+        return ce + l2, {"ce": ce, "l2": l2}
+
+    model = _classifier()
+    data = _labelled()
+    summary = Trainer(TrainerConfig(device="cpu", max_epochs=1, log_every_n_steps=3),
+                      run_dir=tmp_path).fit(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                            data, criterion=criterion, val_data=data[:2])
+    assert len(calls) == 6 + 2  # once per training batch, once per evaluated batch
+    lines = _metrics(tmp_path)
+    train = [line for line in lines if "train/ce" in line]
+    assert len(train) == 2 and all("train/l2" in line for line in train)
+    assert summary["metrics"]["val/loss"] == pytest.approx(
+        summary["metrics"]["val/ce"] + summary["metrics"]["val/l2"], rel=1e-5)
+
+
+def test_select_applies_a_metric_to_one_output_of_several() -> None:
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from trainkit import Select
+
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"a": self.a(x), "b": self.b(x)}
+
+    def forward(model: nn.Module, batch):
+        x, y = batch
+        return model(x), {"a": y, "b": y % 2}
+
+    def criterion(outputs, targets):
+        return F.cross_entropy(outputs["a"], targets["a"]) + F.cross_entropy(outputs["b"],
+                                                                              targets["b"])
+
+    torch.manual_seed(0)
+    model, data = TwoHeads(), _labelled()
+    metrics = {"acc_a": Select(MulticlassAccuracy(3), output="a", target="a"),
+               "acc_b": Select(MulticlassAccuracy(2), output="b", target="b")}
+    summary = Trainer(TrainerConfig(device="cpu", max_epochs=1)).fit(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, criterion=criterion,
+        forward=forward, val_data=data, metrics=metrics)
+    model.eval()
+    with torch.no_grad():
+        x = torch.cat([b[0] for b in data])
+        y = torch.cat([b[1] for b in data])
+        out = model(x)
+    expected_b = (out["b"].argmax(1) == y % 2).float().mean().item()
+    assert summary["metrics"]["val/acc_b"] == pytest.approx(
+        MulticlassAccuracy(2)(out["b"], y % 2).item())
+    assert 0.0 <= expected_b <= 1.0
+    assert summary["metrics"]["val/acc_a"] == pytest.approx(
+        MulticlassAccuracy(3)(out["a"], y).item())
+    metrics["acc_a"].reset()
+    assert set(metrics["acc_a"].state_dict()) == set(metrics["acc_a"].metric.state_dict())
+
+
+def test_a_callback_logs_into_the_sinks_at_the_current_step(tmp_path: Path) -> None:
+    class Logs:
+        def on_step_end(self, trainer: Trainer, step: int) -> None:
+            if step % 2 == 0:
+                trainer.log(twice=2.0 * step)
+
+        def on_evaluation_end(self, trainer: Trainer, results, step: int) -> None:
+            trainer.log(samples_seen=torch.tensor(step * 8.0))
+
+    model = _classifier()
+    Trainer(TrainerConfig(device="cpu", max_epochs=1, log_every_n_steps=100), run_dir=tmp_path,
+            callbacks=[Logs()]).fit(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    _labelled(), val_data=_labelled(2))
+    lines = _metrics(tmp_path)
+    assert [(line["step"], line["train/twice"]) for line in lines if "train/twice" in line] == [
+        (2, 4.0), (4, 8.0), (6, 12.0)]
+    assert [(line["step"], line["train/samples_seen"]) for line in lines
+            if "train/samples_seen" in line] == [(6, 48.0)]
+    with pytest.raises(TrainkitError, match="during fit"):
+        Trainer(TrainerConfig(device="cpu")).log(x=1.0)
+
+
+def _draws(evaluate_every: int | None) -> tuple[list[float], nn.Module]:
+    """A fit whose step draws training random numbers (dropout, torch.rand) and whose evaluation
+    draws its own (an augmentation), evaluated every ``evaluate_every`` steps or never."""
+    drawn = []
+
+    def step(ctx: StepContext, batch) -> None:
+        x, y = batch
+        drawn.append(float(torch.rand(())))
+        ctx.optimize("model", F.cross_entropy(ctx.models["model"](x), y))
+
+    def evaluate(ctx, batch):
+        x, y = batch
+        return ctx.models["model"](x + torch.randn_like(x)), y
+
+    model = _classifier()
+    config = TrainerConfig(device="cpu", max_epochs=2, eval_every_n_steps=evaluate_every)
+    data = _labelled()
+    Trainer(config).fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data, step=step,
+                        val_data=data[:2] if evaluate_every else None, evaluate=evaluate,
+                        criterion=F.cross_entropy)
+    return drawn, model
+
+
+def test_evaluation_draws_from_a_stream_of_its_own() -> None:
+    plain, plain_model = _draws(None)
+    evaluated, evaluated_model = _draws(2)
+    assert plain == evaluated
+    for p, q in zip(plain_model.parameters(), evaluated_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_evaluate_logs_its_scalars_and_sees_every_model_in_eval_mode(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    teacher, student = nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.5)), nn.Linear(4, 3)
+    modes = []
+
+    def step(ctx: StepContext, batch) -> None:
+        x, y = batch
+        modes.append((ctx.models["teacher"].training, ctx.models["student"].training))
+        with torch.no_grad():
+            soft = ctx.models["teacher"](x).softmax(-1)
+        logits = ctx.models["student"](x)
+        ctx.optimize("student", F.cross_entropy(logits, y) + F.kl_div(
+            logits.log_softmax(-1), soft, reduction="batchmean"))
+
+    def evaluate(ctx, batch):
+        x, y = batch
+        assert not ctx.models["student"].training and not torch.is_grad_enabled()
+        agree = (ctx.models["student"](x).argmax(1) == ctx.models["teacher"](x).argmax(1))
+        ctx.log(agreement=agree.float().mean())
+        return ctx.models["student"](x), y
+
+    summary = Trainer(TrainerConfig(device="cpu", max_epochs=1), run_dir=tmp_path).fit(
+        {"student": student, "teacher": teacher},
+        {"student": torch.optim.SGD(student.parameters(), lr=0.1)}, _labelled(), step=step,
+        val_data=_labelled(2), evaluate=evaluate)
+    assert set(modes) == {(False, True)}  # the teacher, held by no optimizer, stays in eval
+    assert 0.0 <= summary["metrics"]["val/agreement"] <= 1.0
+    assert "val/loss" not in summary["metrics"]  # no criterion given with step=
+    assert not any(p.requires_grad for p in teacher.parameters())
+    state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert set(state["models"]) == {"student", "teacher"} and set(state["optimizers"]) == {
+        "student"}
