@@ -166,6 +166,9 @@ class Checkpointer:
             self._restart_ema("checkpoint has no EMA weights: the average starts from here")
         self._load_schedule(state, planned_steps)
         self.parts["precision"].load_state_dict(state["precision"])
+        for key in ("models", "optimizers", "schedulers"):  # a fit of several, by name
+            if self.parts.get(key) is not None:
+                self.parts[key].load_state_dict(state.get(key) or {})
         self._check_data(state.get("data"))
         if self.parts.get("callbacks") is not None:
             self.parts["callbacks"].load_state_dict(state.get("callbacks"))

@@ -166,7 +166,8 @@ class WindowStep:
             loss, total = self._backward_one(window[0])
         else:
             loss, total = _accumulate(self.model, window, self.precision, self.criterion,
-                                      self._forward, self.device, self.after_backward)
+                                      self._forward, self.device, self.after_backward,
+                                      self.scalars)
         if check_finite:
             return self._checked_on_host(loss, total)
         if guard_finite:
@@ -189,9 +190,12 @@ class WindowStep:
             # inline, not self._forward: the common path pays one len(), not a call
             outputs, targets = result if len(result) == 2 else self._forward.split(result)
             loss = self.criterion(outputs, targets)
+            if type(loss) is tuple:  # (loss, {name: part})
+                loss = split_loss(loss, self.scalars)
             loss.backward()
         else:
-            loss = _loss(self.model, batch, self.precision, self.criterion, self._forward)
+            loss = split_loss(_loss(self.model, batch, self.precision, self.criterion,
+                                    self._forward), self.scalars)
             self.precision.backward(loss)
         # in place when allowed (a view cannot be): no new tensor a step
         loss = loss.detach_() if loss._base is None else loss.detach()
@@ -259,16 +263,38 @@ class WindowStep:
 
     def _clip(self) -> torch.Tensor | None:
         """Clip the gradients by norm (returning the norm before clipping) or by value."""
-        self.precision.unscale_(self.optimizer)  # clip true gradients, not loss-scaled ones
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if self.clip_algorithm != "norm":
-            nn.utils.clip_grad_value_(params, self.clip_val)
-            return None
-        grad_norm = nn.utils.clip_grad_norm_(params, self.clip_val)
-        full_tensor = getattr(grad_norm, "full_tensor", None)  # FSDP: a DTensor
-        if full_tensor is not None:  # the norm over all shards, as a plain tensor
-            grad_norm = full_tensor()
-        return grad_norm
+        return clip_gradients(self.precision, params, self.optimizer, self.clip_val,
+                              self.clip_algorithm)
+
+
+def clip_gradients(precision: Precision, params: Sequence[torch.Tensor],
+                   optimizer: torch.optim.Optimizer, clip_val: float,
+                   algorithm: str = "norm") -> torch.Tensor | None:
+    """Unscale ``optimizer``'s gradients, then clip ``params``' by norm (returning the total
+    norm before clipping, a plain tensor also under FSDP) or by value (None)."""
+    precision.unscale_(optimizer)  # clip true gradients, not loss-scaled ones
+    if algorithm != "norm":
+        nn.utils.clip_grad_value_(params, clip_val)
+        return None
+    grad_norm = nn.utils.clip_grad_norm_(params, clip_val)
+    full_tensor = getattr(grad_norm, "full_tensor", None)  # FSDP: a DTensor
+    if full_tensor is not None:  # the norm over all shards, as a plain tensor
+        grad_norm = full_tensor()
+    return grad_norm
+
+
+def split_loss(result: Any, scalars: dict[str, DeviceMean]) -> torch.Tensor:
+    """A criterion's ``(loss, {name: part})``: each part added, unread, to ``scalars`` (logged as
+    ``train/<name>``); the loss returned. A plain loss is returned as it is."""
+    if type(result) is not tuple:
+        return result
+    if len(result) != 2:
+        raise TrainkitError(f"criterion returned {len(result)} items: return a loss or "
+                            "(loss, {name: part})")
+    loss, parts = result
+    add_scalars(scalars, parts, what="criterion's part")
+    return loss
 
 
 def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
@@ -306,7 +332,8 @@ def _own_scalars_to(scalars: dict[str, DeviceMean], forward: Forward) -> Forward
     return split_forward
 
 
-def add_scalars(scalars: dict[str, DeviceMean], own: Any) -> None:
+def add_scalars(scalars: dict[str, DeviceMean] | None, own: Any,
+                what: str = "forward's scalar") -> None:
     """Add a forward's ``{name: scalar}`` to the mean of each name, without a host read.
 
     Raises:
@@ -314,10 +341,14 @@ def add_scalars(scalars: dict[str, DeviceMean], own: Any) -> None:
     """
     if not isinstance(own, Mapping):
         raise TrainkitError(f"forward's third item is a {type(own).__name__}, not a mapping: "
-                            "return (outputs, targets, {'name': scalar_tensor})")
+                            "return (outputs, targets, {'name': scalar_tensor})"
+                            if what == "forward's scalar" else
+                            f"{what}s are a {type(own).__name__}, not a mapping of name to "
+                            "scalar")
+    scalars = {} if scalars is None else scalars
     for name, value in own.items():
         if type(value) is not torch.Tensor or value.ndim:
-            value = _scalar(name, value)
+            value = _scalar(name, value, what)
         elif value.dtype is not torch.float32:  # one dtype per mean: its values stack
             value = value.detach().float()
         else:
@@ -325,22 +356,22 @@ def add_scalars(scalars: dict[str, DeviceMean], own: Any) -> None:
         mean = scalars.get(name)
         if mean is None:
             if name in _TRAINKITS:
-                raise TrainkitError(f"forward's scalar {name!r} would replace trainkit's own "
+                raise TrainkitError(f"{what} {name!r} would replace trainkit's own "
                                     f"train/{name}: give it another name")
             mean = scalars[name] = DeviceMean()
         mean.add(value)
 
 
-def _scalar(name: Any, value: Any) -> float | torch.Tensor:
+def _scalar(name: Any, value: Any, what: str = "forward's scalar") -> float | torch.Tensor:
     """A number as a float, a 0-d tensor (of a subclass) as float32; else a one-line error."""
     if isinstance(value, torch.Tensor):
         if value.ndim:
-            raise TrainkitError(f"forward's scalar {name!r} has shape {tuple(value.shape)}: "
+            raise TrainkitError(f"{what} {name!r} has shape {tuple(value.shape)}: "
                                 "return a 0-d tensor (e.g. its .mean()) or a number")
         return value.detach().float()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    raise TrainkitError(f"forward's scalar {name!r} is a {type(value).__name__}: return a 0-d "
+    raise TrainkitError(f"{what} {name!r} is a {type(value).__name__}: return a 0-d "
                         "tensor or a number")
 
 
@@ -357,7 +388,8 @@ def _loss(model: nn.Module, batch: Batch, precision: Precision, criterion: Crite
 
 def _accumulate(model: nn.Module, window: Sequence[Batch], precision: Precision,
                 criterion: Criterion, forward: Forward, device: torch.device,
-                after_backward: Callable[[bool], None] | None = None) -> tuple[torch.Tensor, int]:
+                after_backward: Callable[[bool], None] | None = None,
+                scalars: dict[str, DeviceMean] | None = None) -> tuple[torch.Tensor, int]:
     """Forward/backward each micro-batch of a window of several, each loss weighted by its share
     of the samples; returns the window's mean loss (detached) and its sample count."""
     sizes = [batch_size(b) for b in window]
@@ -368,7 +400,10 @@ def _accumulate(model: nn.Module, window: Sequence[Batch], precision: Precision,
         batch = move_to_device(batch, device)
         # Only the last micro-batch's backward all-reduces gradients under DDP.
         with contextlib.nullcontext() if i == last else sync_gradients(model, sync=False):
-            loss = _loss(model, batch, precision, criterion, forward) * (sizes[i] / total)
+            loss = _loss(model, batch, precision, criterion, forward)
+            if type(loss) is tuple:  # (loss, {name: part})
+                loss = split_loss(loss, {} if scalars is None else scalars)
+            loss = loss * (sizes[i] / total)
             precision.backward(loss)
         if after_backward is not None:
             after_backward(i == last)
