@@ -1,10 +1,11 @@
-"""``python -m tests.helpers.verify_pause STEP SCRIPT ARGS...``: run ``SCRIPT`` (a path) as
-``python SCRIPT ARGS`` would; in verify-resume's stopped run (``TRAINKIT_VERIFY_RUN=stopped``)
-it waits after its ``STEP``-th optimizer step until the SIGTERM has arrived.
+"""``python -m tests.helpers.verify_pause MARKER STEP SCRIPT ARGS...``: run ``SCRIPT`` (a path)
+as ``python SCRIPT ARGS`` would; in verify-resume's stopped run (``TRAINKIT_VERIFY_RUN=stopped``)
+it writes ``MARKER`` after its ``STEP``-th optimizer step and waits there until a signal came.
 
-So the signal that ``trainkit verify-resume --cmd`` sends once the first checkpoint exists always
-finds the script mid-run, however loaded the machine: the test waits on events, not on time.
-The straight and resumed runs are the script alone.
+With ``--signal-after`` naming the marker (``MARKER`` = ``{run_dir}/paused``), the SIGTERM that
+``trainkit verify-resume --cmd`` sends always finds the script mid-run, however loaded the
+machine: the test waits on events, not on time. The straight and resumed runs are the script
+alone.
 """
 
 from __future__ import annotations
@@ -12,18 +13,16 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-import tempfile
 from typing import Any
 
 from tests.helpers.pause import wait_for_a_signal
 
 
 def main(argv: list[str]) -> None:
-    step, script, *args = argv
+    marker, step, script, *args = argv
     if os.environ.get("TRAINKIT_VERIFY_RUN") == "stopped":
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        marker = os.path.join(tempfile.mkdtemp(prefix="verify_pause_"), "paused")
         steps = 0
 
         def after_step(optimizer: Any, *_: Any) -> None:

@@ -94,7 +94,7 @@ def verify_script(tmp_path: Path, *script_args: str) -> subprocess.CompletedProc
     checkpoint every 4), its stopped run waiting after step 6 for the SIGTERM sent once
     ``a/checkpoints/step_4`` exists (tests/helpers/verify_pause.py)."""
     script = REPO / "tests" / "helpers" / "phases.py"
-    command = (f"{sys.executable} -m tests.helpers.verify_pause 6 {script} "
+    command = (f"{sys.executable} -m tests.helpers.verify_pause {{run_dir}}/paused 6 {script} "
                f"--run-dir {{run_dir}} {' '.join(script_args)}")
     return subprocess.run(
         [sys.executable, "-m", "trainkit.entry.cli", "verify-resume", "--cmd", command,
