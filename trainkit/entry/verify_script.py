@@ -1,20 +1,14 @@
 """``trainkit verify-resume --cmd "python my_script.py --run-dir {run_dir}"``: does your own
 script resume bit for bit?
 
-The command runs three times, each in a process group of its own, with ``{run_dir}`` replaced:
-
-1. to its end in one run dir (``straight``);
-2. in a second one (``stopped``), sent SIGTERM half-way: as soon as its first checkpoint exists
-   (the first file matching ``--signal-after``, by default any ``*.pt`` in a ``checkpoints``
-   folder under the run dir; trainkit names a checkpoint ``.pt`` only once it is complete);
-   it must exit 75 (``trainkit.EXIT_PREEMPTED``: ``trainkit.preemptible()`` does it);
-3. again in that run dir (``resumed``), where it must resume and end with status 0.
-
-Then every final checkpoint (each ``last.pt`` under the run dirs, by its path there) is compared
-tensor by tensor and value by value (not the ``manifest``, which names host and time). The script
-learns which run it is in ``TRAINKIT_VERIFY_RUN`` (``straight``, ``stopped``, ``resumed``); it
-should not need to. Exit status: 0 when equal, 1 naming the first entry that differs, 2 when a
-run fails or does not stop as asked (one line; each run's output is in ``<work>/<run>.log``).
+The command runs three times, each in a process group of its own, ``{run_dir}`` replaced: to its
+end (``straight``); in a second run dir (``stopped``), sent SIGTERM once a file matches
+``--signal-after`` (default: its first checkpoint, ``**/checkpoints/*.pt``; a checkpoint is
+named ``.pt`` only once complete), where it must exit 75; again there (``resumed``), to exit 0.
+Then every final checkpoint (each ``last.pt`` under the run dirs) is compared entry by entry,
+the ``manifest`` aside. The script learns which run it is in ``TRAINKIT_VERIFY_RUN``. Exit
+status: 0 equal, 1 naming the first entry that differs, 2 when a run fails or does not stop as
+asked (one line; each run's output in ``<work>/<run>.log``).
 """
 
 from __future__ import annotations
