@@ -2,20 +2,22 @@
 as ``python SCRIPT ARGS`` would; in verify-resume's stopped run (``TRAINKIT_VERIFY_RUN=stopped``)
 it writes ``MARKER`` after its ``STEP``-th optimizer step and waits there until a signal came.
 
-With ``--signal-after`` naming the marker (``MARKER`` = ``{run_dir}/paused``), the SIGTERM that
-``trainkit verify-resume --cmd`` sends always finds the script mid-run, however loaded the
-machine: the test waits on events, not on time. The straight and resumed runs are the script
-alone.
+"Came" counts a signal that arrived before the wait began too (through ``signal``'s wakeup fd,
+which sees every signal whatever handler is installed): verify-resume signals once the first
+checkpoint (or, with ``--signal-after`` naming it, the marker) exists, so the SIGTERM always finds
+the script mid-run, however loaded the machine. The straight and resumed runs run it alone.
 """
 
 from __future__ import annotations
 
 import os
 import runpy
+import select
+import signal
 import sys
 from typing import Any
 
-from tests.helpers.pause import wait_for_a_signal
+LONGEST_S = 240.0  # a test that never signals fails on its own timeout, not by a stuck child
 
 
 def main(argv: list[str]) -> None:
@@ -23,13 +25,19 @@ def main(argv: list[str]) -> None:
     if os.environ.get("TRAINKIT_VERIFY_RUN") == "stopped":
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
+        heard, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)  # each signal: a byte here
         steps = 0
 
         def after_step(optimizer: Any, *_: Any) -> None:
             nonlocal steps
             steps += 1
             if steps == int(step):
-                wait_for_a_signal(marker)
+                with open(marker + ".tmp", "w") as file:
+                    file.write(str(os.getpid()))
+                os.replace(marker + ".tmp", marker)  # whole or absent
+                select.select([heard], [], [], LONGEST_S)  # returns at once if one came before
 
         register_optimizer_step_post_hook(after_step)
     sys.argv = [script, *args]
