@@ -59,7 +59,7 @@ def test_distillation_resumes_bitwise_and_the_student_nears_its_teacher(tmp_path
 def test_simclr_and_its_probe_resume_bitwise_and_the_probe_learns(tmp_path: Path) -> None:
     line, work = verify("simclr", tmp_path)
     assert line.startswith("verify-resume: OK") and "probe/checkpoints/last.pt" in line
-    assert metrics(work / "straight" / "probe")["val/acc"] >= 0.7  # a random encoder's: 0.43
+    assert metrics(work / "straight" / "probe")["val/acc"] >= 0.65  # a random encoder's: 0.43
 
 
 def test_the_gan_resumes_bitwise_and_covers_all_eight_modes(tmp_path: Path) -> None:
