@@ -7,281 +7,35 @@ own step does: the loss weighted by the micro-batch's share of the window, backw
 ``16-mixed``), and at the window's last micro-batch unscale + clip, the NaN/inf guard (no host
 read where the loop does not read anyway), ``optimizer.step``, ``zero_grad`` and its scheduler.
 The loss scale is updated once per iteration, after every optimizer stepped (torch's recipe for
-several optimizers). See docs/research.md, "Your own step".
+several optimizers). The context and the engine that runs a step function are in
+:mod:`trainkit.loop.step` (the built-in step is one such function); this module holds what a fit
+of named models adds: placing them, checkpointing them by name, evaluating with ``evaluate=``.
+See docs/research.md, "Your own step".
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainkit.core.device import move_to_device
 from trainkit.core.errors import TrainkitError
-from trainkit.distributed.ddp import sync_gradients
 from trainkit.loop.precision import Precision
 from trainkit.loop.step import (
     Batch,
+    ContextStep,
     Criterion,
     Forward,
-    StepResult,
-    _drop_nonfinite_gradients,
-    _found_inf_step,
-    _sgd_with_momentum,
+    StepContext,
     add_scalars,
-    batch_size,
-    clip_gradients,
-    drop_gradients,
-    is_fused,
-    split_loss,
 )
 from trainkit.observe.metrics import DeviceMean
 
 StepFn = Callable[["StepContext", Batch], Any]
-
-
-class StepContext:
-    """What a step function is given: the models, optimizers and schedulers by name, and the
-    step's guarantees as methods.
-
-    Attributes:
-        models: the models as the step calls them (DDP-wrapped, compiled), by name.
-        optimizers: the optimizers, by name.
-        schedulers: the LR schedulers, by the name of the optimizer each drives.
-        device: where batches and models are.
-        precision: the run's :class:`~trainkit.loop.precision.Precision` (the step function
-            already runs inside its autocast).
-        micro_batch: this call's index in the accumulation window (0 without accumulation).
-        last: whether this is the window's last micro-batch (the one the optimizers step at).
-
-    Example:
-        >>> def gan_step(ctx, batch):
-        ...     real = batch[0]
-        ...     fake = ctx.models["g"](torch.randn(len(real), 8, device=ctx.device))
-        ...     ctx.optimize("d", d_loss(ctx.models["d"], real, fake.detach()))
-        ...     ctx.optimize("g", g_loss(ctx.models["d"], fake), frozen=["d"])
-        >>> trainer.fit({"g": G, "d": D}, {"g": opt_g, "d": opt_d}, loader,
-        ...             step=gan_step)  # doctest: +SKIP
-    """
-
-    def __init__(self, models: Mapping[str, nn.Module], optimizers: Mapping[str, Any], *,
-                 precision: Precision, device: torch.device,
-                 schedulers: Mapping[str, Any] | None = None, clip_val: float | None = None,
-                 clip_algorithm: str = "norm", agree: Callable[[Any], Any] | None = None,
-                 scalars: dict[str, DeviceMean] | None = None,
-                 global_step: Callable[[], int] | None = None) -> None:
-        self.models = dict(models)
-        self.optimizers = dict(optimizers)
-        self.schedulers = {k: v for k, v in (schedulers or {}).items() if v is not None}
-        unknown = sorted(set(self.schedulers) - set(self.optimizers))
-        if unknown:
-            raise TrainkitError(f"schedulers {unknown} name no optimizer: name each by its "
-                                f"optimizer ({', '.join(self.optimizers)})")
-        self.precision, self.device = precision, device
-        self.clip_val, self.clip_algorithm, self.agree = clip_val, clip_algorithm, agree
-        # ctx.log's scalars (and each optimizer's loss): a mean over the log window, unread
-        self.scalars = scalars if scalars is not None else {}
-        self._global_step = global_step or (lambda: 0)
-        self.micro_batch, self.last = 0, True
-        self._share = 1.0
-        self._plain = precision.dtype is None and precision.scaler is None
-        # fused kernels skip a NaN/inf step on a found_inf flag (see WindowStep)
-        self._fused = {name: precision.scaler is None and is_fused(opt)
-                       and not _sgd_with_momentum(opt) for name, opt in self.optimizers.items()}
-        self._params = {name: [p for g in opt.param_groups for p in g["params"]]
-                        for name, opt in self.optimizers.items()}
-        self._named_loss = len(self.optimizers) > 1  # each optimizer's loss as train/loss_<name>
-        self._begin_window(False, False)
-
-    @property
-    def global_step(self) -> int:
-        """The optimizer step being taken (1 for the first)."""
-        return self._global_step() + 1
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The step's autocast (already entered around the step function: for code of your
-        own that runs outside it)."""
-        return self.precision.autocast()
-
-    def log(self, **scalars: torch.Tensor | float) -> None:
-        """Log each scalar as ``train/<name>``, averaged over the log window on the device (no
-        host read); in an ``evaluate`` function, as ``val/<name>`` averaged over the split."""
-        add_scalars(self.scalars, scalars, what="ctx.log's scalar")
-
-    def optimize(self, name: str, loss: torch.Tensor, frozen: Iterable[str] = ()) -> None:
-        """Backward ``loss`` for optimizer ``name``; at the window's last micro-batch, step it.
-
-        The loss is weighted by the micro-batch's share of the window's samples (so k micro-
-        batches of b give the gradient of one batch of k*b) and scaled under ``16-mixed``. At
-        the last micro-batch: unscale and clip, the NaN/inf guard (a NaN/inf loss skips this
-        optimizer's step only), ``optimizer.step()`` through the loss scaler, ``zero_grad`` and
-        its scheduler. ``frozen``: models whose gradients this backward leaves as they were
-        (their ``.grad`` is set aside around it): a GAN's generator step through the
-        discriminator. Each optimizer is optimized at most once per micro-batch.
-
-        Raises:
-            TrainkitError: an unknown name, or a second call for one optimizer in a micro-batch.
-        """
-        if name not in self.optimizers:
-            raise TrainkitError(f"ctx.optimize({name!r}): no optimizer of that name (the fit "
-                                f"has {', '.join(self.optimizers)})")
-        if name in self._called:
-            raise TrainkitError(f"ctx.optimize({name!r}) was called twice in one micro-batch: "
-                                "each optimizer steps once per window (add the losses)")
-        self._called.add(name)
-        if type(loss) is tuple:  # a criterion's (loss, {name: part})
-            loss = split_loss(loss, self.scalars)
-        if self._share != 1.0:
-            loss = loss * self._share
-        aside = self._set_aside(frozen)
-        if self._plain:
-            loss.backward()
-        else:
-            with _no_autocast(self.precision):  # backward outside autocast (torch's advice)
-                self.precision.backward(loss)
-        for param, grad in aside:
-            param.grad = grad
-        loss = loss.detach()
-        window = self._losses.get(name)
-        self._losses[name] = loss if window is None else window + loss
-        if self.last:
-            self._step(name)
-
-    # -- the engine's side --------------------------------------------------------------------
-
-    def _begin_window(self, check_finite: bool, guard_finite: bool) -> None:
-        self._check_finite, self._guard_finite = check_finite, guard_finite
-        self._losses: dict[str, torch.Tensor] = {}
-        self._results: dict[str, tuple[bool, bool, float | None, Any, Any]] = {}
-        self._called: set[str] = set()
-        self._scaled = False  # an optimizer stepped through the loss scaler in this window
-
-    def _begin_micro_batch(self, index: int, last: bool, share: float) -> None:
-        self.micro_batch, self.last, self._share = index, last, share
-        self._called = set()
-
-    def _set_aside(self, frozen: Iterable[str]) -> list[tuple[torch.Tensor, Any]]:
-        """The frozen models' gradients, taken off their parameters until the backward ends."""
-        if isinstance(frozen, str):
-            frozen = [frozen]
-        aside = []
-        for model_name in frozen:
-            model = self.models.get(model_name)
-            if model is None:
-                raise TrainkitError(f"frozen={model_name!r}: no model of that name (the fit "
-                                    f"has {', '.join(self.models)})")
-            for param in model.parameters():
-                aside.append((param, param.grad))
-                param.grad = None
-        return aside
-
-    def _step(self, name: str) -> None:
-        """Optimizer ``name``'s step over the window's gradients, guarded as the loop asks."""
-        optimizer, loss = self.optimizers[name], self._losses[name]
-        value, flag = None, None
-        if self._check_finite:
-            value = loss.item()  # host sync: the loop reads this step anyway (CPU: free)
-            bad = not math.isfinite(value)
-            if self.agree is not None:
-                bad = self.agree(bad)
-            if bad:
-                drop_gradients(optimizer)
-                self._results[name] = (False, False, value, None, None)
-                return
-        elif self._guard_finite:
-            flag = _drop_nonfinite_gradients(optimizer, loss, self.agree, self._fused[name])
-        grad_norm = (clip_gradients(self.precision, self._params[name], optimizer,
-                                    self.clip_val, self.clip_algorithm)
-                     if self.clip_val is not None else None)
-        if flag is not None and self._fused[name]:
-            _found_inf_step(optimizer, flag)
-            stepped = True
-        elif self._plain:
-            optimizer.step()
-            stepped = True
-        else:
-            stepped = self.precision.step(optimizer, update=False)
-            self._scaled = self._scaled or self.precision.scaler is not None
-        drop_gradients(optimizer)
-        scheduler = self.schedulers.get(name)
-        if stepped and scheduler is not None:
-            scheduler.step()
-        self._results[name] = (True, stepped, value, grad_norm, flag)
-
-    def _end_window(self, total: int) -> StepResult:
-        """The window's result for the loop: the losses added up, finite and stepped when all
-        optimizers' were; the loss scale updated once."""
-        if self._scaled:
-            self.precision.update()
-        elif self.precision.scaler is not None:
-            self.precision._unscaled.clear()
-        results = self._results
-        if not results:  # no optimizer stepped in this window (the step chose none)
-            zero = torch.zeros((), device=self.device)
-            return StepResult(zero, None, True, total)
-        if self._named_loss:
-            add_scalars(self.scalars, {f"loss_{name}": loss for name, loss in
-                                       self._losses.items()})
-        losses = list(self._losses.values())
-        loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-        finite = all(r[0] for r in results.values())
-        stepped = any(r[1] for r in results.values())
-        values = [r[2] for r in results.values()]
-        value = sum(values) if all(v is not None for v in values) else None  # type: ignore[arg-type]
-        norms = [r[3] for r in results.values() if r[3] is not None]
-        grad_norm = norms[0] if len(norms) == 1 else (
-            torch.stack([n.float() for n in norms]).norm() if norms else None)
-        flags = [r[4] for r in results.values() if r[4] is not None]
-        flag = flags[0] if len(flags) == 1 else (torch.stack(flags).all() if flags else None)
-        return StepResult(loss, grad_norm, stepped, total, finite, value, flag)
-
-
-def _no_autocast(precision: Precision) -> contextlib.AbstractContextManager[Any]:
-    if precision.dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(precision.device.type, enabled=False)
-
-
-class ContextStep:
-    """The loop's step over a step function: calls it once per micro-batch of a window, with
-    the :class:`StepContext`, inside the step's autocast (and DDP's ``no_sync`` but at the
-    window's last micro-batch); returns what the window did as a
-    :class:`~trainkit.loop.step.StepResult`, as :class:`~trainkit.loop.step.WindowStep` does."""
-
-    def __init__(self, step: StepFn, ctx: StepContext) -> None:
-        self.fn, self.ctx = step, ctx
-        self.precision = ctx.precision
-        self.model = next(iter(ctx.models.values()))
-        self.optimizer = next(iter(ctx.optimizers.values()))
-        # the models DDP wraps: their gradients wait for the window's last micro-batch
-        self._synced = [m for m in ctx.models.values() if hasattr(m, "no_sync")]
-        self.after_backward: Callable[[bool], None] | None = None  # micro_batch's; unused here
-
-    def __call__(self, window: Sequence[Batch], check_finite: bool = False,
-                 guard_finite: bool = False) -> StepResult:
-        ctx, fn, device = self.ctx, self.fn, self.ctx.device
-        ctx._begin_window(check_finite, guard_finite)
-        sizes = [batch_size(b) for b in window]
-        total = sum(sizes)
-        last = len(window) - 1
-        for i, batch in enumerate(window):
-            batch = move_to_device(batch, device)
-            ctx._begin_micro_batch(i, i == last, sizes[i] / total if last else 1.0)
-            with contextlib.ExitStack() as stack:
-                if i != last:  # only the last micro-batch's backward all-reduces under DDP
-                    for model in self._synced:
-                        stack.enter_context(sync_gradients(model, sync=False))
-                stack.enter_context(self.precision.autocast())
-                fn(ctx, batch)
-        return ctx._end_window(total)
-
-    def wrap_forward_once(self, wrap: Callable[[Forward], Forward]) -> None:
-        """The advice's sampling of one forward: not for a step function (nothing to wrap)."""
 
 
 def supervised_step(model: str, optimizer: str, forward: Forward,

@@ -122,6 +122,11 @@ class Precision:
             self.scaler.update()
         self._unscaled.clear()
 
+    def forget_unscaled(self) -> None:
+        """No optimizer counts as unscaled (a window whose steps were all skipped by the
+        NaN/inf check after clipping unscaled them: the next window unscales anew)."""
+        self._unscaled.clear()
+
     def read_skips(self) -> int:
         """Steps a fused optimizer skipped on an fp16 overflow since the last read (a host read
         when there were fused steps; 0 without one)."""
