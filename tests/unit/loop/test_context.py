@@ -426,3 +426,15 @@ def test_init_from_a_two_model_checkpoint_loads_each_model_by_name(tmp_path: Pat
     assert torch.equal(seen["weight"], d.weight)
     for p, q in zip(g.parameters(), g2.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_two_optimizer_fit_under_16_mixed_updates_the_loss_scale_once_per_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    updates = []
+    update = torch.amp.GradScaler.update
+    monkeypatch.setattr(torch.amp.GradScaler, "update",
+                        lambda self, *a: (updates.append(1), update(self, *a))[1])
+    summary, _, _ = _fit(tmp_path, precision="16-mixed", accumulate_grad_batches=2)
+    assert summary["global_step"] == 12 and len(updates) == 12
+    state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert state["precision"]["scaler"]["_growth_tracker"] is not None
