@@ -250,6 +250,10 @@ class Checkpointer:
         state = self._read(_location(path), "checkpoint.init_from")
         storage = next(s for s in self.storages if s.holds(state))
         has_ema = storage.load(state, self.parts, key="checkpoint.init_from", optimizer=False)
+        named, saved = self.parts.get("models"), state.get("models") or {}
+        if named is not None:  # a fit of several models: each the checkpoint has, by name
+            for name in set(named.parts) & set(saved):
+                named.parts[name].load_state_dict(saved[name])
         if not has_ema:
             self._restart_ema(None)  # the average of the loaded weights, not of the random ones
         log.info("initialized the weights from %s (step %d of its run%s); optimizer, LR "

@@ -184,13 +184,15 @@ class NamedFit:
 
     def compile(self, mode: bool | str) -> nn.Module:
         """The step's models compiled as ``trainer.compile`` says (each trained one; none when
-        off); the first-named as the step calls it."""
+        off); the first-named trained one as the step calls it."""
         from trainkit.distributed import strategy
 
         if mode:
             self.step_models = {name: strategy.compiled(model, mode) if self.trained[name]
                                 else model for name, model in self.models.items()}
-        return next(iter(self.step_models.values()))
+        # the first-named trained model: the one whose FLOPs the meter counts (place())
+        return next((model for name, model in self.step_models.items() if self.trained[name]),
+                    next(iter(self.step_models.values())))
 
     def context_step(self, precision: Precision, config: Any, agree: Any,
                      scalars: dict[str, DeviceMean], state: Any) -> ContextStep:

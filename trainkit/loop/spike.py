@@ -27,7 +27,9 @@ from trainkit.data.loader.resumable import ResumableData
 from trainkit.distributed import group
 
 log = logging.getLogger("trainkit")
-_RESTORED = ("model", "optimizer", "scheduler", "precision", "ema")  # the Checkpointer's parts
+# the Checkpointer's parts (a fit of several models: also each by name)
+_RESTORED = ("model", "optimizer", "scheduler", "precision", "ema", "models", "optimizers",
+             "schedulers")
 # Device types whose losses are read a step late (the tests add "cpu" to run that path there)
 LATE_READS = frozenset({"cuda"})
 

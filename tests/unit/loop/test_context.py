@@ -405,3 +405,36 @@ def test_evaluate_logs_its_scalars_and_sees_every_model_in_eval_mode(tmp_path: P
     state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
     assert set(state["models"]) == {"student", "teacher"} and set(state["optimizers"]) == {
         "student"}
+
+
+def test_init_from_a_two_model_checkpoint_loads_each_model_by_name(tmp_path: Path) -> None:
+    _, g, d = _fit(tmp_path / "first")
+    g2, d2 = _gan()
+    trainer = Trainer(TrainerConfig(device="cpu", max_steps=1),
+                      checkpoint=CheckpointConfig(
+                          init_from=str(tmp_path / "first" / "checkpoints" / "last.pt")))
+    seen = {}
+
+    def step(ctx: StepContext, batch) -> None:
+        if not seen:
+            seen.update({k: v.detach().clone() for k, v in ctx.models["d"].state_dict().items()})
+        gan_step(ctx, batch)
+
+    trainer.fit({"g": g2, "d": d2}, {"g": torch.optim.SGD(g2.parameters(), lr=0.0),
+                                     "d": torch.optim.SGD(d2.parameters(), lr=0.0)},
+                _data(), step=step)
+    assert torch.equal(seen["weight"], d.weight)
+    for p, q in zip(g.parameters(), g2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_two_optimizer_fit_under_16_mixed_updates_the_loss_scale_once_per_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    updates = []
+    update = torch.amp.GradScaler.update
+    monkeypatch.setattr(torch.amp.GradScaler, "update",
+                        lambda self, *a: (updates.append(1), update(self, *a))[1])
+    summary, _, _ = _fit(tmp_path, precision="16-mixed", accumulate_grad_batches=2)
+    assert summary["global_step"] == 12 and len(updates) == 12
+    state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert state["precision"]["scaler"]["_growth_tracker"] is not None

@@ -287,3 +287,25 @@ def test_with_accumulation_and_a_loss_scaler_the_rollback_restores_the_scaler_an
     assert_same_weights(resumed.state_dict(), model.state_dict())
     scaler = last_checkpoint(tmp_path / "b")["precision"]["scaler"]
     assert scaler == last_checkpoint(tmp_path / "a")["precision"]["scaler"]
+
+
+def test_a_rollback_in_a_fit_of_two_models_restores_both() -> None:
+    """Two copies of one net, each with its optimizer, trained alike by a step of their own:
+    the rollback must take both back (the second would keep the poisoned steps otherwise)."""
+    import torch.nn.functional as F
+
+    a, b = net(), net()
+
+    def step(ctx, batch) -> None:
+        x, y = batch
+        for name in ("a", "b"):
+            ctx.optimize(name, F.cross_entropy(ctx.models[name](x), y))
+
+    trainer = Trainer(TrainerConfig(device="cpu", log_every_n_steps=10, log_every_n_seconds=0,
+                                    spike=SPIKE))
+    trainer.fit({"a": a, "b": b},
+                {n: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+                 for n, m in (("a", a), ("b", b))},
+                ListLoader(batches(60, (POISON,))), step=step)
+    assert len(trainer.state.spike["rollbacks"]) == 1
+    assert_same_weights(a.state_dict(), b.state_dict())
