@@ -23,14 +23,21 @@ from trainkit.core.errors import ConfigError
 
 def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int, *, pct_start: float = 0.25,
               div_factor: float = 25.0, final_div_factor: float = 1e4) -> LRScheduler:
-    """Warm up to each group's ``lr``, then anneal to nearly zero (cosine), in ``total_steps``."""
+    """Warm up to each group's ``lr``, then anneal to nearly zero (cosine), in ``total_steps``.
+
+    The momentum (or Adam's beta1) cycles against the lr, as torch's does, when every group has
+    one of them; groups of both kinds (``optim=muon``: Muon's momentum, AdamW's betas) keep
+    theirs."""
     max_lr = [group["lr"] for group in optimizer.param_groups]
+    cycle = any(all(key in group for group in optimizer.param_groups)
+                for key in ("betas", "momentum"))
     if total_steps > 1 and pct_start * total_steps <= 1:
         # OneCycleLR divides by zero when its warm-up phase is shorter than one step (short
         # smoke runs): give it just over one.
         pct_start = min(1.0, 1.5 / total_steps)
     return OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=pct_start,
-                      div_factor=div_factor, final_div_factor=final_div_factor)
+                      div_factor=div_factor, final_div_factor=final_div_factor,
+                      cycle_momentum=cycle)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, *,
