@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from trainkit.core.errors import ConfigError
-from trainkit.core.schedules import advance, wsd
+from trainkit.core.schedules import advance, one_cycle, wsd
 from trainkit.models import GPT
 from trainkit.models.muon import MuonAdamW, hidden_matrices, split_groups
 from trainkit.models.param_groups import build_optimizer, param_groups
@@ -97,6 +97,15 @@ def test_a_scheduler_sets_both_optimizers_lr() -> None:
     advance(scheduler, 9)
     lrs = [g["lr"] for opt in optimizer.optimizers for g in opt.param_groups]
     assert lrs == [optimizer.param_groups[0]["lr"]] * 2 and 0 < lrs[0] < 0.01
+
+
+def test_one_cycle_runs_on_it_and_leaves_both_momenta_alone() -> None:
+    optimizer = _muon(_gpt())
+    scheduler = one_cycle(optimizer, 10)  # torch's OneCycleLR would need betas in every group
+    advance(scheduler, 3)
+    muon, adamw = optimizer.param_groups
+    assert muon["lr"] == adamw["lr"] > 0.005  # warmed up from 0.01 / 25, both
+    assert (muon["momentum"], adamw["betas"]) == (0.95, (0.9, 0.95))
 
 
 def test_a_state_dict_resume_is_bitwise() -> None:
