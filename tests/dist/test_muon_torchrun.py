@@ -43,3 +43,13 @@ def test_two_ranks_with_muon_train_like_one_process_accumulating_two(tmp_path: P
         # a small part of the last 4 steps' movement and far closer than another gradient's
         assert apart <= 0.1 * moved, (name, apart, moved)
         assert (other[name] - expected[name]).abs().max() > 5 * apart, name
+
+
+def test_torchs_muon_on_fsdp2_shards_is_not_the_unsharded_update(tmp_path: Path) -> None:
+    """Why optim=muon is refused under FSDP: torch's Muon runs on the shards (DTensors) but
+    updates differently. When this fails, torch shards Muon: lift the refusal."""
+    out = tmp_path / "step.pt"
+    proc = torchrun(str(out), module="tests.dist.muon_fsdp_step")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step = torch.load(out, weights_only=True)
+    assert step["apart"] > 0.1 * step["update"], step  # far beyond bfloat16 rounding

@@ -23,8 +23,8 @@ from trainkit.models.param_groups import no_decay_names
 
 HEAD_NAMES = ("head", "lm_head", "fc", "classifier", "output", "heads")  # output layers
 FSDP_REFUSAL = ("optim=muon runs in one process or under trainer.strategy=ddp: torch.optim.Muon "
-                "orthogonalises each whole matrix and has no path for FSDP2's row shards "
-                "(DTensors); set trainer.strategy=ddp, or optim=adamw for FSDP")
+                "orthogonalises whole matrices, and on FSDP2's row shards (DTensors) its update "
+                "is not the unsharded one; set trainer.strategy=ddp, or optim=adamw for FSDP")
 MUON = "muon"  # the group key that sends a group to Muon (True) or AdamW (False)
 
 
