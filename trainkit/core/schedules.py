@@ -23,14 +23,21 @@ from trainkit.core.errors import ConfigError
 
 def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int, *, pct_start: float = 0.25,
               div_factor: float = 25.0, final_div_factor: float = 1e4) -> LRScheduler:
-    """Warm up to each group's ``lr``, then anneal to nearly zero (cosine), in ``total_steps``."""
+    """Warm up to each group's ``lr``, then anneal to nearly zero (cosine), in ``total_steps``.
+
+    The momentum (or Adam's beta1) cycles against the lr, as torch's does, when every group has
+    one of them; groups of both kinds (``optim=muon``: Muon's momentum, AdamW's betas) keep
+    theirs."""
     max_lr = [group["lr"] for group in optimizer.param_groups]
+    cycle = any(all(key in group for group in optimizer.param_groups)
+                for key in ("betas", "momentum"))
     if total_steps > 1 and pct_start * total_steps <= 1:
         # OneCycleLR divides by zero when its warm-up phase is shorter than one step (short
         # smoke runs): give it just over one.
         pct_start = min(1.0, 1.5 / total_steps)
     return OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=pct_start,
-                      div_factor=div_factor, final_div_factor=final_div_factor)
+                      div_factor=div_factor, final_div_factor=final_div_factor,
+                      cycle_momentum=cycle)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, *,
@@ -57,6 +64,43 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, *,
     warmup = LinearLR(optimizer, start_factor=1 / warmup_steps, end_factor=1.0,
                       total_iters=max(1, warmup_steps - 1))
     return SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
+
+
+def wsd(optimizer: torch.optim.Optimizer, total_steps: int, *, warmup_steps: int = 0,
+        decay_fraction: float = 0.2, min_ratio: float = 0.0) -> LRScheduler:
+    """Warm-up, stable, decay: linear warm-up for ``warmup_steps``, the full lr, then a linear
+    decay towards ``min_ratio`` x lr (reached as the run ends) over the last ``decay_fraction``
+    of ``total_steps``.
+
+    torch's own schedules joined by ``SequentialLR``: ``LinearLR`` (warm-up), ``ConstantLR``
+    (factor 1), ``LinearLR`` (decay). The decay is counted from the end, so a longer run has the
+    same LR at every step before the shorter one's decay began (an extended run stays stable).
+
+    Raises:
+        ConfigError: ``decay_fraction`` outside [0, 1], ``min_ratio`` outside [0, 1], or a
+            warm-up that reaches into the decay.
+    """
+    if not 0 <= decay_fraction <= 1 or not 0 <= min_ratio <= 1:
+        raise ConfigError(f"sched.decay_fraction={decay_fraction} and sched.min_ratio="
+                          f"{min_ratio} must each be in [0, 1]")
+    decay_steps = round(decay_fraction * total_steps)
+    decay_start = total_steps - decay_steps
+    if warmup_steps > decay_start:
+        raise ConfigError(f"sched.warmup_steps={warmup_steps} reaches into the decay, which "
+                          f"starts at step {decay_start} of {total_steps} (sched.decay_fraction="
+                          f"{decay_fraction}): lower sched.warmup_steps or raise "
+                          "trainer.max_steps")
+    # step i of the warm-up has lr (i + 1) / warmup_steps x lr, as warmup_cosine's
+    phases: list[LRScheduler] = [LinearLR(optimizer, start_factor=1 / warmup_steps,
+                                          end_factor=1.0, total_iters=max(1, warmup_steps - 1))
+                                 ] if warmup_steps else []
+    phases.append(ConstantLR(optimizer, factor=1.0, total_iters=0))
+    # step decay_start + j of the decay: lr x (1 - j / decay_steps x (1 - min_ratio)), the
+    # floor reached as the run ends (the last step a decay step above it, never below zero)
+    phases.append(LinearLR(optimizer, start_factor=1.0, end_factor=min_ratio,
+                           total_iters=max(1, decay_steps)))
+    milestones = ([warmup_steps] if warmup_steps else []) + [decay_start]
+    return SequentialLR(optimizer, phases, milestones=milestones)
 
 
 def constant(optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:

@@ -42,7 +42,7 @@ from trainkit.data import (
     write_classes,
 )
 from trainkit.loop.step import default_forward
-from trainkit.models import param_groups
+from trainkit.models import muon, param_groups
 from trainkit.models.build import make_model
 from trainkit.models.vision import for_channels
 
@@ -147,7 +147,13 @@ def _as_built(cfg: DictConfig, num_classes: int | None, channels: int | None = N
 
 def build_optimizer(cfg: DictConfig, model: nn.Module) -> Any:
     """``cfg.optim`` on ``model``'s parameter groups (``optim.param_groups``, ``layer_decay``,
-    ``decay_norm_and_bias``); the node's other keys go to its ``_target_``."""
+    ``decay_norm_and_bias``); the node's other keys go to its ``_target_``.
+
+    Raises:
+        ConfigError: ``optim=muon`` under ``trainer.strategy=fsdp``.
+    """
+    if "adamw_params" in cfg.optim and cfg.trainer.get("strategy") == "fsdp":
+        raise ConfigError(muon.FSDP_REFUSAL)
     return param_groups.build_optimizer(
         model, OmegaConf.to_container(cfg.optim, resolve=True),
         lambda node, groups: instantiate(node, params=groups, _convert_="all"))

@@ -22,7 +22,7 @@ from torch import nn
 from trainkit.core.errors import ConfigError
 
 log = logging.getLogger("trainkit")
-KEYS = ("param_groups", "layer_decay", "decay_norm_and_bias")  # optim keys read here
+KEYS = ("param_groups", "layer_decay", "decay_norm_and_bias", "adamw_params")  # read here
 # Model families layer decay knows: (block index pattern, stem pattern); blocks count from 1,
 # the stem is layer 0, anything else (the head, a final norm) the top layer.
 FAMILIES = {
@@ -222,8 +222,11 @@ def build_optimizer(model: nn.Module, node: Mapping[str, Any],
                     make: Callable[[dict[str, Any], list[dict[str, Any]]], Any]) -> Any:
     """The optimizer a config node describes, on :func:`param_groups` of ``model``: the keys
     :data:`KEYS` read here, the others (``_target_``, ``lr``, ...) given to ``make(node,
-    groups)`` (the entry point's ``hydra.utils.instantiate``)."""
+    groups)`` (the entry point's ``hydra.utils.instantiate``). A node with ``adamw_params``
+    (``optim=muon``) has each group split into Muon's and AdamW's
+    (:func:`trainkit.models.muon.split_groups`)."""
     node = dict(node)
+    adamw_params = node.pop("adamw_params", None)
     groups, layer_decay = node.pop("param_groups", None) or [], node.pop("layer_decay", None)
     decay_all = node.pop("decay_norm_and_bias", True)
     if not isinstance(decay_all, bool):
@@ -233,8 +236,12 @@ def build_optimizer(model: nn.Module, node: Mapping[str, Any],
     if not isinstance(groups, Sequence) or not all(isinstance(g, Mapping) for g in groups):
         raise ConfigError("optim.param_groups must be a list of {params: pattern, lr: ...}, "
                           f"got {groups!r}")
-    optimizer = make(node, param_groups(
-        model, lr=node.get("lr"), groups=groups, layer_decay=layer_decay,
-        decay_norm_and_bias=decay_all))
+    built = param_groups(model, lr=node.get("lr"), groups=groups, layer_decay=layer_decay,
+                         decay_norm_and_bias=decay_all)
+    if adamw_params is not None:
+        from trainkit.models.muon import split_groups
+
+        built = split_groups(model, built, list(adamw_params))
+    optimizer = make(node, built)
     check_options(optimizer)
     return optimizer
