@@ -278,3 +278,34 @@ def test_a_stopped_run_in_hydras_default_folder_resumes_with_the_command_it_prin
     assert again == run_dir
     assert "resumed from" in said and "at step 3" in said
     assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 6
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden ones included): its relative name and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def test_a_refused_start_leaves_a_finished_run_folder_byte_for_byte(
+        tmp_path: Path, mnist_root: Path, cifar_root: Path, run6: Path) -> None:
+    """Issue 61, fault 1: each kind of refused start (another experiment's data, a bad value, a
+    misspelt key, missing data) in a copy of a finished run: its folder afterwards holds the same
+    files with the same bytes, Hydra's ``.hydra/`` records included."""
+    runs: dict[str, list[str]] = {
+        "other_experiment": ["+exp=cifar", f"data.root={cifar_root}", "data.verify=false",
+                             "data.download=false", "data.batch_size=32",
+                             "trainer.precision=32", "trainer.max_steps=12"],
+        "bad_value": _flat(Path(), mnist_root, "trainer.max_epochs=-3")[1:],
+        "bad_key": _flat(Path(), mnist_root, "trainer.max_stepz=3")[1:],
+        "missing_data": _flat(Path(), tmp_path / "no_data", "trainer.max_steps=12")[1:],
+    }
+    folders = {name: tmp_path / name for name in runs}
+    for name, folder in folders.items():
+        shutil.copytree(run6, folder)
+        runs[name] = [*runs[name], f"hydra.run.dir={folder}"]
+    before = _tree(run6)
+    assert ".hydra/config.yaml" in before and "summary.json" in before
+    results = run_train_many(runs, tmp_path / "results")
+    for name, result in results.items():
+        assert result.returncode == 2, (name, result.stderr[-2000:])
+        assert _tree(folders[name]) == before, name

@@ -54,7 +54,7 @@ from trainkit.loop.step import (
 from trainkit.loop.train_state import TrainState
 from trainkit.models.param_groups import apply_freeze, describe
 from trainkit.observe.advice import Advisor
-from trainkit.observe.logging import log_start, log_window, setup_logging
+from trainkit.observe.logging import log_start, log_window, release_run_log, setup_logging
 from trainkit.observe.metrics import FlopsMeter, startup_seconds
 from trainkit.observe.profile import profilers
 from trainkit.observe.sinks import MetricsSink, default_sinks
@@ -209,6 +209,7 @@ class Trainer:
         if callbacks.handlers["on_checkpoint"]:
             self.checkpointer.on_saved = functools.partial(callbacks.fire, "on_checkpoint", self)
         self.checkpointer.start(total_steps)
+        release_run_log()  # the run is accepted: its checkpoint (if any) fits this config
         finished = report.already_ended(total_steps, self.config.epoch_limit)
         if finished is not None:  # a re-run of an ended run: nothing to train or write
             return finished
