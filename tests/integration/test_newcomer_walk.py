@@ -268,13 +268,15 @@ def test_a_stopped_run_in_hydras_default_folder_resumes_with_the_command_it_prin
         return run_dirs[0], result.stdout
 
     run_dir, said = train([sys.executable, "-m", "trainkit.train", *overrides])
-    assert f"run dir {run_dir}; after a stop, resume with: python -m trainkit.train" in said
+    # issue 61, fault 5: the command runs as typed, also where `python` is not this environment's
+    program = f"{shlex.quote(sys.executable)} -m trainkit.train"
+    assert f"run dir {run_dir}; after a stop, resume with: {program} " in said
     last = said.rstrip().splitlines()[-1]
-    assert "stopped at step 3; resume with: python -m trainkit.train " in last, last
+    assert f"stopped at step 3; resume with: {program} " in last, last
     command = shlex.split(last.split("resume with: ", 1)[1])
-    assert command[:3] == ["python", "-m", "trainkit.train"]
+    assert command[:3] == [sys.executable, "-m", "trainkit.train"]
     assert command[-1] == f"hydra.run.dir={run_dir}"
-    again, said = train([sys.executable, *command[1:]])
+    again, said = train(command)  # as printed
     assert again == run_dir
     assert "resumed from" in said and "at step 3" in said
     assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 6

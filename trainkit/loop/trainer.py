@@ -29,6 +29,7 @@ from trainkit.config import CheckpointConfig, TrainerConfig
 from trainkit.core import rng
 from trainkit.core.cuda_settings import apply_device_settings
 from trainkit.core.runtime import Runtime
+from trainkit.core.schedules import schedule_words
 from trainkit.core.signals import Preemption
 from trainkit.data.loader.resumable import set_epoch
 from trainkit.distributed import ddp, group, strategy
@@ -226,7 +227,8 @@ class Trainer:
                   steps_per_epoch(len(train_data), self.config.accumulate_grad_batches),
                   self.config, getattr(train_data, "batch_size", None), self._settings_text,
                   precision=self.precision.describe(), startup_s=report.startup_s,
-                  setup_s=report.setup_s, params=describe(model, optimizer))
+                  setup_s=report.setup_s,
+                  params=describe(model, optimizer, schedule_words(parts["scheduler"])))
         if self.precision.warning:
             log.warning(self.precision.warning)
         return run
