@@ -44,9 +44,10 @@ def error_lines(message: str, details: Iterable[str] = (), *, prefix: str = "tra
                 ) -> list[str]:
     """What a failed command prints: indented detail lines, then ``prefix + message``.
 
-    The last line is kept to :data:`LINE_LIMIT` characters: a longer message is printed whole
-    as a detail, and the last line keeps its start (what is wrong) and its end (how to fix).
-    Detail lines are cut to a readable length; a long list says how many lines it left out.
+    The last line is kept to :data:`LINE_LIMIT` characters, cut between words only: a longer
+    message keeps its start (what is wrong) and its end (how to fix) there, and the words
+    between them are the detail line just above it -- each word is printed once. Detail lines
+    are cut to a readable length; a long list says how many lines it left out.
     """
     message = " ".join(message.split())
     lines = [_cut(" ".join(d.split()), _DETAIL_CHARS) for d in details if d.strip()]
@@ -54,10 +55,25 @@ def error_lines(message: str, details: Iterable[str] = (), *, prefix: str = "tra
         lines[_DETAIL_LINES - 1:] = [f"... and {len(lines) - _DETAIL_LINES + 1} more lines"]
     last = prefix + message
     if len(last) > LINE_LIMIT:
-        lines.append(_cut(message, 4 * _DETAIL_CHARS))
-        head = (LINE_LIMIT - 5) * 2 // 5
-        last = last[:head].rstrip() + " ... " + last[-(LINE_LIMIT - 5 - head):].lstrip()
+        head, middle, tail = _split_words(message, LINE_LIMIT - len(prefix) - len(" ... "))
+        lines.append(_cut(f"... {middle} ...", 4 * _DETAIL_CHARS))
+        last = prefix + " ... ".join(part for part in (head, tail) if part)
+        last = last if head else prefix + "... " + tail
     return [f"  {line}" for line in lines] + [last]
+
+
+def _split_words(message: str, room: int) -> tuple[str, str, str]:
+    """``message`` as (start, middle, end), cut between words, start and end together at most
+    ``room`` characters: the end (the fix) gets up to 3/5 of it, the start what is left."""
+    words = message.split(" ")
+    end = len(words)
+    while end > 1 and len(" ".join(words[end - 1:])) <= room * 3 // 5:
+        end -= 1
+    tail = " ".join(words[end:])
+    start = 0
+    while start < end and len(" ".join(words[:start + 1])) + len(tail) <= room:
+        start += 1
+    return " ".join(words[:start]), " ".join(words[start:end]), tail
 
 
 def print_error(message: str, details: Iterable[str] = (), *, prefix: str = "trainkit: "
