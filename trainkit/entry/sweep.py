@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -184,11 +185,12 @@ class Sweep:
             run_dir = trial.user_attrs.get("run_dir") or str(
                 self.sweep_dir / f"trial_{trial.number:03d}")
             trial.set_user_attr("run_dir", run_dir)
-            status, detail = self._run_trial(trial.params, run_dir)
-            self._tell(trial, status, detail, run_dir)
+            started = time.monotonic()
+            status, detail = self._run_trial(trial, run_dir)
+            self._tell(trial, status, detail, run_dir, time.monotonic() - started)
 
-    def _run_trial(self, params: Mapping[str, Any], run_dir: str) -> tuple[int, str]:
-        values = [f"{key}={value!r}" for key, value in params.items()]
+    def _run_trial(self, trial: Any, run_dir: str) -> tuple[int, str]:
+        values = [f"{key}={value!r}" for key, value in trial.params.items()]
         command = [sys.executable, "-m", "trainkit.train", *self.plan.overrides, *values,
                    "hydra.run.dir='" + run_dir.replace("'", "\\'") + "'"]
         with self._lock:
@@ -199,17 +201,19 @@ class Sweep:
             proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     text=True, start_new_session=True)
             self._running.add(proc)
+            # said at once: a trial may train for minutes before its line of results
+            print(f"trial {trial.number} started: {_shown(trial.params)}  ({run_dir})",
+                  flush=True)
         _, stderr = proc.communicate()
         with self._lock:
             self._running.discard(proc)
         last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
         return proc.returncode, last.removeprefix("trainkit: ")
 
-    def _tell(self, trial: Any, status: int, detail: str, run_dir: str) -> None:
+    def _tell(self, trial: Any, status: int, detail: str, run_dir: str, seconds: float) -> None:
         from optuna.trial import TrialState
 
-        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                         for k, v in trial.params.items())
+        shown = f"{_shown(trial.params)} after {seconds:.0f} s"
         summary = read_summary(run_dir) or {}
         value = (summary.get("metrics") or {}).get(self.plan.monitor)
         if status == 0 and summary.get("status") in ("completed", "stopped") and value is not None:
@@ -229,6 +233,12 @@ class Sweep:
         self.study.tell(trial, state=TrialState.FAIL)
         print(f"trial {trial.number}: {shown} -> failed (exit {status}): {detail}  ({run_dir})",
               flush=True)
+
+
+def _shown(params: Mapping[str, Any]) -> str:
+    """A trial's parameters as its lines show them: ``optim.lr=0.0123``."""
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in params.items())
 
 
 def best_line(study: Any, monitor: str) -> str:
