@@ -253,8 +253,8 @@ class Trainer:
             if status == "completed":
                 self.checkpointer.save(state.global_step, last_step=True)
             self.checkpointer.wait()  # the last checkpoint is on disk before the summary says so
-        except (NonFiniteLossError, LossSpikeError):
-            run.report.finish("diverged", {})
+        except (NonFiniteLossError, LossSpikeError):  # its last evaluation stays its result
+            run.report.finish("diverged", run.results or {})
             raise
         finally:
             self.checkpointer.close()  # a write still in flight ends whole, however fit ends
