@@ -311,3 +311,14 @@ def test_a_refused_start_leaves_a_finished_run_folder_byte_for_byte(
     for name, result in results.items():
         assert result.returncode == 2, (name, result.stderr[-2000:])
         assert _tree(folders[name]) == before, name
+
+
+def test_the_finetuning_guides_three_commands_start_with_the_folder_recipe() -> None:
+    """Issue 61, fault 9: not the default one-cycle recipe, which the README says diverges on
+    photos, but ``+exp=folder``."""
+    from tests.integration.test_doc_recipes import bash_block
+
+    block = bash_block(REPO / "docs" / "finetuning.md", "model.pretrained=runs/big_export")
+    commands = [line for line in block.splitlines() if line.startswith("python -m trainkit")]
+    assert commands[0].split()[3] == "+exp=folder", commands
+    assert "data=image_folder" not in block
