@@ -322,3 +322,47 @@ def test_the_finetuning_guides_three_commands_start_with_the_folder_recipe() -> 
     commands = [line for line in block.splitlines() if line.startswith("python -m trainkit")]
     assert commands[0].split()[3] == "+exp=folder", commands
     assert "data=image_folder" not in block
+
+
+def _dev_only_packages() -> set[str]:
+    """The dev extra's packages (its ``trainkit[...]`` extras expanded) that training does not
+    need: not among pyproject.toml's runtime dependencies."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def names(requirements: list[str]) -> set[str]:
+        found = set()
+        for requirement in requirements:
+            name = re.match(r"[A-Za-z0-9_.-]+", requirement)[0].lower()
+            if name == "trainkit":
+                for extra in re.search(r"\[(.*)\]", requirement)[1].split(","):
+                    found |= names(extras[extra.strip()])
+            else:
+                found.add(name)
+        return found
+
+    return names(extras["dev"]) - names(project["dependencies"])
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_train_installs_no_package_of_the_dev_extra_and_says_what_it_installs() -> None:
+    """Issue 61, fault 7: ``make train`` on a fresh clone (``-B``: as if nothing were installed)
+    installs trainkit with its runtime dependencies only, says what and for how long, with pip's
+    progress shown; ``make test`` then adds the dev extra."""
+    def dry_run(target: str) -> str:
+        return subprocess.run(["make", "-n", "-B", target], cwd=REPO, capture_output=True,
+                              text=True, timeout=60, check=True).stdout
+
+    dev_only = _dev_only_packages()
+    assert {"pytest", "ruff", "moto", "mlflow-skinny", "wandb", "transformers", "optuna",
+            "scikit-image", "nbclient"} <= dev_only
+    train = dry_run("train")
+    installs = [line for line in train.splitlines() if "-m pip install" in line]
+    assert installs and not any("--quiet" in line for line in installs), installs
+    words = set(re.findall(r"[\w.\[\]'-]+", " ".join(installs)))
+    assert not words & dev_only and not any("[dev]" in w for w in words), installs
+    assert "installing into .venv what training needs" in train and "minutes" in train
+    test = dry_run("test")
+    assert "-e '.[dev]'" in test and "adding the dev extra" in test and "minutes" in test
