@@ -138,6 +138,7 @@ def find_target(name: str | None) -> Target:
 
 def estimate(cfg: DictConfig, target: Target, world: int) -> dict[str, Any]:
     """The run's memory per rank on ``target`` over ``world`` ranks, and what fits."""
+    assumed = _assumed_vocabulary(cfg)  # before _settings sets it
     settings = _settings(cfg)
     plan = Plan.of(cfg, settings, target, world)
     memory = plan.trace(plan.micro_batch)
@@ -149,8 +150,8 @@ def estimate(cfg: DictConfig, target: Target, world: int) -> dict[str, Any]:
               "micro_batches_per_step": plan.steps, "parts_gib": plan.parts(memory),
               "peak_gib": peak / GIB, "usable_gib": target.usable / GIB,
               "fits": peak <= target.usable}
-    report["notes"] = plan.notes()
-    report["largest_micro_batch"] = plan.largest_micro_batch(memory)
+    report["notes"] = [*assumed, *plan.notes()]
+    report["largest_micro_batch"] = plan.largest_micro_batch()
     report["suggestions"] = [] if report["fits"] else plan.suggestions(
         memory, report["largest_micro_batch"])
     return report
@@ -170,7 +171,8 @@ def _settings(cfg: DictConfig) -> TrainConfig:
         with open_dict(cfg):
             cfg.data.root = "."
     if data.get("num_classes") is None:
-        known = {"mnist": 10, "cifar10": 10}.get(data.name) or _classes_on_disk(cfg)
+        known = ({"mnist": 10, "cifar10": 10}.get(data.name) or _classes_on_disk(cfg)
+                 or _tokenizer_vocabulary(cfg))
         if known is None:
             raise ConfigError(f"data={data.name}: the estimate does not read the data; set "
                               "data.num_classes (its classes, or a token corpus's vocabulary)")
@@ -190,6 +192,28 @@ def _classes_on_disk(cfg: DictConfig) -> int | None:
     if cfg.data.name == "image_folder" and train.is_dir():
         return sum(1 for p in train.iterdir() if p.is_dir()) or None
     return None
+
+
+# The vocabularies of `python -m trainkit.data tokenize --tokenizer ...` (bytes: its default).
+VOCABULARIES = {"bytes": 256, "gpt2": 50257}
+
+
+def _tokenizer_vocabulary(cfg: DictConfig) -> int | None:
+    """A token corpus's vocabulary where no meta.json says it: the tokenizer the config's sample
+    callback names (``+exp=lm``: bytes), else ``tokenize``'s default, bytes."""
+    if cfg.data.name != "tokens":
+        return None
+    sample = (cfg.get("callbacks") or {}).get("sample") or {}
+    return VOCABULARIES.get(str(sample.get("tokenizer", "bytes")))
+
+
+def _assumed_vocabulary(cfg: DictConfig) -> list[str]:
+    """The note for a vocabulary taken from the tokenizer's name, not the corpus."""
+    if (cfg.data.name != "tokens" or cfg.data.get("num_classes") is not None
+            or _classes_on_disk(cfg) is not None or (vocab := _tokenizer_vocabulary(cfg)) is None):
+        return []
+    return [f"data.num_classes={vocab} assumed (the tokenizer's vocabulary; no meta.json under "
+            "data.root): set data.num_classes for another"]
 
 
 def sample_batch(settings: TrainConfig, size: int, device: str = "meta") -> Callable[[], Any]:
@@ -266,14 +290,17 @@ class Plan:
             model = model.to(memory_format=torch.channels_last)
         return model.train(), optimizer, names
 
-    def trace(self, micro_batch: int, checkpointed: list[str] | None = None) -> StepMemory:
-        """One steady-state step at ``micro_batch`` samples a micro-batch."""
+    def trace(self, micro_batch: int, checkpointed: list[str] | None = None,
+              micro_batches: int | None = None) -> StepMemory:
+        """One steady-state step at ``micro_batch`` samples a micro-batch (``micro_batches`` of
+        them traced: by default as many as the batch makes, up to TRACED_MICRO_BATCHES)."""
         model, optimizer, _ = self.build(self.checkpointed if checkpointed is None
                                          else checkpointed)
         extra = ([t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
                  if self.settings.trainer.ema_decay else [])
         spec = StepSpec(build_forward(self.cfg), build_criterion(self.cfg),
-                        micro_batches=min(self.micro_batches(micro_batch), TRACED_MICRO_BATCHES),
+                        micro_batches=micro_batches or min(self.micro_batches(micro_batch),
+                                                           TRACED_MICRO_BATCHES),
                         precision=self.precision, device_type=self.target.device_type,
                         clip=self.settings.trainer.gradient_clip_val is not None, extra=extra,
                         fused=self.fused)
@@ -321,21 +348,44 @@ class Plan:
                  "data_on_the_device": self.resident}
         return {k: v / GIB for k, v in parts.items()}
 
-    def largest_micro_batch(self, memory: StepMemory) -> int | None:
-        """The most samples a micro-batch can have within the usable memory (a linear fit of
-        two traces, checked by a third); None if not even one sample fits."""
+    def largest_micro_batch(self) -> int | None:
+        """The most samples a micro-batch can have within the usable memory: the boundary
+        where a traced step stops fitting, found by bracketing and bisection. Each size is
+        traced as a step of several micro-batches (a batch split into them, gradients
+        accumulating), whatever the configured batch: the answer is the same from any batch (a
+        linear fit of two traces only picks where to look first). None if not even one sample
+        fits, :data:`MOST` if that many fit."""
+        traced: dict[int, int] = {}
+
+        def fits(size: int) -> bool:
+            if size not in traced:
+                traced[size] = self.per_rank(self.trace(
+                    size, micro_batches=TRACED_MICRO_BATCHES))
+            return traced[size] <= self.target.usable
+
         low = max(1, self.micro_batch // 2) if self.micro_batch > 1 else 2
-        other = self.trace(low)
-        slope = (self.per_rank(memory) - self.per_rank(other)) / (self.micro_batch - low)
-        base = self.per_rank(memory) - slope * self.micro_batch
+        fits(self.micro_batch)
+        fits(low)
+        slope = (traced[self.micro_batch] - traced[low]) / (self.micro_batch - low)
+        base = traced[self.micro_batch] - slope * self.micro_batch
         guess = min(int((self.target.usable - base) / slope) if slope > 0 else MOST, MOST)
-        for _ in range(4):
-            if guess < 1:
-                return None
-            if self.per_rank(self.trace(guess)) <= self.target.usable:
-                return guess
-            guess = int(guess * 0.9)
-        return None
+        guess = max(1, guess)
+        if fits(guess):  # bracket: lo fits, hi does not
+            lo, hi = guess, min(MOST, guess + max(1, guess // 32))
+            while hi > lo and fits(hi):
+                if hi == MOST:
+                    return MOST
+                lo, hi = hi, min(MOST, 2 * hi)
+        else:
+            hi, lo = guess, max(1, guess - max(1, guess // 32))
+            while not fits(lo):
+                if lo == 1:
+                    return None
+                hi, lo = lo, max(1, lo // 2)
+        while hi - lo > 1:
+            middle = (lo + hi) // 2
+            lo, hi = (middle, hi) if fits(middle) else (lo, middle)
+        return lo
 
     def suggestions(self, memory: StepMemory, largest: int | None) -> list[str]:
         """Settings that make a run fit that does not: each checked by its own figures."""
