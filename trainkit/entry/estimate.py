@@ -33,7 +33,7 @@ from trainkit.config import TrainConfig
 from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.submodules import match_modules, repeated_blocks
 from trainkit.distributed.fsdp import default_blocks, resolve_strategy
-from trainkit.entry.build import build_criterion, build_forward, build_model, build_settings
+from trainkit.entry.build import build_criterion, build_forward, build_run_model, build_settings
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.train import CONFIG_DIR
 from trainkit.loop.activations import split_policy
@@ -268,7 +268,7 @@ class Plan:
         """The model (on meta), its optimizer, and the checkpointed modules' names."""
         with torch.device("meta"):
             data = self.settings.data
-            model = build_model(self.cfg, data.num_classes, channels=data.channels,
+            model = build_run_model(self.cfg, data.num_classes, channels=data.channels,
                                 pretrained=False)
         node = OmegaConf.to_container(self.cfg.optim, resolve=True)
         fused = self.fused = bool(node.get("fused"))
