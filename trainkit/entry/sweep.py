@@ -37,7 +37,7 @@ STUDY = "trainkit"  # one study per sweep dir: its database is the dir's own
 
 
 @dataclass(frozen=True)
-class Plan:
+class SweepPlan:
     """What every trial of a sweep shares."""
 
     overrides: tuple[str, ...]  # the command's Hydra overrides, given to every trial
@@ -46,7 +46,7 @@ class Plan:
     direction: str  # "maximize" or "minimize"
 
 
-def read_plan(overrides: Sequence[str]) -> Plan:
+def read_plan(overrides: Sequence[str]) -> SweepPlan:
     """Compose the entry point's config with ``overrides``; read the search space and objective.
 
     Raises:
@@ -77,7 +77,7 @@ def read_plan(overrides: Sequence[str]) -> Plan:
         raise TrainkitError(f"checkpoint.monitor={monitor!r} is not a metric the run reports: "
                             f"use one of {', '.join(reported)}")
     space = {key: _distribution(key, spec) for key, spec in params.items()}
-    return Plan(tuple(overrides), space, monitor, "maximize" if mode == "max" else "minimize")
+    return SweepPlan(tuple(overrides), space, monitor, "maximize" if mode == "max" else "minimize")
 
 
 def _distribution(key: str, spec: Any) -> Any:
@@ -103,7 +103,7 @@ def _distribution(key: str, spec: Any) -> Any:
                         "log scale, or step) or {choices: [...]}")
 
 
-def open_study(sweep_dir: Path, plan: Plan, seed: int | None) -> Any:
+def open_study(sweep_dir: Path, plan: SweepPlan, seed: int | None) -> Any:
     """The sweep dir's study, made on the first run and loaded on the next ones.
 
     Raises:
@@ -145,7 +145,7 @@ def _resume_preempted(study: Any) -> None:
 class Sweep:
     """Runs trials in ``jobs`` threads, each waiting on its trial's process."""
 
-    def __init__(self, study: Any, plan: Plan, sweep_dir: Path, trials: int) -> None:
+    def __init__(self, study: Any, plan: SweepPlan, sweep_dir: Path, trials: int) -> None:
         self.study, self.plan, self.sweep_dir, self.trials = study, plan, sweep_dir, trials
         self.stopping = threading.Event()  # a signal, or bad input: start no further trial
         self.bad_input: str | None = None

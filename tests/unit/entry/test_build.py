@@ -51,5 +51,5 @@ def test_only_build_py_builds_a_model_in_entry() -> None:
                     for alias in node.names}
         assert not builders & imported, path.name
     assert {p.stem for p in (REPO / "trainkit" / "entry").glob("*.py")} - {
-        "__init__", "build", "errors", "run_dir", "cli", "train", "evaluate", "predict", "export", "probe",
-        "verify_resume", "sweep", "runs", "estimate"} == set()
+        "__init__", "build", "errors", "run_dir", "cli", "train", "evaluate", "predict", "export",
+        "probe", "verify_resume", "sweep", "runs", "estimate"} == set()

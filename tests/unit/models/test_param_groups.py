@@ -139,8 +139,8 @@ def test_the_first_line_shows_the_configured_peak_lrs_and_the_schedule_in_words(
     scheduler = warmup_cosine(optimizer, 100, warmup_steps=20)
     assert max(g["lr"] for g in optimizer.param_groups) == pytest.approx(5e-04)
     text = describe(model, optimizer, schedule_words(scheduler))
-    assert text.endswith("2 groups: default lr 0.001 wd 0.01, head lr 0.01 wd 0.01; linear warm-up to lr over 20 steps, then cosine to "
-                         "0 over 80 steps"), text
+    assert text.endswith("2 groups: default lr 0.001 wd 0.01, head lr 0.01 wd 0.01; linear "
+                         "warm-up to lr over 20 steps, then cosine to 0 over 80 steps"), text
     single = torch.optim.AdamW(model.parameters(), lr=2e-3)
     words = schedule_words(one_cycle(single, 100, pct_start=0.25))
     assert describe(model, single, words) == (

@@ -155,9 +155,9 @@ def test_trainkits_own_model_keys_are_listed_once_and_typed() -> None:
     assert MODEL_KEYS == ("pretrained", "lora")
     keys, rest = ModelKeys.split({"_target_": "m.Net", "pretrained": None, "lora": {"r": 8}})
     assert keys == ModelKeys(pretrained=None, lora={"r": 8}) and rest == {"_target_": "m.Net"}
-    with pytest.raises(ConfigError, match="model.pretrained must be a weights file or folder"):
+    with pytest.raises(ConfigError, match=r"model\.pretrained must be a weights file or folder"):
         ModelKeys.split({"_target_": "m.Net", "pretrained": True})
-    with pytest.raises(ConfigError, match="model.lora must be a mapping"):
+    with pytest.raises(ConfigError, match=r"model\.lora must be a mapping"):
         ModelKeys.split({"_target_": "m.Net", "lora": 8})
 
 
