@@ -36,7 +36,10 @@ RECORDS = ".hydra"
 
 def write_records(run_dir: str | Path, cfg: DictConfig) -> None:
     """``.hydra/config.yaml`` (the job's config), ``hydra.yaml`` and ``overrides.yaml``, as Hydra
-    writes them, unless Hydra wrote them itself (a user's ``hydra.output_subdir=...``)."""
+    writes them, unless Hydra wrote them itself (a user's ``hydra.output_subdir=...``) or this is
+    no Hydra job (``train(cfg, run_dir)`` called with a composed config, as verify_resume does)."""
+    if not HydraConfig.initialized():
+        return
     hydra = HydraConfig.get()
     if hydra.output_subdir is not None:
         return
