@@ -60,12 +60,15 @@ class RunRecords:
         self.run_dir, self.cfg, self.write = run_dir, cfg, write
 
     def on_fit_start(self, trainer: Any) -> None:
+        _accepted.add(Path(self.run_dir).absolute())
         if trainer.runtime.is_main:
             write_records(self.run_dir, self.cfg)
             if self.write is not None:
                 self.write()
 
 
+# The run folders of this process whose run was accepted (training started there).
+_accepted: set[Path] = set()
 # What this package writes into a run directory only with its records.
 _HYDRA_ONLY = {RECORDS}
 # Bad input: ours, or a config node Hydra could not build (an optimizer's misspelt _target_).
@@ -74,23 +77,25 @@ _BAD_INPUT = (TrainkitError, HydraException, OmegaConfBaseException)
 
 @contextlib.contextmanager
 def removed_if_unused(run_dir: str | Path, cfg: DictConfig | None = None) -> Iterator[None]:
-    """On an error, leave a folder that held an earlier run as it was; remove a new one if it
-    holds nothing but empty folders -- after bad input also this attempt's own ``train.log``
-    and ``inputs.json`` -- so a typo leaves no empty-looking ``outputs/<date>/<time>/``
-    (emptied parents inside ``outputs/`` go too). A new folder that holds anything else is kept
-    and marked ``failed`` with the error's line (:func:`_mark_failed`), with ``cfg``'s records."""
+    """On an error before the run was accepted, leave a folder that held an earlier run as it
+    was. Otherwise remove the folder if it holds nothing but empty folders -- after bad input
+    also this attempt's own ``train.log`` and ``inputs.json`` -- so a typo leaves no
+    empty-looking ``outputs/<date>/<time>/`` (emptied parents inside ``outputs/`` go too); a
+    folder that holds anything else is kept and, without an earlier attempt's summary, marked
+    ``failed`` with the error's line (:func:`_mark_failed`), with ``cfg``'s records."""
     run_dir = Path(run_dir).absolute()
     # an earlier run's folder: a start that fails before it is accepted changes nothing there
     earlier = run_dir.is_dir() and any(p.name != RECORDS for p in run_dir.iterdir())
+    summary = read_summary(run_dir)  # an earlier attempt's summary stays
     try:
         yield
     except BaseException as err:
         # rank 0 alone: it writes the folder, and another rank's early error must not take it
         # away while rank 0 is about to use it
-        if Runtime.from_env("cpu").is_main and not earlier:
+        if Runtime.from_env("cpu").is_main and (run_dir in _accepted or not earlier):
             mine = {"train.log", "inputs.json"} if isinstance(err, _BAD_INPUT) else set()
             _remove_unused(run_dir, _HYDRA_ONLY | mine)
-            if (run_dir.is_dir() and read_summary(run_dir) is None
+            if (run_dir.is_dir() and summary is None and read_summary(run_dir) is None
                     and isinstance(err, Exception)):  # not a stop, an abort or an exit
                 _mark_failed(run_dir, err, cfg)
         raise
