@@ -45,9 +45,10 @@ def error_lines(message: str, details: Iterable[str] = (), *, prefix: str = "tra
     """What a failed command prints: indented detail lines, then ``prefix + message``.
 
     The last line is kept to :data:`LINE_LIMIT` characters, cut between words only: a longer
-    message keeps its start (what is wrong) and its end (how to fix) there, and the words
-    between them are the detail line just above it -- each word is printed once. Detail lines
-    are cut to a readable length; a long list says how many lines it left out.
+    message is printed whole once, as the detail just above (not again where a detail already
+    holds it), and the last line keeps its start (what is wrong) and its end (how to fix),
+    whole words each. Detail lines are cut to a readable length; a long list says how many
+    lines it left out.
     """
     message = " ".join(message.split())
     lines = [_cut(" ".join(d.split()), _DETAIL_CHARS) for d in details if d.strip()]
@@ -55,10 +56,10 @@ def error_lines(message: str, details: Iterable[str] = (), *, prefix: str = "tra
         lines[_DETAIL_LINES - 1:] = [f"... and {len(lines) - _DETAIL_LINES + 1} more lines"]
     last = prefix + message
     if len(last) > LINE_LIMIT:
-        head, middle, tail = _split_words(message, LINE_LIMIT - len(prefix) - len(" ... "))
-        lines.append(_cut(f"... {middle} ...", 4 * _DETAIL_CHARS))
-        last = prefix + " ... ".join(part for part in (head, tail) if part)
-        last = last if head else prefix + "... " + tail
+        if not any(message in line for line in lines):
+            lines.append(_cut(message, 4 * _DETAIL_CHARS))
+        head, _, tail = _split_words(message, LINE_LIMIT - len(prefix) - len(" ... "))
+        last = prefix + (f"{head} ... {tail}" if head else f"... {tail}")
     return [f"  {line}" for line in lines] + [last]
 
 
