@@ -65,15 +65,18 @@ def error_lines(message: str, details: Iterable[str] = (), *, prefix: str = "tra
 
 def _split_words(message: str, room: int) -> tuple[str, str, str]:
     """``message`` as (start, middle, end), cut between words, start and end together at most
-    ``room`` characters: the end (the fix) gets up to 3/5 of it, the start what is left."""
+    ``room`` characters: the end (the fix) gets up to 2/3 of it, the start what is left (a first
+    word longer than that, a key=path, is the one word cut: its start is what names it)."""
     words = message.split(" ")
     end = len(words)
-    while end > 1 and len(" ".join(words[end - 1:])) <= room * 3 // 5:
+    while end > 1 and len(" ".join(words[end - 1:])) <= room * 2 // 3:
         end -= 1
     tail = " ".join(words[end:])
     start = 0
     while start < end and len(" ".join(words[:start + 1])) + len(tail) <= room:
         start += 1
+    if start == 0 and end > 0:  # a first word too long for the line (a key=path): its start
+        return words[0][:max(0, room - len(tail))], " ".join(words[:end]), tail
     return " ".join(words[:start]), " ".join(words[start:end]), tail
 
 
