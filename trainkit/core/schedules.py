@@ -35,9 +35,12 @@ def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int, *, pct_start: 
         # OneCycleLR divides by zero when its warm-up phase is shorter than one step (short
         # smoke runs): give it just over one.
         pct_start = min(1.0, 1.5 / total_steps)
-    return OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=pct_start,
-                      div_factor=div_factor, final_div_factor=final_div_factor,
-                      cycle_momentum=cycle)
+    scheduler = OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps,
+                           pct_start=pct_start, div_factor=div_factor,
+                           final_div_factor=final_div_factor, cycle_momentum=cycle)
+    return described(scheduler, f"one-cycle schedule: up from lr/{div_factor:g} over "
+                                f"{round(pct_start * total_steps)} of {total_steps} steps, then "
+                                f"cosine down to lr/{div_factor * final_div_factor:g}")
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, *,
@@ -58,12 +61,15 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, *,
                           "sched.min_ratio=0")
     cosine = CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup_steps),
                                eta_min=min_ratio * max(lrs))
+    floor = f"{min_ratio:g} x lr" if min_ratio else "0"
     if not warmup_steps:
-        return cosine
+        return described(cosine, f"cosine schedule from lr to {floor} over {total_steps} steps")
     # step i of the warm-up has lr (i + 1) / warmup_steps x lr: 1 / warmup_steps at step 0
     warmup = LinearLR(optimizer, start_factor=1 / warmup_steps, end_factor=1.0,
                       total_iters=max(1, warmup_steps - 1))
-    return SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
+    return described(SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps]),
+                     f"linear warm-up to lr over {warmup_steps} steps, then cosine to {floor} "
+                     f"over {max(1, total_steps - warmup_steps)} steps")
 
 
 def wsd(optimizer: torch.optim.Optimizer, total_steps: int, *, warmup_steps: int = 0,
@@ -100,12 +106,28 @@ def wsd(optimizer: torch.optim.Optimizer, total_steps: int, *, warmup_steps: int
     phases.append(LinearLR(optimizer, start_factor=1.0, end_factor=min_ratio,
                            total_iters=max(1, decay_steps)))
     milestones = ([warmup_steps] if warmup_steps else []) + [decay_start]
-    return SequentialLR(optimizer, phases, milestones=milestones)
+    warm = f"linear warm-up to lr over {warmup_steps} steps, " if warmup_steps else ""
+    return described(SequentialLR(optimizer, phases, milestones=milestones),
+                     f"{warm}lr held to step {decay_start}, then linear decay to "
+                     f"{min_ratio:g} x lr over the last {decay_steps} steps")
 
 
 def constant(optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:
     """Keep each group's ``lr`` unchanged (``ConstantLR`` with factor 1)."""
-    return ConstantLR(optimizer, factor=1.0, total_iters=0)
+    return described(ConstantLR(optimizer, factor=1.0, total_iters=0), "constant lr")
+
+
+def described(scheduler: LRScheduler, words: str) -> LRScheduler:
+    """``scheduler`` with ``words`` as its ``description``, which the run's first line shows."""
+    scheduler.description = words  # type: ignore[attr-defined]
+    return scheduler
+
+
+def schedule_words(scheduler: Any) -> str:
+    """A schedule in words: its ``description`` (:func:`described`), else its class's name."""
+    if scheduler is None:
+        return ""
+    return getattr(scheduler, "description", None) or f"{type(scheduler).__name__} schedule"
 
 
 def advance(scheduler: Any, steps: int) -> None:

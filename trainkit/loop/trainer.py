@@ -30,6 +30,7 @@ from trainkit.core import rng
 from trainkit.core.cuda_settings import apply_device_settings
 from trainkit.core.errors import TrainkitError
 from trainkit.core.runtime import Runtime
+from trainkit.core.schedules import schedule_words
 from trainkit.core.signals import Preemption
 from trainkit.data.loader.resumable import set_epoch
 from trainkit.distributed import ddp, group, strategy
@@ -49,7 +50,7 @@ from trainkit.loop.step import Criterion, Forward, default_forward, steps_per_ep
 from trainkit.loop.train_state import TrainState
 from trainkit.models.param_groups import apply_freeze, describe
 from trainkit.observe.advice import Advisor
-from trainkit.observe.logging import log_start, log_window, setup_logging
+from trainkit.observe.logging import log_start, log_window, release_run_log, setup_logging
 from trainkit.observe.metrics import FlopsMeter, startup_seconds
 from trainkit.observe.profile import profilers
 from trainkit.observe.sinks import MetricsSink, default_sinks
@@ -245,6 +246,7 @@ class Trainer:
         if callbacks.handlers["on_checkpoint"]:
             self.checkpointer.on_saved = functools.partial(callbacks.fire, "on_checkpoint", self)
         self.checkpointer.start(total_steps)
+        release_run_log()  # the run is accepted: its checkpoint (if any) fits this config
         finished = report.already_ended(total_steps, self.config.epoch_limit)
         if finished is not None:  # a re-run of an ended run: nothing to train or write
             return finished
@@ -261,7 +263,8 @@ class Trainer:
                   steps_per_epoch(len(train_data), self.config.accumulate_grad_batches),
                   self.config, getattr(train_data, "batch_size", None), self._settings_text,
                   precision=self.precision.describe(), startup_s=report.startup_s,
-                  setup_s=report.setup_s, params=describe(model, optimizer))
+                  setup_s=report.setup_s,
+                  params=describe(model, optimizer, schedule_words(parts["scheduler"])))
         if self.precision.warning:
             log.warning(self.precision.warning)
         return run
@@ -286,8 +289,8 @@ class Trainer:
             if status == "completed":
                 self.checkpointer.save(state.global_step, last_step=True)
             self.checkpointer.wait()  # the last checkpoint is on disk before the summary says so
-        except (NonFiniteLossError, LossSpikeError):
-            run.report.finish("diverged", {})
+        except (NonFiniteLossError, LossSpikeError):  # its last evaluation stays its result
+            run.report.finish("diverged", run.results or {})
             raise
         finally:
             self.checkpointer.close()  # a write still in flight ends whole, however fit ends

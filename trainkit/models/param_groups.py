@@ -192,23 +192,34 @@ def _by_family(model: nn.Module, block: str, stem: str) -> dict[str, int]:
             else top for name in names}
 
 
-def describe(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> str:
+def peak_lr(group: Mapping[str, Any]) -> float:
+    """A param group's configured (peak) learning rate, not the one its schedule has set now:
+    a warm-up starts below it (OneCycleLR keeps it as ``max_lr``, torch's other schedules as
+    ``initial_lr``)."""
+    return float(group.get("max_lr", group.get("initial_lr", group.get("lr", 0.0))))
+
+
+def describe(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             schedule: str = "") -> str:
     """``"11.2M parameters: 2.1K train, 11.2M frozen; 2 groups: head lr 0.01, default lr
-    0.001"``: the first log line's words (groups summarised when there are many)."""
+    0.001"``: the first log line's words (groups summarised when there are many), each lr the
+    configured peak (:func:`peak_lr`), followed by ``schedule`` (the schedule in words)."""
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     frozen = sum(p.numel() for p in params if not p.requires_grad)
     text = f"{_count(total)} parameters" + (
         f": {_count(total - frozen)} train, {_count(frozen)} frozen" if frozen else "")
     groups = getattr(optimizer, "param_groups", [])
-    if len(groups) <= 1:
-        return text
-    lrs = [g.get("lr", 0.0) for g in groups]
-    if len(groups) > 4:
-        return text + f"; {len(groups)} groups, lr {min(lrs):.3g} to {max(lrs):.3g}"
-    return text + f"; {len(groups)} groups: " + ", ".join(
-        f"{g.get('name', i)} lr {g.get('lr', 0.0):.3g} wd {g.get('weight_decay', 0.0):.3g}"
-        for i, g in enumerate(groups))
+    lrs = [peak_lr(g) for g in groups]
+    if len(groups) == 1:
+        text += f"; peak lr {lrs[0]:.3g}"
+    elif len(groups) > 4:
+        text += f"; {len(groups)} groups, peak lr {min(lrs):.3g} to {max(lrs):.3g}"
+    elif groups:
+        text += f"; {len(groups)} groups: " + ", ".join(
+            f"{g.get('name', i)} lr {lr:.3g} wd {g.get('weight_decay', 0.0):.3g}"
+            for i, (g, lr) in enumerate(zip(groups, lrs)))
+    return text + (f"; {schedule}" if schedule and groups else "")
 
 
 def _count(n: int) -> str:
