@@ -46,9 +46,16 @@ def supervised_step(model: str, optimizer: str, forward: Forward,
 
     def step(ctx: StepContext, batch: Batch) -> None:
         result = forward(ctx.models[model], batch)
+        if len(result) not in (2, 3):
+            raise TrainkitError(f"forward returned {len(result)} items: return (outputs, "
+                                "targets) or (outputs, targets, {name: scalar})")
         if len(result) == 3:
             add_scalars(ctx.scalars, result[2])
-        ctx.optimize(optimizer, criterion(result[0], result[1]))
+        outputs, targets = result[0], result[1]
+        del result  # as WindowStep: nothing of the forward alive but what the loss needs
+        loss = criterion(outputs, targets)
+        del outputs, targets
+        ctx.optimize(optimizer, loss)
 
     return step
 

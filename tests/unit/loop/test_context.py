@@ -438,3 +438,17 @@ def test_a_two_optimizer_fit_under_16_mixed_updates_the_loss_scale_once_per_step
     assert summary["global_step"] == 12 and len(updates) == 12
     state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
     assert state["precision"]["scaler"]["_growth_tracker"] is not None
+
+
+def test_a_dict_of_one_model_trains_as_the_plain_form(tmp_path: Path) -> None:
+    """fit({"net": m}, {"net": opt}) without step= is the built-in step; the same weights."""
+    data = _labelled()
+    plain, named = _classifier(), _classifier()
+    Trainer(TrainerConfig(device="cpu", max_epochs=1)).fit(
+        plain, torch.optim.SGD(plain.parameters(), lr=0.1), data)
+    Trainer(TrainerConfig(device="cpu", max_epochs=1), run_dir=tmp_path).fit(
+        {"net": named}, {"net": torch.optim.SGD(named.parameters(), lr=0.1)}, data)
+    for p, q in zip(plain.parameters(), named.parameters()):
+        assert torch.equal(p, q)
+    state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert "models" not in state and set(state["model"]) == set(plain.state_dict())
