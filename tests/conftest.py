@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import atexit
 import contextlib
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +18,7 @@ import pytest
 import torch
 
 from tests.helpers.fakes import write_fake_cifar10, write_fake_mnist
+from tests.helpers.zygote import Zygote
 from trainkit.core.errors import LINE_LIMIT
 from trainkit.core.signals import PREEMPTION_SIGNALS
 
@@ -131,12 +135,30 @@ def offline_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_train(*overrides: str, env: dict[str, str] | None = None,
-              timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run the real entry point, ``python -m trainkit.train``, in a subprocess."""
+_zygotes: list[Zygote] = []  # this process's, started by the first run_train that can use it
+_forked_runs = itertools.count()
+
+
+def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float = 300,
+              fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run the real entry point, ``python -m trainkit.train``, in a process of its own.
+
+    In the default environment the process is forked from a zygote that has imported trainkit
+    already (tests/helpers/zygote.py: an interpreter, torch and Hydra start is most of a few-step
+    run's cost); ``fresh`` (or any other ``env``) starts a new interpreter, for a test of what a
+    start does."""
+    run_env = env or offline_env()
+    if not fresh and env is None:
+        if not _zygotes:
+            _zygotes.append(Zygote(run_env, REPO))
+            atexit.register(_zygotes[0].close)
+        if _zygotes[0].serves(run_env):
+            folder = Path(tempfile.gettempdir()) / f"trainkit-runs-{os.getpid()}"
+            return _zygotes[0].run(list(overrides), run_env, folder / str(next(_forked_runs)),
+                                   timeout)
     return subprocess.run(
         [sys.executable, "-m", "trainkit.train", *overrides],
-        cwd=REPO, env=env or offline_env(), capture_output=True, text=True, timeout=timeout,
+        cwd=REPO, env=run_env, capture_output=True, text=True, timeout=timeout,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,25 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
             assert isinstance(value, float) and math.isfinite(value), r
         else:
             assert value is None or _positive(value), r
-        assert r["met"] in (True, False, None)
+        if r["met"] is not None:  # a judged goal: the goal's own comparison of the value
+            assert isinstance(r["met"], bool) and r["met"] == _judged(value, r["goal"]), r
+        if value is None:  # a skipped side is not judged; a failed one is not met
+            assert r["met"] is (False if r["goal"].startswith("(failed") else None), r
+
+
+# A goal's comparison: "> 1 (overlap)", ">= 1.5x", "< 1e-3 (same losses)", "~1/2 (<= 0.55)".
+_GOAL = re.compile(r"(>=|<=|>|<)\s*(\d+(?:\.\d+)?(?:e-?\d+)?)")
+
+
+def _judged(value: float | None, goal: str) -> bool:
+    """Whether ``value`` meets ``goal``, by the comparison written in the goal."""
+    if value is None:
+        return False
+    found = _GOAL.search(goal)
+    assert found, f"a judged row whose goal states no comparison: {goal!r}"
+    op, bound = found.group(1), float(found.group(2))
+    return {">=": value >= bound, "<=": value <= bound, ">": value > bound,
+            "<": value < bound}[op]
 
 
 def _check_samples(samples: dict[str, list[list[float]]], rounds: int) -> None:
