@@ -135,18 +135,19 @@ def offline_env(**extra: str) -> dict[str, str]:
     return env
 
 
-_zygotes: list[Zygote] = []  # this process's, started by the first run_train that can use it
+_zygotes: list[Zygote] = []  # this process's, started by the first run that can use it
 _forked_runs = itertools.count()
 
 
-def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float = 300,
-              fresh: bool = False) -> subprocess.CompletedProcess[str]:
-    """Run the real entry point, ``python -m trainkit.train``, in a process of its own.
+def run_module(module: str, *args: str, env: dict[str, str] | None = None,
+               timeout: float = 300, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """``python -m module *args`` from the repository, in a process of its own, its output
+    captured as text.
 
-    In the default environment the process is forked from a zygote that has imported trainkit
-    already (tests/helpers/zygote.py: an interpreter, torch and Hydra start is most of a few-step
-    run's cost); ``fresh`` (or any other ``env``) starts a new interpreter, for a test of what a
-    start does."""
+    In the default environment (:func:`offline_env`) the process is forked from a zygote that
+    has imported trainkit, torch and Hydra already (tests/helpers/zygote.py: an interpreter and
+    those imports are ~4 CPU s, most of a few-step run's cost); ``fresh`` (or any other ``env``)
+    starts a new interpreter, for a test of what a start does."""
     run_env = env or offline_env()
     if not fresh and env is None:
         if not _zygotes:
@@ -154,12 +155,17 @@ def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float
             atexit.register(_zygotes[0].close)
         if _zygotes[0].serves(run_env):
             folder = Path(tempfile.gettempdir()) / f"trainkit-runs-{os.getpid()}"
-            return _zygotes[0].run(list(overrides), run_env, folder / str(next(_forked_runs)),
-                                   timeout)
-    return subprocess.run(
-        [sys.executable, "-m", "trainkit.train", *overrides],
-        cwd=REPO, env=run_env, capture_output=True, text=True, timeout=timeout,
-    )
+            return _zygotes[0].run(module, list(args), run_env,
+                                   folder / str(next(_forked_runs)), timeout)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=run_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float = 300,
+              fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run the real entry point, ``python -m trainkit.train``, in a process of its own
+    (:func:`run_module`)."""
+    return run_module("trainkit.train", *overrides, env=env, timeout=timeout, fresh=fresh)
 
 
 def run_train_many(runs: dict[str, list[str]], folder: Path,
@@ -171,9 +177,7 @@ def run_train_many(runs: dict[str, list[str]], folder: Path,
     folder.mkdir(parents=True, exist_ok=True)
     spec = [{"argv": argv, "prefix": str(folder / name)} for name, argv in runs.items()]
     (folder / "runs.json").write_text(json.dumps(spec))
-    done = subprocess.run([sys.executable, "-m", "tests.helpers.entry_runs",
-                           str(folder / "runs.json")], cwd=REPO, env=offline_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    done = run_module("tests.helpers.entry_runs", str(folder / "runs.json"), timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return {name: subprocess.CompletedProcess(
         argv, int((folder / f"{name}.status").read_text()),

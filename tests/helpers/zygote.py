@@ -1,11 +1,12 @@
-"""Runs of ``python -m trainkit.train`` forked from a process that has imported it already.
+"""Runs of ``python -m trainkit.train`` (or another module) forked from a process that has
+imported trainkit already.
 
 A fresh interpreter spends ~4 CPU s importing torch, torchvision, torchmetrics and Hydra before
 a test's few-step run trains for ~1 s; the tests start ~100 such runs. ``python -m
 tests.helpers.zygote`` imports them once, then, for each request on its stdin (one JSON line:
-the entry point's arguments, the environment, the folder, where its stdout and stderr go), forks
-a child that runs ``trainkit.train`` as ``python -m`` does (:func:`runpy.run_module` as
-``__main__``) and exits as that interpreter would (atexit handlers, non-daemon threads joined).
+the module and its arguments, the environment, the folder, where its stdout and stderr go), forks
+a child that runs the module as ``python -m`` does (:func:`runpy.run_module` as ``__main__``) and
+exits as that interpreter would (atexit handlers, non-daemon threads joined).
 Each run is still a process of its own, with its own state; the zygote itself runs no torch op
 and starts no thread, so the fork copies an idle, single-threaded process.
 
@@ -16,16 +17,16 @@ so :class:`Zygote` serves only runs whose environment is the one it was started 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from typing import Any
-
-ENTRY = "trainkit.train"
 
 
 def _serve() -> dict[str, Any]:
@@ -48,7 +49,7 @@ def _serve() -> dict[str, Any]:
 
 
 def _become(request: dict[str, Any]) -> None:
-    """In the child: the process ``python -m trainkit.train ARGS`` would be, up to its imports."""
+    """In the child: the process ``python -m MODULE ARGS`` would be, up to its imports."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -65,7 +66,40 @@ def _become(request: dict[str, Any]) -> None:
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    sys.argv = [ENTRY, *request["argv"]]
+    sys.argv = [request["module"], *request["argv"]]
+
+
+def _run_as_main(module: str) -> int:
+    """``module`` run as ``__main__``; the status ``python -m module`` exits with, once the
+    interpreter's exit has done what a program can see: non-daemon threads joined, atexit
+    handlers run, stdout and stderr flushed. Not the teardown of every module after that: in a
+    fork it writes to (and so copies) most of the zygote's memory, seconds a run
+    (multiprocessing's forked children end the same way)."""
+    import atexit
+    import runpy
+    import traceback
+
+    interrupted = False
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        status = 0
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except BaseException as error:  # as the interpreter reports an uncaught exception
+        traceback.print_exception(error)
+        status, interrupted = 1, isinstance(error, KeyboardInterrupt)
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    if interrupted:  # the interpreter ends itself with SIGINT then: its parent sees the signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return status
 
 
 def main() -> None:
@@ -74,11 +108,12 @@ def main() -> None:
     import trainkit.entry.train  # noqa: F401  (torch, torchvision, torchmetrics, Hydra)
 
     assert threading.active_count() == 1, threading.enumerate()  # a fork copies one thread
+    # What the imports made, out of the collector's way: a child's collections then neither
+    # walk it nor write to (so copy) its pages.
+    gc.freeze()
     request = _serve()
     _become(request)
-    import runpy
-
-    runpy.run_module(ENTRY, run_name="__main__", alter_sys=True)
+    os._exit(_run_as_main(request["module"]))
 
 
 def _steady(env: dict[str, str]) -> dict[str, str]:
@@ -102,15 +137,15 @@ class Zygote:
         (pytest's name of the current test aside)."""
         return _steady(env) == _steady(self.env) and self._proc.poll() is None
 
-    def run(self, argv: list[str], env: dict[str, str], folder: Path, timeout: float
-            ) -> subprocess.CompletedProcess[str]:
-        """``python -m trainkit.train *argv`` in ``env``, as :func:`subprocess.run` with
-        captured text output would return it; its outputs pass through files in ``folder``."""
+    def run(self, module: str, argv: list[str], env: dict[str, str], folder: Path,
+            timeout: float) -> subprocess.CompletedProcess[str]:
+        """``python -m module *argv`` in ``env``, as :func:`subprocess.run` with captured text
+        output would return it; its outputs pass through files in ``folder``."""
         assert self.serves(env)
         folder.mkdir(parents=True, exist_ok=True)
         out, err = folder / "stdout.txt", folder / "stderr.txt"
-        request = {"argv": argv, "env": env, "cwd": str(self.cwd), "stdout": str(out),
-                   "stderr": str(err)}
+        request = {"module": module, "argv": argv, "env": env, "cwd": str(self.cwd),
+                   "stdout": str(out), "stderr": str(err)}
         with self._lock:
             self._proc.stdin.write(json.dumps(request).encode() + b"\n")
             self._proc.stdin.flush()
@@ -120,9 +155,9 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 os.kill(pid, 9)  # as subprocess.run does on a timeout
                 self._reply(None)
-                raise subprocess.TimeoutExpired([ENTRY, *argv], timeout, out.read_text(),
+                raise subprocess.TimeoutExpired([module, *argv], timeout, out.read_text(),
                                                 err.read_text()) from None
-        done = subprocess.CompletedProcess([sys.executable, "-m", ENTRY, *argv], status,
+        done = subprocess.CompletedProcess([sys.executable, "-m", module, *argv], status,
                                            out.read_text(), err.read_text())
         out.unlink()
         err.unlink()
@@ -131,7 +166,7 @@ class Zygote:
     def _reply(self, timeout: float | None) -> dict[str, Any]:
         stream = self._proc.stdout
         if timeout is not None and not select.select([stream], [], [], timeout)[0]:
-            raise subprocess.TimeoutExpired(ENTRY, timeout)
+            raise subprocess.TimeoutExpired("the zygote's child", timeout)
         line = stream.readline()
         if not line:
             raise RuntimeError(f"the zygote ended (status {self._proc.wait()})")

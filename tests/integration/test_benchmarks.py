@@ -15,15 +15,14 @@ import pytest
 
 from benchmarks import overhead
 from benchmarks.__main__ import table
-from tests.conftest import REPO, offline_env
+from tests.conftest import REPO, offline_env, run_module
 
 pytestmark = pytest.mark.slow
 HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
 
 
 def _run(module: str, *args: str) -> dict[str, Any]:
-    result = subprocess.run([sys.executable, "-m", module, "--quick", *args], cwd=REPO,
-                            env=offline_env(), capture_output=True, text=True, timeout=300)
+    result = run_module(module, "--quick", *args)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout[result.stdout.index("{"):])
 
@@ -205,11 +204,7 @@ def test_runner_quick_writes_json_and_table(tmp_path: Path) -> None:
     out.write_text(json.dumps({"quick": True, "benchmarks": {"gpu": {"rows": [earlier]}}}))
     # The runner's aggregation, and the checkpoint benchmark's own figures (the runner stores
     # each benchmark's result as the benchmark prints it).
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--only", "overhead,checkpoint",
-         "--out", str(out)],
-        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300,
-    )
+    proc = run_module("benchmarks", "--quick", "--only", "overhead,checkpoint", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(out.read_text())
     assert {"cpu", "logical_cores", "torch", "date"} <= set(results["machine"])
@@ -233,10 +228,7 @@ def test_runner_quick_leaves_the_tracked_results_alone() -> None:
     quick = REPO / "benchmarks" / "results.quick.json"
     before = tracked.read_bytes()
     quick.unlink(missing_ok=True)
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--only", "loaders,activation_memory"],
-        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300,
-    )
+    proc = run_module("benchmarks", "--quick", "--only", "loaders,activation_memory")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert tracked.read_bytes() == before
     results = json.loads(quick.read_text())
@@ -253,10 +245,9 @@ def test_runner_quick_leaves_the_tracked_results_alone() -> None:
 def test_runner_reports_a_failed_benchmark_and_runs_the_others(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     # The full MNIST benchmark needs the real files: an empty data dir fails it at once (offline).
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--only", "mnist_e2e,gpu", "--out", str(out)],
-        cwd=REPO, env=offline_env(TRAINKIT_DATA_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES=""),
-        capture_output=True, text=True, timeout=300)  # no GPU: gpu skips at once
+    proc = run_module("benchmarks", "--only", "mnist_e2e,gpu", "--out", str(out),
+                      env=offline_env(TRAINKIT_DATA_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES=""))
+    # (no GPU: gpu skips at once)
     assert proc.returncode == 1, proc.stderr[-2000:]
     results = json.loads(out.read_text())
     assert "MNIST not found" in results["benchmarks"]["mnist_e2e"]["failed"]
