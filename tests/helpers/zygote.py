@@ -90,9 +90,7 @@ def _run_as_main(module: str) -> int:
     except BaseException as error:  # as the interpreter reports an uncaught exception
         traceback.print_exception(error)
         status, interrupted = 1, isinstance(error, KeyboardInterrupt)
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # the interpreter's own first step: thread pools told, then joined
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

@@ -43,6 +43,12 @@ def test_an_exception_is_a_traceback_and_status_1() -> None:
     assert "Traceback" in done.stderr and "RuntimeError: raised in the child" in done.stderr
 
 
+def test_a_thread_pool_left_running_ends_with_the_run() -> None:
+    """Its workers are told to stop at exit, then joined, as the interpreter does."""
+    done = run_module(PROBE, "pool", timeout=120)
+    assert done.returncode == 0 and _seen(done)["threads"] > 1
+
+
 def test_a_timeout_kills_the_run_and_the_next_run_works() -> None:
     with pytest.raises(subprocess.TimeoutExpired):
         run_module(PROBE, "sleep", "60", timeout=1)
