@@ -150,11 +150,11 @@ def run_module(module: str, *args: str, env: dict[str, str] | None = None,
     starts a new interpreter, for a test of what a start does."""
     run_env = env or offline_env()
     if not fresh and env is None:
+        folder = Path(tempfile.gettempdir()) / f"trainkit-runs-{os.getpid()}"
         if not _zygotes:
-            _zygotes.append(Zygote(run_env, REPO))
+            _zygotes.append(Zygote(run_env, REPO, folder / "zygote.err"))
             atexit.register(_zygotes[0].close)
         if _zygotes[0].serves(run_env):
-            folder = Path(tempfile.gettempdir()) / f"trainkit-runs-{os.getpid()}"
             return _zygotes[0].run(module, list(args), run_env,
                                    folder / str(next(_forked_runs)), timeout)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=run_env,

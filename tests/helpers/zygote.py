@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -122,13 +123,17 @@ def _steady(env: dict[str, str]) -> dict[str, str]:
 class Zygote:
     """The client: one zygote process for this process's runs, started on first use."""
 
-    def __init__(self, env: dict[str, str], cwd: Path) -> None:
-        self.env, self.cwd = dict(env), cwd
+    def __init__(self, env: dict[str, str], cwd: Path, log: Path) -> None:
+        """A zygote started in ``env`` and ``cwd``; its own stderr goes to ``log``, in a folder
+        of this client's alone (removed by :meth:`close`)."""
+        self.env, self.cwd, self.log = dict(env), cwd, log
         self._lock = threading.Lock()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers.zygote"], cwd=cwd, env=self.env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            bufsize=0)  # unbuffered replies: select() sees every line not yet read
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as stderr:  # the zygote has its own copy
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.helpers.zygote"], cwd=cwd, env=self.env,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                bufsize=0)  # unbuffered replies: select() sees every line not yet read
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a run in ``env`` may be forked from this zygote: it imported in that env
@@ -167,11 +172,12 @@ class Zygote:
             raise subprocess.TimeoutExpired("the zygote's child", timeout)
         line = stream.readline()
         if not line:
-            raise RuntimeError(f"the zygote ended (status {self._proc.wait()})")
+            raise RuntimeError(f"the zygote ended (status {self._proc.wait()}): "
+                               f"{self.log.read_text()[-3000:]}")
         return json.loads(line)
 
     def close(self) -> None:
-        """End the zygote: it exits when its stdin closes."""
+        """End the zygote (it exits when its stdin closes) and remove its log's folder."""
         if self._proc.stdin and not self._proc.stdin.closed:
             self._proc.stdin.close()
         try:
@@ -179,6 +185,7 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+        shutil.rmtree(self.log.parent, ignore_errors=True)
 
 
 if __name__ == "__main__":
