@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import json
@@ -139,6 +138,16 @@ _zygotes: list[Zygote] = []  # this process's, started by the first run that can
 _forked_runs = itertools.count()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _zygote_closed() -> Iterator[None]:
+    """The session's zygote (:func:`run_module`), if one was started, ended with the session
+    (an xdist worker's exit may skip atexit; the zygote would end at its stdin's close anyway,
+    but leave its folder)."""
+    yield
+    while _zygotes:
+        _zygotes.pop().close()
+
+
 def run_module(module: str, *args: str, env: dict[str, str] | None = None,
                timeout: float = 300, fresh: bool = False) -> subprocess.CompletedProcess[str]:
     """``python -m module *args`` from the repository, in a process of its own, its output
@@ -153,7 +162,6 @@ def run_module(module: str, *args: str, env: dict[str, str] | None = None,
         folder = Path(tempfile.gettempdir()) / f"trainkit-runs-{os.getpid()}"
         if not _zygotes:
             _zygotes.append(Zygote(run_env, REPO, folder / "zygote.err"))
-            atexit.register(_zygotes[0].close)
         if _zygotes[0].serves(run_env):
             return _zygotes[0].run(module, list(args), run_env,
                                    folder / str(next(_forked_runs)), timeout)
