@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.fakes import write_fake_cifar10, write_fake_mnist
+from tests.helpers.zygote import Zygote
 from trainkit.core.errors import LINE_LIMIT
 from trainkit.core.signals import PREEMPTION_SIGNALS
 
@@ -131,13 +134,46 @@ def offline_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_train(*overrides: str, env: dict[str, str] | None = None,
-              timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run the real entry point, ``python -m trainkit.train``, in a subprocess."""
-    return subprocess.run(
-        [sys.executable, "-m", "trainkit.train", *overrides],
-        cwd=REPO, env=env or offline_env(), capture_output=True, text=True, timeout=timeout,
-    )
+_zygotes: list[Zygote] = []  # this process's, started by the first run that can use it
+_forked_runs = itertools.count()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _zygote_closed() -> Iterator[None]:
+    """The session's zygote (:func:`run_module`), if one was started, ended with the session
+    (an xdist worker's exit may skip atexit; the zygote would end at its stdin's close anyway,
+    but leave its folder)."""
+    yield
+    while _zygotes:
+        _zygotes.pop().close()
+
+
+def run_module(module: str, *args: str, env: dict[str, str] | None = None,
+               timeout: float = 300, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """``python -m module *args`` from the repository, in a process of its own, its output
+    captured as text.
+
+    In the default environment (:func:`offline_env`) the process is forked from a zygote that
+    has imported trainkit, torch and Hydra already (tests/helpers/zygote.py: an interpreter and
+    those imports are ~4 CPU s, most of a few-step run's cost); ``fresh`` (or any other ``env``)
+    starts a new interpreter, for a test of what a start does."""
+    run_env = env or offline_env()
+    if not fresh and env is None:
+        folder = Path(tempfile.gettempdir()) / f"trainkit-runs-{os.getpid()}"
+        if not _zygotes:
+            _zygotes.append(Zygote(run_env, REPO, folder / "zygote.err"))
+        if _zygotes[0].serves(run_env):
+            return _zygotes[0].run(module, list(args), run_env,
+                                   folder / str(next(_forked_runs)), timeout)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=run_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float = 300,
+              fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run the real entry point, ``python -m trainkit.train``, in a process of its own
+    (:func:`run_module`)."""
+    return run_module("trainkit.train", *overrides, env=env, timeout=timeout, fresh=fresh)
 
 
 def run_train_many(runs: dict[str, list[str]], folder: Path,
@@ -149,9 +185,7 @@ def run_train_many(runs: dict[str, list[str]], folder: Path,
     folder.mkdir(parents=True, exist_ok=True)
     spec = [{"argv": argv, "prefix": str(folder / name)} for name, argv in runs.items()]
     (folder / "runs.json").write_text(json.dumps(spec))
-    done = subprocess.run([sys.executable, "-m", "tests.helpers.entry_runs",
-                           str(folder / "runs.json")], cwd=REPO, env=offline_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    done = run_module("tests.helpers.entry_runs", str(folder / "runs.json"), timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return {name: subprocess.CompletedProcess(
         argv, int((folder / f"{name}.status").read_text()),

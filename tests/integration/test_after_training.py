@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, error_report, offline_env, run_train, tiny_run
+from tests.conftest import REPO, error_report, offline_env, run_module, run_train, tiny_run
 from tests.image_files import make_folder
 from trainkit import load_model
 from trainkit.checkpoint.export import read_inputs
@@ -68,9 +68,8 @@ def run_without_trainkit(code: str, export: Path, batch: torch.Tensor, tmp: Path
 
 
 def trainkit_command(*args: str) -> subprocess.CompletedProcess[str]:
-    """``trainkit <args>`` as the console command runs it (its module, in a subprocess)."""
-    return subprocess.run([sys.executable, "-m", "trainkit.entry.cli", *args], cwd=REPO,
-                          env=offline_env(), capture_output=True, text=True, timeout=300)
+    """``trainkit <args>`` as the console command runs it (its module, in a process)."""
+    return run_module("trainkit.entry.cli", *args)
 
 
 def normalised(images: torch.Tensor, split: TensorData) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,15 +15,14 @@ import pytest
 
 from benchmarks import overhead
 from benchmarks.__main__ import table
-from tests.conftest import REPO, offline_env
+from tests.conftest import REPO, offline_env, run_module
 
 pytestmark = pytest.mark.slow
 HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
 
 
 def _run(module: str, *args: str) -> dict[str, Any]:
-    result = subprocess.run([sys.executable, "-m", module, "--quick", *args], cwd=REPO,
-                            env=offline_env(), capture_output=True, text=True, timeout=300)
+    result = run_module(module, "--quick", *args)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout[result.stdout.index("{"):])
 
@@ -40,7 +40,26 @@ def _check_rows(rows: list[dict[str, Any]]) -> None:
             assert isinstance(value, float) and math.isfinite(value), r
         else:
             assert value is None or _positive(value), r
-        assert r["met"] in (True, False, None)
+        if r["met"] is not None:  # a judged goal: by its own comparison, where it states one
+            assert isinstance(r["met"], bool), r
+            if _GOAL.search(r["goal"]):
+                assert r["met"] == _judged(value, r["goal"]), r
+        if value is None:  # a skipped side is not judged; a failed one is not met
+            assert r["met"] is (False if r["goal"].startswith("(failed") else None), r
+
+
+# A goal's comparison: "> 1 (overlap)", ">= 1.5x", "< 1e-3 (same losses)", "~1/2 (<= 0.55)".
+_GOAL = re.compile(r"(>=|<=|>|<)\s*(\d+(?:\.\d+)?(?:e-?\d+)?)")
+
+
+def _judged(value: float | None, goal: str) -> bool:
+    """Whether ``value`` meets ``goal``, by the comparison written in the goal."""
+    if value is None:
+        return False
+    op, text = _GOAL.search(goal).group(1, 2)
+    bound = float(text)
+    return {">=": value >= bound, "<=": value <= bound, ">": value > bound,
+            "<": value < bound}[op]
 
 
 def _check_samples(samples: dict[str, list[list[float]]], rounds: int) -> None:
@@ -137,6 +156,9 @@ def test_precision_quick() -> None:
         assert _positive(r["bf16/32"])
         assert r["faster"] == ("bf16-mixed" if r["bf16/32"] < 1 else "32")
         _check_samples(r["samples"], 1)
+    for name, r in result["models"].items():  # each model's goal, "auto picks the faster"
+        (line,) = [x for x in result["rows"] if x["name"].startswith(f"precision: {name} ")]
+        assert line["value"] == r["bf16/32"] and line["met"] == (result["auto"] == r["faster"])
     _check_rows(result["rows"])
 
 
@@ -186,11 +208,7 @@ def test_runner_quick_writes_json_and_table(tmp_path: Path) -> None:
     out.write_text(json.dumps({"quick": True, "benchmarks": {"gpu": {"rows": [earlier]}}}))
     # The runner's aggregation, and the checkpoint benchmark's own figures (the runner stores
     # each benchmark's result as the benchmark prints it).
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--only", "overhead,checkpoint",
-         "--out", str(out)],
-        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300,
-    )
+    proc = run_module("benchmarks", "--quick", "--only", "overhead,checkpoint", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(out.read_text())
     assert {"cpu", "logical_cores", "torch", "date"} <= set(results["machine"])
@@ -214,10 +232,7 @@ def test_runner_quick_leaves_the_tracked_results_alone() -> None:
     quick = REPO / "benchmarks" / "results.quick.json"
     before = tracked.read_bytes()
     quick.unlink(missing_ok=True)
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--only", "loaders,activation_memory"],
-        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300,
-    )
+    proc = run_module("benchmarks", "--quick", "--only", "loaders,activation_memory")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert tracked.read_bytes() == before
     results = json.loads(quick.read_text())
@@ -234,10 +249,9 @@ def test_runner_quick_leaves_the_tracked_results_alone() -> None:
 def test_runner_reports_a_failed_benchmark_and_runs_the_others(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     # The full MNIST benchmark needs the real files: an empty data dir fails it at once (offline).
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--only", "mnist_e2e,gpu", "--out", str(out)],
-        cwd=REPO, env=offline_env(TRAINKIT_DATA_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES=""),
-        capture_output=True, text=True, timeout=300)  # no GPU: gpu skips at once
+    proc = run_module("benchmarks", "--only", "mnist_e2e,gpu", "--out", str(out),
+                      env=offline_env(TRAINKIT_DATA_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES=""))
+    # (no GPU: gpu skips at once)
     assert proc.returncode == 1, proc.stderr[-2000:]
     results = json.loads(out.read_text())
     assert "MNIST not found" in results["benchmarks"]["mnist_e2e"]["failed"]

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, error_report, offline_env, run_train
+from tests.conftest import error_report, run_module, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +44,7 @@ def test_cifar_missing_files_name_the_data_command(tmp_path: Path) -> None:
 
 def test_data_command_verify_reports_bad_and_missing(tmp_path: Path, cifar_root: Path) -> None:
     def data_cmd(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "trainkit.data", *args], cwd=REPO,
-                              env=offline_env(), capture_output=True, text=True, timeout=120)
+        return run_module("trainkit.data", *args, timeout=120)
 
     bad = data_cmd("verify", "--root", str(cifar_root))
     assert bad.returncode == 2 and "not the official" in bad.stderr

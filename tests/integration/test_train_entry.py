@@ -30,7 +30,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path) -> Path:
     run_dir = tmp_path_factory.mktemp("run")
-    result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_epochs=2"))
+    # a fresh interpreter: test_run_reports_its_startup_time reads its start
+    result = run_train(*tiny_run(run_dir, mnist_root, "trainer.max_epochs=2"), fresh=True)
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
@@ -110,8 +111,33 @@ def test_log_lines_count_epochs_from_1(finished_run: Path) -> None:
     assert json.loads((finished_run / "summary.json").read_text())["epoch"] == 2
 
 
-def test_hydra_saved_the_composed_config(finished_run: Path) -> None:
-    assert (finished_run / ".hydra" / "config.yaml").is_file()
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    """``{"a.b": leaf}`` for a nested dict's leaves."""
+    flat: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def test_hydra_saved_the_config_the_run_trained_with(finished_run: Path, mnist_root: Path
+                                                      ) -> None:
+    """.hydra/config.yaml, resolved, is the config the checkpoint records, the command's
+    overrides in it; only the class count, learnt from the data, may be left unset there."""
+    from omegaconf import OmegaConf
+
+    saved = _flat(OmegaConf.to_container(OmegaConf.load(finished_run / ".hydra" / "config.yaml"),
+                                         resolve=True))
+    used = _flat(last_checkpoint(finished_run)["config"])
+    assert saved.keys() == used.keys()
+    differ = {key for key in saved if saved[key] != used[key]}
+    assert all(key.endswith(".num_classes") and saved[key] is None and used[key] == 10
+               for key in differ), {key: (saved[key], used[key]) for key in differ}
+    assert used["data.num_classes"] == used["model.num_classes"] == 10
+    assert saved["data.root"] == str(mnist_root) and saved["trainer.max_epochs"] == 2
+    assert saved["trainer.log_every_n_steps"] == 2 and saved["data.batch_size"] == 32
 
 
 def test_rerun_in_same_dir_resumes_and_matches_an_uninterrupted_run(

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, error_report, offline_env
+from tests.conftest import error_report, run_module
 from trainkit.checkpoint.files import save_atomic
 from trainkit.entry.verify_resume import _report, main
 
@@ -29,11 +27,10 @@ CASES = {
 def test_resuming_is_bit_exact(tmp_path: Path, mnist_root: Path, cifar_root: Path,
                                case: str) -> None:
     root = cifar_root if case == "cifar" else mnist_root
-    result = subprocess.run(
-        [sys.executable, "-m", "trainkit.verify_resume", "--steps", "8", "--stop-at", "3",
-         "--keep", str(tmp_path), "trainer.precision=32", *CASES[case], f"data.root={root}",
-         "data.verify=false", "data.download=false", "data.batch_size=32"],
-        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300)
+    result = run_module(
+        "trainkit.verify_resume", "--steps", "8", "--stop-at", "3", "--keep", str(tmp_path),
+        "trainer.precision=32", *CASES[case], f"data.root={root}", "data.verify=false",
+        "data.download=false", "data.batch_size=32")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "OK" in result.stdout and "stopped at step 3" in result.stdout
     (work,) = tmp_path.iterdir()
@@ -44,11 +41,9 @@ def test_resuming_is_bit_exact(tmp_path: Path, mnist_root: Path, cifar_root: Pat
 @pytest.mark.parametrize("keep", ["missing/folder", "a_file"])
 def test_keep_that_is_no_folder_is_one_line(tmp_path: Path, mnist_root: Path, keep: str) -> None:
     (tmp_path / "a_file").write_text("not a folder")
-    result = subprocess.run(
-        [sys.executable, "-m", "trainkit.verify_resume", "--keep", str(tmp_path / keep),
-         "--steps", "4", "+exp=mnist", f"data.root={mnist_root}", "data.verify=false",
-         "data.download=false"],
-        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=120)
+    result = run_module("trainkit.verify_resume", "--keep", str(tmp_path / keep), "--steps", "4",
+                        "+exp=mnist", f"data.root={mnist_root}", "data.verify=false",
+                        "data.download=false", timeout=120)
     assert result.returncode == 2, result.stderr
     _, last = error_report(result.stderr)
     assert last.startswith("trainkit: --keep ") and "mkdir -p" in last

@@ -1,0 +1,60 @@
+"""run_module's forked runs (tests/helpers/zygote.py) are what a fresh ``python -m`` is."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO, offline_env, run_module
+
+PROBE = "tests.helpers.child_probe"
+
+
+def _seen(done: subprocess.CompletedProcess[str]) -> dict:
+    seen = json.loads(done.stdout)
+    seen["env"].pop("PYTEST_CURRENT_TEST", None)  # the test's phase, not the process's
+    return seen
+
+
+def test_a_forked_run_sees_what_a_fresh_one_does() -> None:
+    forked, fresh = run_module(PROBE, "exit", "3"), run_module(PROBE, "exit", "3", fresh=True)
+    assert forked.returncode == fresh.returncode == 3
+    assert forked.stderr == fresh.stderr == "to stderr\n"
+    a, b = _seen(forked), _seen(fresh)
+    assert a["argv"] == b["argv"] == [str(REPO / "tests" / "helpers" / "child_probe.py"),
+                                      "exit", "3"]
+    assert a["cwd"] == b["cwd"] == str(REPO)
+    assert a["spec"] == b["spec"] == PROBE
+    assert a["env"] == b["env"]
+    assert a["threads"] == b["threads"] == 1
+    assert forked.args[-3:] == [PROBE, "exit", "3"]
+
+
+def test_forked_runs_draw_their_own_random_numbers() -> None:
+    draws = {_seen(run_module(PROBE))["random"] for _ in range(3)}
+    assert len(draws) == 3
+
+
+def test_an_exception_is_a_traceback_and_status_1() -> None:
+    done = run_module(PROBE, "raise")
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr and "RuntimeError: raised in the child" in done.stderr
+
+
+def test_a_thread_pool_left_running_ends_with_the_run() -> None:
+    """Its workers are told to stop at exit, then joined, as the interpreter does."""
+    done = run_module(PROBE, "pool", timeout=120)
+    assert done.returncode == 0 and _seen(done)["threads"] > 1
+
+
+def test_a_timeout_kills_the_run_and_the_next_run_works() -> None:
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_module(PROBE, "sleep", "60", timeout=1)
+    assert run_module(PROBE, "exit", "0").returncode == 0
+
+
+def test_another_environment_gets_a_fresh_interpreter() -> None:
+    done = run_module(PROBE, env=offline_env(TRAINKIT_PROBE="1"))
+    assert done.returncode == 0 and _seen(done)["env"]["TRAINKIT_PROBE"] == "1"
