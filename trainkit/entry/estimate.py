@@ -190,9 +190,9 @@ def _tokenizer_vocabulary(cfg: DictConfig, source: Any) -> int | None:
 
 def _assumed_vocabulary(cfg: DictConfig) -> list[str]:
     """The note for a vocabulary taken from the tokenizer's name, not the corpus."""
-    if cfg.get("dataset") is not None or cfg.data.name not in SOURCES:
+    source = SOURCES.get(cfg.data.name)
+    if cfg.get("dataset") is not None or source is None:
         return []  # refused by _settings, in its words
-    source = source_of(cfg.data.name)
     if (cfg.data.get("num_classes") is not None
             or source.known_classes(str(cfg.data.get("root") or ".")) is not None
             or (vocab := _tokenizer_vocabulary(cfg, source)) is None):
