@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import error_report, run_module
+from tests.conftest import REPO, error_report, offline_env, run_module
 from trainkit.checkpoint.files import save_atomic
 from trainkit.entry.verify_resume import _report, main
 
