@@ -83,3 +83,19 @@ def test_bad_values_are_one_line(tmp_path: Path, folder: Path) -> None:
         assert result.returncode == 2, (name, result.stderr[-2000:])
         _, last = error_report(result.stderr)
         assert expected[name] in last, (name, last)
+
+
+def test_cifar_in_memory_batches_mix_and_resume_bitwise(tmp_path: Path, cifar_root: Path) -> None:
+    """+exp=cifar's batches, gathered and augmented on the device, mixed there too."""
+    result = subprocess.run(
+        [sys.executable, "-m", "trainkit.verify_resume", "--steps", "8", "--stop-at", "3",
+         "--keep", str(tmp_path), "+exp=cifar", "model.widths=[8,16,32,32]",
+         f"data.root={cifar_root}", "data.verify=false", "data.download=false",
+         "data.batch_size=32", "trainer.precision=32", "data.mixup=0.5", "data.cutmix=1.0"],
+        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "OK" in result.stdout and "stopped at step 3" in result.stdout
+    (work,) = tmp_path.iterdir()
+    rows = [json.loads(line) for line in (work / "resumed" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert any("val/acc" in r for r in rows)
