@@ -246,10 +246,16 @@ def train_transform(image_size: int = 224, *, scale: Sequence[float] = (0.08, 1.
         if auto_augment not in AUTO_AUGMENTS:
             raise ValueError(f"auto_augment={auto_augment!r}: use one of "
                              f"{', '.join(AUTO_AUGMENTS)}")
-        steps.append(AUTO_AUGMENTS[auto_augment]())
+        # torchvision's ops run faster on a dense [C, H, W] image than on the crop's
+        # channels-last one (collate_images stacks either layout)
+        steps += [_contiguous, AUTO_AUGMENTS[auto_augment]()]
     if random_erasing:
         steps.append(v2.RandomErasing(p=random_erasing, value=[round(255 * v) for v in fill]))
     return v2.Compose(steps)
+
+
+def _contiguous(image: torch.Tensor) -> torch.Tensor:
+    return image.contiguous()
 
 
 def _randaugment() -> Transform:
