@@ -40,8 +40,15 @@ _SHOWN = 6  # names shown per log line
 
 
 def model_node(node: Mapping[str, Any]) -> dict[str, Any]:
-    """The model config ``node`` without :data:`MODEL_KEYS`: what its ``_target_`` takes."""
-    return {key: value for key, value in node.items() if key not in MODEL_KEYS}
+    """The model config ``node`` without :data:`MODEL_KEYS`: what its ``_target_`` takes
+    (``model.drop_path`` as the model's own argument, where set)."""
+    taken = {key: value for key, value in node.items()
+             if key not in MODEL_KEYS and key != "drop_path"}
+    if node.get("drop_path"):
+        from trainkit.models.build import drop_path_argument  # build imports this module
+
+        taken[drop_path_argument(node)] = node["drop_path"]
+    return taken
 
 
 def read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:
