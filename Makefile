@@ -2,7 +2,13 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# `make train` installs what training needs (trainkit, torch and its runtime dependencies);
+# `make test`, `make lint` and `make bench` add the dev extra (pytest, ruff and the optional
+# integrations the suite covers). pip shows its progress (no --quiet): a first install downloads
+# gigabytes.
+STAMP := $(VENV)/.installed-train
+DEV_STAMP := $(VENV)/.installed-dev
+PIP := $(PY) -m pip install --progress-bar on
 # pip is asked for these exact releases where they are available (this machine keeps them on
 # disk); pyproject.toml itself admits any torch >= 2.11 (FLOOR_TORCH, tested by test-floor).
 TORCH_PIN ?= torch==2.14.1 torchvision==0.29.1
@@ -15,16 +21,33 @@ FLOOR_VENV := .venv-floor
 # PYTHONDONTWRITEBYTECODE is set, every run would compile them again (~0.1 s of each start).
 COMPILE = $(PY) -m compileall -q trainkit benchmarks
 
-.PHONY: install train test test-floor lint bench clean
+.PHONY: install install-dev train test test-floor lint bench clean
 
+# What training needs: torch, torchvision, then trainkit and its runtime dependencies.
 install: $(STAMP)
 
 $(STAMP): pyproject.toml .ci/constraints.txt
+	@echo "make: installing into $(VENV) what training needs: torch and torchvision, then" \
+	    "trainkit and its runtime dependencies (hydra-core, tensorboard, torchmetrics, psutil," \
+	    "tqdm, safetensors); a first install downloads ~1-3 GB (torch's CUDA build on Linux)" \
+	    "and takes ~2-6 minutes, a later one seconds"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet $(TORCH_PIN) || $(PY) -m pip install --quiet torch torchvision
-	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev]'
+	$(PIP) $(TORCH_PIN) || $(PIP) torch torchvision
+	$(PIP) -c .ci/constraints.txt -e .
 	$(COMPILE)
 	touch $(STAMP)
+
+# The dev extra on top: what `make test` needs (pyproject.toml lists it).
+install-dev: $(DEV_STAMP)
+
+$(DEV_STAMP): $(STAMP)
+	@echo "make: adding the dev extra to $(VENV): pytest, ruff and the optional integrations" \
+	    "the tests cover (mlflow, wandb, transformers, peft, datasets, webdataset, s3fs, moto," \
+	    "optuna, submitit, timm, scikit-image, Jupyter); a first install downloads ~2-4 GB" \
+	    "and takes ~5-12 minutes, a later one seconds"
+	$(PIP) -c .ci/constraints.txt -e '.[dev]'
+	$(COMPILE)
+	touch $(DEV_STAMP)
 
 train: install
 	$(PY) -m trainkit.train +exp=mnist $(ARGS)
@@ -42,7 +65,7 @@ train: install
 # Exit 5 is "no test selected" (a PYTEST_ARGS that picks tests of one kind only).
 WORKERS ?= 2
 PARALLEL_ENV ?= OMP_NUM_THREADS=1
-test: install
+test: install-dev
 	$(PY) -m ruff check .
 	$(PARALLEL_ENV) $(PY) -m pytest -n $(WORKERS) -m "not serial" --dist loadfile $(PYTEST_ARGS); \
 	rest=$$?; \
@@ -51,18 +74,18 @@ test: install
 	$(MAKE) test-floor
 
 # The unit tests (not the timing ones) on pyproject.toml's torch floor.
-test-floor: install
+test-floor: install-dev
 	.ci/floor_venv.sh $(PYTHON) $(PY) $(FLOOR_VENV) "$(FLOOR_TORCH)"
 	$(FLOOR_VENV)/bin/python -c "import torch; print('unit tests on torch', torch.__version__)"
 	$(PARALLEL_ENV) $(FLOOR_VENV)/bin/python -m pytest tests/unit -q -n $(WORKERS) -m "not serial" \
 	    --dist loadfile $(PYTEST_ARGS)
 
-lint: install
+lint: install-dev
 	$(PY) -m ruff check .
 
 # Installs the optional Lightning comparison first; writes benchmarks/results.json.
-bench: install
-	$(PY) -m pip install --quiet -e '.[bench]'
+bench: install-dev
+	$(PIP) -e '.[bench]'
 	$(COMPILE)
 	$(PY) -m benchmarks $(ARGS)
 

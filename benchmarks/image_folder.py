@@ -113,7 +113,7 @@ def webdataset_loader(root: Path, workers: int, batch_size: int) -> Any:
     beside the folder), on this machine's device."""
     from trainkit.config import DataConfig
     from trainkit.core.runtime import Runtime
-    from trainkit.data.sources.webdataset import shard_loaders
+    from trainkit.data.pipeline import shard_loaders
     from trainkit.data.tools.shard_writer import write_shards
 
     shards = root.with_name(root.name + "-shards")

@@ -26,9 +26,12 @@ three ways, each a check that fails (exit status 1) when a read creeps into ever
 - ``strict_window`` (CUDA): steps between two logging steps run under
   ``set_sync_debug_mode("error")``: one sync there fails the run.
 
-``16-mixed`` is reported, not checked: GradScaler reads its overflow flag once per step, by design.
-The optimizer is SGD: Adam's step counters are CPU tensors that it reads on the host every step
-(no device sync, but the patched count would see it).
+``16-mixed`` with SGD is reported, not checked: GradScaler reads its overflow flag once per step
+for an optimizer without a fused kernel, by design. ``16-mixed`` with a fused AdamW is checked:
+GradScaler hands the kernel its flag and the kernel skips on the device, so no read is needed
+(trainkit counts those skips on the device, read where the loop reads anyway). The other runs use
+SGD: a non-fused Adam's step counters are CPU tensors that it reads on the host every step (no
+device sync, but the patched count would see it).
 """
 
 from __future__ import annotations
@@ -51,7 +54,11 @@ from torch import nn
 from benchmarks.common import emit, row
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
-CHECKED = ("32", "bf16-mixed")  # no read per step; 16-mixed has GradScaler's one
+CHECKED = ("32", "bf16-mixed", "16-mixed+fused")  # no read per step; 16-mixed with SGD has
+# GradScaler's one
+# the runs measured: (name, precision, optimizer)
+RUNS = (("32", "32", "sgd"), ("bf16-mixed", "bf16-mixed", "sgd"), ("16-mixed", "16-mixed", "sgd"),
+        ("16-mixed+fused", "16-mixed", "fused_adamw"))
 
 
 @contextlib.contextmanager
@@ -170,17 +177,18 @@ def with_own_scalar(model: nn.Module, batch: Any) -> tuple[Any, ...]:
 
 
 def fit_reads(steps: int, log_every: int, device: torch.device | str, precision: str = "32",
-              forward: Any = None) -> dict[str, Any]:
+              forward: Any = None, optimizer: str = "sgd") -> dict[str, Any]:
     """One ``Trainer.fit`` of ``steps`` steps over pre-placed batches (clipping, momentum, the
     NaN/inf check on, a forward with a scalar of its own), its host reads and syncs counted
-    (:func:`counted_fit`)."""
+    (:func:`counted_fit`); ``optimizer`` ``"sgd"`` or ``"fused_adamw"``."""
     device = torch.device(device)
     return counted_fit(_model(), _batches(steps, device), steps, log_every, device, precision,
-                       forward=forward or with_own_scalar)
+                       forward=forward or with_own_scalar, optimizer=optimizer)
 
 
 def counted_fit(model: nn.Module, data: Any, steps: int, log_every: int, device: torch.device,
-                precision: str = "32", forward: Any = None) -> dict[str, Any]:
+                precision: str = "32", forward: Any = None,
+                optimizer: str = "sgd") -> dict[str, Any]:
     """``Trainer.fit`` of ``steps`` steps on ``data`` with its host reads and host syncs
     counted; on CUDA also the syncs ``set_sync_debug_mode("warn")`` reports. On the CPU it runs
     the GPU's path (:func:`gpu_path_on_the_cpu`), which is what it is there to check."""
@@ -190,7 +198,10 @@ def counted_fit(model: nn.Module, data: Any, steps: int, log_every: int, device:
                            log_every_n_steps=log_every, log_every_n_seconds=0,
                            gradient_clip_val=1.0, precision=precision)
     trainer = Trainer(config)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    kind, model = optimizer, model.to(device)
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+                 if kind == "fused_adamw" else
+                 torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     cuda = device.type == "cuda"
     with counting_host_reads() as reads, counting_host_syncs(device) as host_syncs, \
             warnings.catch_warnings(record=True) as caught, \
@@ -205,7 +216,7 @@ def counted_fit(model: nn.Module, data: Any, steps: int, log_every: int, device:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    return {"steps": steps, "log_every": log_every, "precision": precision,
+    return {"steps": steps, "log_every": log_every, "precision": precision, "optimizer": kind,
             "host_reads": sum(reads.values()), "by_method": dict(reads),
             "host_syncs": sum(host_syncs.values()), "syncs_by_call": dict(host_syncs),
             "sync_warnings": len(syncs) if cuda else None,
@@ -230,6 +241,7 @@ def loader_syncs(steps: int, log_every: int, device: torch.device | str, root: P
     ``device`` (on the CPU: libjpeg-turbo through the same list call)."""
     from trainkit.config import ImageFolderConfig
     from trainkit.core.runtime import Runtime
+    from trainkit.data.pipeline import loaders_of
     from trainkit.data.sources import Options
     from trainkit.data.sources import image_folder as image_folder_source
 
@@ -238,7 +250,9 @@ def loader_syncs(steps: int, log_every: int, device: torch.device | str, root: P
                             num_workers=0, image_size=16, decode=decode)
     # the source itself, not load_data, whose check refuses decode=gpu off CUDA to a user: here
     # the JpegDecoder's list call runs on the CPU on purpose
-    train, _, classes = image_folder_source.load(cfg, Runtime(device), Options(seed=0))
+    runtime, options = Runtime(device), Options(seed=0)
+    train, _, classes = loaders_of(image_folder_source.load(cfg, runtime, options), runtime,
+                                   options)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                           nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, classes))
@@ -246,7 +260,8 @@ def loader_syncs(steps: int, log_every: int, device: torch.device | str, root: P
     return {"feed": f"image_folder loader, decode={decode}", **result}
 
 
-def strict_window(device: torch.device, precision: str = "32") -> dict[str, Any]:
+def strict_window(device: torch.device, precision: str = "32",
+                  optimizer: str = "sgd") -> dict[str, Any]:
     """Steps 12-18 of a run logging every 10 under ``set_sync_debug_mode("error")`` (CUDA)."""
     calls = 0
 
@@ -258,7 +273,7 @@ def strict_window(device: torch.device, precision: str = "32") -> dict[str, Any]
         return with_own_scalar(model, batch)
 
     try:
-        fit_reads(30, 10, device, precision, forward=forward)
+        fit_reads(30, 10, device, precision, forward=forward, optimizer=optimizer)
     except RuntimeError as err:  # the sync that was refused
         return {"ok": False, "error": " ".join(str(err).split())[:300]}
     finally:
@@ -288,19 +303,19 @@ def measure(device: torch.device, steps: int = 40, log_every: int = 10, *,
     result: dict[str, Any] = {"benchmark": "syncs", "device": str(device), "by_precision": {},
                               "by_loader": {}}
     failures = []
-    for precision in ("32", "bf16-mixed", "16-mixed"):
-        runs = [fit_reads(n, every, device, precision)
+    for name, precision, optimizer in RUNS:
+        runs = [fit_reads(n, every, device, precision, optimizer=optimizer)
                 for n, every in ((steps, log_every), (2 * steps, 2 * log_every),
                                  (2 * steps, log_every))]
         entry: dict[str, Any] = {"runs": runs}
-        if precision in CHECKED:
-            failures += _growth(precision, runs)
+        if name in CHECKED:
+            failures += _growth(name, runs)
             if device.type == "cuda":
-                entry["strict_window"] = strict_window(device, precision)
+                entry["strict_window"] = strict_window(device, precision, optimizer)
                 if not entry["strict_window"]["ok"]:
-                    failures.append(f"{precision}: a sync between logging steps: "
+                    failures.append(f"{name}: a sync between logging steps: "
                                     f"{entry['strict_window']['error']}")
-        result["by_precision"][precision] = entry
+        result["by_precision"][name] = entry
     with tempfile.TemporaryDirectory(prefix="trainkit-syncs-") as folder:
         for decode in ("cpu", "gpu"):
             n, every = loader_steps, loader_log_every

@@ -42,9 +42,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time: _SOURCES and
     from trainkit.distributed.watchdog import EXIT_HUNG, Watchdog
     from trainkit.loop.activations import apply_activation_checkpointing
     from trainkit.loop.callbacks import Callback, EarlyStopping
+    from trainkit.loop.context import EvalContext
     from trainkit.loop.ema import EMA
     from trainkit.loop.precision import Precision
-    from trainkit.loop.step import StepResult, WindowStep, train_window, windows
+    from trainkit.loop.preemptible import preemptible
+    from trainkit.loop.select import Select
+    from trainkit.loop.step import StepContext, StepResult, WindowStep, train_window, windows
     from trainkit.loop.trainer import NonFiniteLossError, Trainer, TrainState
     from trainkit.models.param_groups import param_groups
     from trainkit.models.pretrained import load_pretrained
@@ -65,6 +68,7 @@ __all__ = [
     "DataConfig",
     "DevicePrefetcher",
     "EarlyStopping",
+    "EvalContext",
     "InMemoryLoader",
     "MLflowSink",
     "NonFiniteLossError",
@@ -73,6 +77,8 @@ __all__ = [
     "ResumableData",
     "ResumableLoader",
     "Runtime",
+    "Select",
+    "StepContext",
     "StepResult",
     "TensorData",
     "TrainConfig",
@@ -96,6 +102,7 @@ __all__ = [
     "make_loader",
     "move_to_device",
     "param_groups",
+    "preemptible",
     "resolve_device",
     "save_atomic",
     "seed_everything",
@@ -122,9 +129,12 @@ _SOURCES = {name: module for module, names in (
     ("trainkit.distributed.watchdog", "EXIT_HUNG Watchdog"),
     ("trainkit.loop.activations", "apply_activation_checkpointing"),
     ("trainkit.loop.callbacks", "Callback EarlyStopping"),
+    ("trainkit.loop.context", "EvalContext"),
     ("trainkit.loop.ema", "EMA"),
     ("trainkit.loop.precision", "Precision"),
-    ("trainkit.loop.step", "StepResult WindowStep train_window windows"),
+    ("trainkit.loop.preemptible", "preemptible"),
+    ("trainkit.loop.select", "Select"),
+    ("trainkit.loop.step", "StepContext StepResult WindowStep train_window windows"),
     ("trainkit.loop.trainer", "NonFiniteLossError Trainer TrainState"),
     ("trainkit.models.param_groups", "param_groups"),
     ("trainkit.models.pretrained", "load_pretrained"),

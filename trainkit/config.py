@@ -110,6 +110,9 @@ class TrainerConfig:
     # each batch split into micro-batches of this many samples, accumulated into the same step;
     # auto: the whole batch, halved on CUDA out-of-memory (trainkit.loop.micro_batch); null: off
     micro_batch_size: Any = None
+    # the loss compares a batch's samples (contrastive NT-Xent, batch statistics): k batches of b
+    # are not one batch of k*b, so micro_batch_size (auto or a number) is refused
+    in_batch_loss: bool = False
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
     device: str = "auto"
@@ -173,6 +176,11 @@ class TrainerConfig:
                     self.micro_batch_size, bool) and self.micro_batch_size >= 1)):
             raise ConfigError(f"trainer.micro_batch_size={self.micro_batch_size!r}: use auto, a "
                               "number of samples >= 1, or null (the whole batch)")
+        _check_bool("trainer.in_batch_loss", self.in_batch_loss)
+        if self.in_batch_loss and self.micro_batch_size is not None:
+            raise ConfigError(f"trainer.micro_batch_size={self.micro_batch_size} would split "
+                              "batches, which changes an in-batch loss (trainer.in_batch_loss="
+                              "true): set it to null; for memory, lower data.batch_size")
         if self.gradient_clip_val is not None and not self.gradient_clip_val > 0:
             raise ConfigError(
                 f"trainer.gradient_clip_val must be > 0 or null, got {self.gradient_clip_val}"

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trainkit.config import DataConfig
-from trainkit.data.sources.webdataset import shard_loaders
+from trainkit.data.pipeline import shard_loaders
 from trainkit.core.runtime import Runtime
 
 stop = threading.Event()

@@ -48,7 +48,7 @@ def test_evaluate_in_one_process_and_on_two_ranks_equals_the_runs_evaluation(
         fsdp_run: Path) -> None:
     recorded = json.loads((fsdp_run / "summary.json").read_text())["metrics"]
     alone = evaluate_run(fsdp_run, "last")["metrics"]
-    result = torchrun("trainkit.evaluate", str(fsdp_run), "ckpt=last")
+    result = torchrun("trainkit.entry.evaluate", str(fsdp_run), "ckpt=last")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("last (step 4, raw weights)") == 1  # rank 0 alone prints
     shared = json.loads((fsdp_run / "eval_last.json").read_text())

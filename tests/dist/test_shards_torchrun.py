@@ -20,7 +20,7 @@ from tests.conftest import REPO, offline_env
 from tests.image_files import make_folder
 from trainkit.config import DataConfig
 from trainkit.data.tools.shard_writer import write_shards
-from trainkit.data.sources.webdataset import shard_loaders
+from trainkit.data.pipeline import shard_loaders
 from trainkit.core.runtime import Runtime
 
 pytestmark = pytest.mark.dist

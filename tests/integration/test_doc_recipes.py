@@ -148,7 +148,7 @@ README_RUN_BY = {
     # a wheel, built from a clean copy and installed: what `pip install .` does
     "pip install .": ("tests/integration/test_install.py::test_installed_wheel_trains_from_an_"
                       "empty_folder", '"install"'),
-    "pip install -e .": ("Makefile::install", "pip install --quiet -e"),
+    "pip install -e .": ("Makefile::install", "-c .ci/constraints.txt -e .\n"),
     "pip wheel --no-deps . -w dist && pip install dist/trainkit-*.whl": (
         "tests/integration/test_install.py::test_wheel_holds_every_module_and_config", '"wheel"'),
     "cd /anywhere": ("tests/integration/test_install.py::test_installed_wheel_trains_from_an_"

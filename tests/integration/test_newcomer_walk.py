@@ -268,13 +268,101 @@ def test_a_stopped_run_in_hydras_default_folder_resumes_with_the_command_it_prin
         return run_dirs[0], result.stdout
 
     run_dir, said = train([sys.executable, "-m", "trainkit.train", *overrides])
-    assert f"run dir {run_dir}; after a stop, resume with: python -m trainkit.train" in said
+    # issue 61, fault 5: the command runs as typed, also where `python` is not this environment's
+    program = f"{shlex.quote(sys.executable)} -m trainkit.train"
+    assert f"run dir {run_dir}; after a stop, resume with: {program} " in said
     last = said.rstrip().splitlines()[-1]
-    assert "stopped at step 3; resume with: python -m trainkit.train " in last, last
+    assert f"stopped at step 3; resume with: {program} " in last, last
     command = shlex.split(last.split("resume with: ", 1)[1])
-    assert command[:3] == ["python", "-m", "trainkit.train"]
+    assert command[:3] == [sys.executable, "-m", "trainkit.train"]
     assert command[-1] == f"hydra.run.dir={run_dir}"
-    again, said = train([sys.executable, *command[1:]])
+    again, said = train(command)  # as printed
     assert again == run_dir
     assert "resumed from" in said and "at step 3" in said
     assert json.loads((run_dir / "summary.json").read_text())["global_step"] == 6
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden ones included): its relative name and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def test_a_refused_start_leaves_a_finished_run_folder_byte_for_byte(
+        tmp_path: Path, mnist_root: Path, cifar_root: Path, run6: Path) -> None:
+    """Issue 61, fault 1: each kind of refused start (another experiment's data, a bad value, a
+    misspelt key, missing data) in a copy of a finished run: its folder afterwards holds the same
+    files with the same bytes, Hydra's ``.hydra/`` records included."""
+    runs: dict[str, list[str]] = {
+        "other_experiment": ["+exp=cifar", f"data.root={cifar_root}", "data.verify=false",
+                             "data.download=false", "data.batch_size=32",
+                             "trainer.precision=32", "trainer.max_steps=12"],
+        "bad_value": _flat(Path(), mnist_root, "trainer.max_epochs=-3")[1:],
+        "bad_key": _flat(Path(), mnist_root, "trainer.max_stepz=3")[1:],
+        "missing_data": _flat(Path(), tmp_path / "no_data", "trainer.max_steps=12")[1:],
+    }
+    folders = {name: tmp_path / name for name in runs}
+    for name, folder in folders.items():
+        shutil.copytree(run6, folder)
+        runs[name] = [*runs[name], f"hydra.run.dir={folder}"]
+    before = _tree(run6)
+    assert ".hydra/config.yaml" in before and "summary.json" in before
+    results = run_train_many(runs, tmp_path / "results")
+    for name, result in results.items():
+        assert result.returncode == 2, (name, result.stderr[-2000:])
+        assert _tree(folders[name]) == before, name
+
+
+def test_the_finetuning_guides_three_commands_start_with_the_folder_recipe() -> None:
+    """Issue 61, fault 9: not the default one-cycle recipe, which the README says diverges on
+    photos, but ``+exp=folder``."""
+    from tests.integration.test_doc_recipes import bash_block
+
+    block = bash_block(REPO / "docs" / "finetuning.md", "model.pretrained=runs/big_export")
+    commands = [line for line in block.splitlines() if line.startswith("python -m trainkit")]
+    assert commands[0].split()[3] == "+exp=folder", commands
+    assert "data=image_folder" not in block
+
+
+def _dev_only_packages() -> set[str]:
+    """The dev extra's packages (its ``trainkit[...]`` extras expanded) that training does not
+    need: not among pyproject.toml's runtime dependencies."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def names(requirements: list[str]) -> set[str]:
+        found = set()
+        for requirement in requirements:
+            name = re.match(r"[A-Za-z0-9_.-]+", requirement)[0].lower()
+            if name == "trainkit":
+                for extra in re.search(r"\[(.*)\]", requirement)[1].split(","):
+                    found |= names(extras[extra.strip()])
+            else:
+                found.add(name)
+        return found
+
+    return names(extras["dev"]) - names(project["dependencies"])
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_train_installs_no_package_of_the_dev_extra_and_says_what_it_installs() -> None:
+    """Issue 61, fault 7: ``make train`` on a fresh clone (``-B``: as if nothing were installed)
+    installs trainkit with its runtime dependencies only, says what and for how long, with pip's
+    progress shown; ``make test`` then adds the dev extra."""
+    def dry_run(target: str) -> str:
+        return subprocess.run(["make", "-n", "-B", target], cwd=REPO, capture_output=True,
+                              text=True, timeout=60, check=True).stdout
+
+    dev_only = _dev_only_packages()
+    assert {"pytest", "ruff", "moto", "mlflow-skinny", "wandb", "transformers", "optuna",
+            "scikit-image", "nbclient"} <= dev_only
+    train = dry_run("train")
+    installs = [line for line in train.splitlines() if "-m pip install" in line]
+    assert installs and not any("--quiet" in line for line in installs), installs
+    words = set(re.findall(r"[\w.\[\]'-]+", " ".join(installs)))
+    assert not words & dev_only and not any("[dev]" in w for w in words), installs
+    assert "installing into .venv what training needs" in train and "minutes" in train
+    test = dry_run("test")
+    assert "-e '.[dev]'" in test and "adding the dev extra" in test and "minutes" in test

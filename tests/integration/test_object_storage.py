@@ -217,7 +217,7 @@ def test_tokens_from_the_bucket_are_fetched_once_checked_and_read_as_local_ones(
         tmp_path: Path, s3: S3) -> None:
     from trainkit.config import DataConfig
     from trainkit.core.errors import ConfigError
-    from trainkit.data.sources.tokens import token_loaders
+    from trainkit.data.pipeline import token_loaders
     from trainkit.data.tools.tokenize import tokenize
 
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
@@ -260,7 +260,7 @@ def test_shards_from_the_bucket_stream_the_local_batches_and_resume_mid_epoch(
     from tests.image_files import make_folder
     from trainkit.config import DataConfig
     from trainkit.data.__main__ import main as data_main
-    from trainkit.data.sources.webdataset import shard_loaders
+    from trainkit.data.pipeline import shard_loaders
 
     make_folder(tmp_path / "images", classes=2, per_class=6, val_per_class=2, sizes=(10, 14))
     assert data_main(["shards", str(tmp_path / "images"), str(tmp_path / "shards"),

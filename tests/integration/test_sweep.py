@@ -7,6 +7,7 @@ import csv
 import importlib.util
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +199,22 @@ def test_submitit_local_launcher_runs_a_job_of_two_tasks_as_one_ddp_run(
     assert summary["status"] == "completed" and summary["world_size"] == 2
     shown = trainkit("runs", "multi", cwd=tmp_path)
     assert shown.stdout.splitlines()[1].split()[:3] == ["0", "completed", "3"], shown.stdout
+
+
+def test_each_trial_says_when_it_starts_and_ends_with_its_parameters(
+        tmp_path: Path, mnist_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 61, fault 13: a line as each trial starts (not only once it has trained), and one
+    as it ends; here one trial of bad input, which also stops the sweep."""
+    from trainkit.entry.sweep import Sweep, open_study, read_plan
+
+    plan = read_plan(["+exp=mnist", "+sweep=lr", f"data.root={mnist_root}", *FEW_STEPS,
+                      "trainer.max_epochs=-3"])
+    sweep = Sweep(open_study(tmp_path / "s", plan, seed=0), plan, tmp_path / "s", trials=2)
+    assert sweep.run(jobs=1) == 2
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2, lines
+    started = re.fullmatch(r"trial 0 started: optim\.lr=(\S+)  \((.+)\)", lines[0])
+    assert started and started[2] == str(tmp_path / "s" / "trial_000"), lines[0]
+    assert re.fullmatch(rf"trial 0: optim\.lr={re.escape(started[1])} after \d+ s -> failed "
+                        r"\(exit 2\): trainer\.max_epochs must be >= 1, got -3  \(.+\)",
+                        lines[1]), lines[1]

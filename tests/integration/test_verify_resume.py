@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import REPO, error_report, offline_env
 from trainkit.checkpoint.files import save_atomic
-from trainkit.entry.verify_resume import _report
+from trainkit.entry.verify_resume import _report, main
 
 CASES = {
     # shuffled in-memory batches, accumulation windows of 3, checkpoints written in the background
@@ -85,3 +85,54 @@ def test_report_tells_a_lost_state_from_a_nondeterministic_run(
     noisy = _write(tmp_path / "d", _state(3, 1.25, 7), _state(10, 2.5, 9))
     assert _report(straight, noisy, 3, 10) == 1
     assert "not deterministic" in capsys.readouterr().out
+
+
+# -- --cmd: any script ------------------------------------------------------------------------
+
+def verify_script(tmp_path: Path, *script_args: str) -> subprocess.CompletedProcess[str]:
+    """``trainkit verify-resume --cmd`` on tests/helpers/phases.py (two fits of 8 steps, a
+    checkpoint every 4), its stopped run waiting after step 6 for the SIGTERM sent once
+    ``a/checkpoints/step_4`` exists (tests/helpers/verify_pause.py)."""
+    script = REPO / "tests" / "helpers" / "phases.py"
+    command = (f"{sys.executable} -m tests.helpers.verify_pause {{run_dir}}/paused 6 {script} "
+               f"--run-dir {{run_dir}} {' '.join(script_args)}")
+    return subprocess.run(
+        [sys.executable, "-m", "trainkit.entry.cli", "verify-resume", "--cmd", command,
+         "--keep", str(tmp_path)], cwd=REPO, env=offline_env(), capture_output=True, text=True,
+        timeout=300)
+
+
+@pytest.mark.slow
+def test_a_script_of_two_phases_stopped_and_re_run_ends_bitwise_the_same(tmp_path: Path) -> None:
+    result = verify_script(tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (line,) = result.stdout.strip().splitlines()
+    assert line.startswith("verify-resume: OK -- stopped by SIGTERM after a/checkpoints/step_")
+    assert "a/checkpoints/last.pt, b/checkpoints/last.pt" in line
+    (work,) = tmp_path.iterdir()
+    stopped = (work / "stopped.log").read_text()
+    assert "stopped at step " in stopped and "phase a done" not in stopped  # mid-way through a
+    assert torch.load(work / "stopped" / "b" / "checkpoints" / "last.pt",
+                      weights_only=True)["global_step"] == 8
+
+
+@pytest.mark.slow
+def test_a_script_drawing_from_an_unseeded_generator_fails_naming_the_tensor(
+        tmp_path: Path) -> None:
+    result = verify_script(tmp_path, "--unseeded")
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    (line,) = result.stdout.strip().splitlines()
+    assert line.startswith("verify-resume: MISMATCH -- ")
+    assert "a/checkpoints/last.pt: model.0.weight differs (max abs difference " in line
+
+
+def test_a_command_without_its_run_dir_or_with_overrides_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for args, words in ((["--cmd", "python x.py"], "--cmd must contain {run_dir}"),
+                        (["--cmd", "python x.py {run_dir}", "--steps", "4"],
+                         "--cmd runs your script as it is: --steps")):
+        with pytest.raises(SystemExit) as status:
+            main([*args, "--keep", str(tmp_path)])
+        assert status.value.code == 2
+        assert error_report(capsys.readouterr().err)[1].startswith(f"trainkit: {words}")
+    assert not list(tmp_path.iterdir())  # refused before any folder was made

@@ -141,3 +141,19 @@ def test_checkpointing_policies_and_regional_compile_compose_from_the_command_li
     trainer = OmegaConf.to_object(_compose("+exp=lm", *overrides)).trainer
     assert trainer.activation_checkpointing == policy and trainer.compile == compile_mode
     assert type(trainer.compile) is type(compile_mode)
+
+
+@pytest.mark.parametrize("size", ["auto", 16])
+def test_an_in_batch_loss_refuses_micro_batches_in_one_line(size: object) -> None:
+    """k micro-batches of b are not one batch of k*b for a contrastive loss (docs/training.md,
+    "In-batch losses"): told so, micro_batch_size does not split the batch, auto included."""
+    with pytest.raises(ConfigError) as err:
+        TrainerConfig(in_batch_loss=True, micro_batch_size=size)
+    line = f"trainkit: {err.value}"
+    assert "\n" not in line and len(line) <= LINE_LIMIT
+    assert line.startswith(f"trainkit: trainer.micro_batch_size={size} would split batches, "
+                           "which changes an in-batch loss (trainer.in_batch_loss=true)")
+    assert TrainerConfig(in_batch_loss=True).micro_batch_size is None  # the whole batch: fine
+    assert TrainerConfig(micro_batch_size=size).in_batch_loss is False  # off by default
+    with pytest.raises(ConfigError, match=r"trainer\.in_batch_loss must be true or false"):
+        TrainerConfig(in_batch_loss="yes")

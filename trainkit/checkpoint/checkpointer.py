@@ -170,6 +170,9 @@ class Checkpointer:
             self._restart_ema("checkpoint has no EMA weights: the average starts from here")
         self._load_schedule(state, planned_steps)
         self.parts["precision"].load_state_dict(state["precision"])
+        for key in ("models", "optimizers", "schedulers"):  # a fit of several, by name
+            if self.parts.get(key) is not None:
+                self.parts[key].load_state_dict(state.get(key) or {})
         self._check_data(state.get("data"))
         if self.parts.get("callbacks") is not None:
             self.parts["callbacks"].load_state_dict(state.get("callbacks"))
@@ -251,6 +254,10 @@ class Checkpointer:
         state = self._read(checkpoint_path(path), "checkpoint.init_from")
         storage = next(s for s in self.storages if s.holds(state))
         has_ema = storage.load(state, self.parts, key="checkpoint.init_from", optimizer=False)
+        named, saved = self.parts.get("models"), state.get("models") or {}
+        if named is not None:  # a fit of several models: each the checkpoint has, by name
+            for name in set(named.parts) & set(saved):
+                named.parts[name].load_state_dict(saved[name])
         if not has_ema:
             self._restart_ema(None)  # the average of the loaded weights, not of the random ones
         log.info("initialized the weights from %s (step %d of its run%s); optimizer, LR "

@@ -44,9 +44,11 @@ def error_lines(message: str, details: Iterable[str] = (), *, prefix: str = "tra
                 ) -> list[str]:
     """What a failed command prints: indented detail lines, then ``prefix + message``.
 
-    The last line is kept to :data:`LINE_LIMIT` characters: a longer message is printed whole
-    as a detail, and the last line keeps its start (what is wrong) and its end (how to fix).
-    Detail lines are cut to a readable length; a long list says how many lines it left out.
+    The last line is kept to :data:`LINE_LIMIT` characters, cut between words only: a longer
+    message is printed whole once, as the detail just above (not again where a detail already
+    holds it), and the last line keeps its start (what is wrong) and its end (how to fix),
+    whole words each. Detail lines are cut to a readable length; a long list says how many
+    lines it left out.
     """
     message = " ".join(message.split())
     lines = [_cut(" ".join(d.split()), _DETAIL_CHARS) for d in details if d.strip()]
@@ -54,10 +56,28 @@ def error_lines(message: str, details: Iterable[str] = (), *, prefix: str = "tra
         lines[_DETAIL_LINES - 1:] = [f"... and {len(lines) - _DETAIL_LINES + 1} more lines"]
     last = prefix + message
     if len(last) > LINE_LIMIT:
-        lines.append(_cut(message, 4 * _DETAIL_CHARS))
-        head = (LINE_LIMIT - 5) * 2 // 5
-        last = last[:head].rstrip() + " ... " + last[-(LINE_LIMIT - 5 - head):].lstrip()
+        if not any(message in line for line in lines):
+            lines.append(_cut(message, 4 * _DETAIL_CHARS))
+        head, _, tail = _split_words(message, LINE_LIMIT - len(prefix) - len(" ... "))
+        last = prefix + (f"{head} ... {tail}" if head else f"... {tail}")
     return [f"  {line}" for line in lines] + [last]
+
+
+def _split_words(message: str, room: int) -> tuple[str, str, str]:
+    """``message`` as (start, middle, end), cut between words, start and end together at most
+    ``room`` characters: the end (the fix) gets up to 2/3 of it, the start what is left (a first
+    word longer than that, a key=path, is the one word cut: its start is what names it)."""
+    words = message.split(" ")
+    end = len(words)
+    while end > 1 and len(" ".join(words[end - 1:])) <= room * 2 // 3:
+        end -= 1
+    tail = " ".join(words[end:])
+    start = 0
+    while start < end and len(" ".join(words[:start + 1])) + len(tail) <= room:
+        start += 1
+    if start == 0 and end > 0:  # a first word too long for the line (a key=path): its start
+        return words[0][:max(0, room - len(tail))], " ".join(words[:end]), tail
+    return " ".join(words[:start]), " ".join(words[start:end]), tail
 
 
 def print_error(message: str, details: Iterable[str] = (), *, prefix: str = "trainkit: "

@@ -127,13 +127,14 @@ class StoppedOutsideTraining(BaseException):
                 "resume the run")
 
 
-def stop_outside_training() -> None:
+def stop_outside_training() -> dict[int, Any]:
     """For entry points, as early as they can: whenever no :class:`Preemption` is active (it is
     during ``Trainer.fit``'s steps), a preemption signal raises :class:`StoppedOutsideTraining`
     in the main thread, instead of killing the process by its default action (SIGHUP: 129).
 
     Signals ignored (``nohup``) stay ignored. Once raised, the previous handlers come back, so a
     second signal acts at once; the same signal again is ignored (torchrun forwards its copy).
+    Returns the handlers it replaced (:func:`trainkit.preemptible` puts them back).
     """
     previous = {signum: signal.getsignal(signum) for signum in PREEMPTION_SIGNALS}
 
@@ -145,6 +146,7 @@ def stop_outside_training() -> None:
     for signum, handler in previous.items():
         if handler is not signal.SIG_IGN:
             signal.signal(signum, stop)
+    return previous
 
 
 def shield_worker(worker_id: int | None = None) -> None:

@@ -27,13 +27,13 @@ from trainkit.data.loader.resumable import (
     default_num_workers,
     make_loader,
 )
+from trainkit.data.loader.tokens import TokenLoader
 from trainkit.data.pipeline import Data, build_loaders, load_data
 from trainkit.data.sources import SOURCES, source_of
 from trainkit.data.sources.dataset import Samples
 from trainkit.data.sources.image_folder import read_image_folder
 from trainkit.data.sources.source import Source
 from trainkit.data.sources.tensors import READERS, TensorData
-from trainkit.data.sources.tokens import TokenLoader
 from trainkit.data.transforms import (
     IMAGE_SUFFIXES,
     UnreadableImage,

@@ -3,7 +3,9 @@
 :func:`load_data` looks the kind up (:func:`~trainkit.data.sources.source_of`), checks the keys
 it reads, the device stage's preconditions (``data.decode=gpu``), and hands the source its own
 typed config; it returns the training and evaluation loaders and the class count, which the
-caller reads before it builds the model. The one module that sees every stage.
+caller reads before it builds the model. The one module that sees every stage: a source
+describes its splits (:mod:`trainkit.data.sources.source`), :func:`loader_of` makes each the loader
+and device stage it needs, so no source imports a later stage.
 """
 
 from __future__ import annotations
@@ -11,12 +13,28 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from trainkit.config import SharedDataConfig
+from trainkit.config import SharedDataConfig, TokensConfig, WebDatasetConfig
 from trainkit.core.errors import ConfigError
 from trainkit.core.runtime import Runtime
 from trainkit.data.device.gpu_decode import check_gpu_decode
+from trainkit.data.device.prefetch import DevicePrefetcher
+from trainkit.data.loader.memory import InMemoryLoader
+from trainkit.data.loader.resumable import make_loader
+from trainkit.data.loader.shards import ShardLoader
+from trainkit.data.loader.tokens import TokenLoader
 from trainkit.data.sources import OWN, own_config, refuse_unread, source_of
-from trainkit.data.sources.source import Options, Reader
+from trainkit.data.sources.source import (
+    InMemory,
+    Loaded,
+    MapStyle,
+    Options,
+    Reader,
+    Shards,
+    SplitPlan,
+    TokenWindows,
+)
+from trainkit.data.sources.tokens import token_windows
+from trainkit.data.sources.webdataset import Transforms, shard_splits
 
 
 class Data(NamedTuple):
@@ -58,7 +76,8 @@ def load_data(cfg: SharedDataConfig, runtime: Runtime, *, seed: int = 0,
                   else f"data={cfg.name}")
     options = Options(seed, channels_last, reader, train_transforms, eval_transforms,
                       eval_max_batches)
-    data = Data(*source.load(own_config(cfg, source.config), runtime, options))
+    data = loaders_of(source.load(own_config(cfg, source.config), runtime, options), runtime,
+                 options)
     if cfg.num_classes is not None and cfg.num_classes != data.num_classes:
         raise ConfigError(f"data.num_classes={cfg.num_classes} but the data has "
                           f"{data.num_classes} classes: leave data.num_classes unset (null), "
@@ -67,3 +86,66 @@ def load_data(cfg: SharedDataConfig, runtime: Runtime, *, seed: int = 0,
 
 
 build_loaders = load_data  # the name trainkit's API has had
+
+
+def loaders_of(loaded: Loaded, runtime: Runtime, options: Options) -> Data:
+    """A source's described splits (:data:`~trainkit.data.sources.source.Loaded`) as loaders."""
+    train, val, num_classes = loaded
+    return Data(loader_of(train, runtime, options),
+                loader_of(val, runtime, options) if val is not None else None, num_classes)
+
+
+def loader_of(plan: SplitPlan, runtime: Runtime, options: Options) -> Any:
+    """One split's loader and device stage, as its description asks."""
+    where = {"device": runtime.device, "rank": runtime.rank, "world_size": runtime.world_size}
+    if isinstance(plan, InMemory):
+        return InMemoryLoader(plan.data, plan.batch_size, shuffle=plan.shuffle,
+                              seed=options.seed, drop_last=plan.drop_last, padding=plan.padding,
+                              flip=plan.flip, pad_mode=plan.pad_mode,
+                              max_batches=plan.max_batches, channels_last=options.channels_last,
+                              **where)
+    if isinstance(plan, TokenWindows):
+        return TokenLoader(plan.path, plan.seq_len, plan.batch_size, shuffle=plan.shuffle,
+                           dtype=plan.dtype, seed=options.seed, max_batches=plan.max_batches,
+                           **where)
+    if isinstance(plan, Shards):
+        loader: Any = ShardLoader(plan.stream, num_workers=plan.num_workers,
+                                  batches=plan.batches)
+        return DevicePrefetcher(loader, runtime.device, mean=plan.mean, std=plan.std,
+                                classes=plan.classes, channels_last=options.channels_last,
+                                normalize_float=False)
+    if not isinstance(plan, MapStyle):
+        raise TypeError(f"not a split's description: {type(plan).__name__}")
+    decoder = None
+    if plan.decode is not None:
+        from trainkit.data.device.gpu_decode import JpegDecoder
+
+        decoder = JpegDecoder(runtime.device, channels=plan.decode.channels,
+                              transform=plan.decode.transform,
+                              skip_corrupt=plan.decode.skip_corrupt)
+    loader = make_loader(plan.dataset, plan.batch_size, shuffle=plan.shuffle,
+                         seed=options.seed, num_workers=plan.num_workers,
+                         pin_memory=plan.pin_memory, drop_last=plan.drop_last,
+                         collate_fn=plan.collate_fn, max_batches=plan.max_batches, **where)
+    return DevicePrefetcher(loader, runtime.device, mean=plan.mean, std=plan.std,
+                            classes=plan.classes, channels_last=options.channels_last,
+                            normalize_float=plan.normalize_float, decoder=decoder)
+
+
+def token_loaders(cfg: TokensConfig, runtime: Runtime, *, seed: int = 0,
+                  eval_max_batches: int | None = None) -> tuple[TokenLoader, TokenLoader, int]:
+    """``data=tokens``'s training and evaluation loaders and vocabulary size
+    (:func:`~trainkit.data.sources.tokens.token_windows`, served)."""
+    return loaders_of(token_windows(cfg, eval_max_batches=eval_max_batches), runtime,
+                 Options(seed=seed))
+
+
+def shard_loaders(cfg: WebDatasetConfig, runtime: Runtime, *, seed: int = 0,
+                  channels_last: bool = False, train_transforms: Transforms = None,
+                  eval_transforms: Transforms = None) -> tuple[DevicePrefetcher, Any, int]:
+    """``data=webdataset``'s training and validation loaders and class count
+    (:func:`~trainkit.data.sources.webdataset.shard_splits`, served); ``train_transforms`` /
+    ``eval_transforms`` replace the default transforms when given."""
+    return loaders_of(shard_splits(cfg, runtime, seed=seed, train_transforms=train_transforms,
+                              eval_transforms=eval_transforms), runtime,
+                 Options(seed=seed, channels_last=channels_last))

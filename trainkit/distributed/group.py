@@ -250,13 +250,19 @@ class StepVote:
         save_due: whether this rank's clock says a time-based checkpoint is due; None when
             the run saves by time never.
         spike: whether this rank saw a loss spike not yet acted on; None: never.
+        log_due: whether this rank's clock says a time-based log is due (pass it on rank 0
+            only: the loop's decision is then one rank's); None: never. Agreed flags add up in
+            :attr:`log_due` until the loop takes it.
     """
 
     def __init__(self, stop: Callable[[], bool], save_due: Callable[[], bool] | None,
-                 spike: Callable[[], bool] | None = None) -> None:
+                 spike: Callable[[], bool] | None = None,
+                 log_due: Callable[[], bool] | None = None) -> None:
         self._stop = stop
         self._save_due = save_due or _never  # None: no time-based saves
         self._spike = spike or _never
+        self._log_due = log_due or _never
+        self.log_due = False  # a time-based log agreed by a vote, not yet taken by the loop
         self._agreed: tuple[bool, bool] | None = None
         self.spiked = False  # any rank's spike, as agreed by the last stop_and_save
         self.active = is_distributed()
@@ -275,9 +281,10 @@ class StepVote:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # queued on the GPU: no host read
                 return flag.bool()
             return torch.tensor(self.nonfinite(bool(local)))  # a CPU tensor: reading it is free
-        bad, stop, save, self.spiked = any_rank(local, self._stop(), self._save_due(),
-                                                self._spike())
+        bad, stop, save, self.spiked, log = any_rank(local, self._stop(), self._save_due(),
+                                                     self._spike(), self._log_due())
         self._agreed = (stop, save)
+        self.log_due = self.log_due or log
         return bad
 
     def stop_and_save(self, again: bool = False) -> tuple[bool, bool]:
@@ -292,8 +299,9 @@ class StepVote:
         if self._agreed is None or again:
             self._agreed = None
             # a spike agreed in the step's own vote stays pending (the flag is), so it is voted
-            _, stop, save, self.spiked = any_rank(False, self._stop(), self._save_due(),
-                                                  self._spike())
+            _, stop, save, self.spiked, log = any_rank(False, self._stop(), self._save_due(),
+                                                       self._spike(), self._log_due())
+            self.log_due = self.log_due or log
             return stop, save
         agreed, self._agreed = self._agreed, None
         return agreed

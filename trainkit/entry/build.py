@@ -2,7 +2,7 @@
 
 ``trainkit train`` and ``probe`` build a new run (:func:`build_parts`); ``evaluate``, ``predict``
 and ``export`` rebuild a finished one from the config its checkpoint stores (:func:`rebuild`),
-through the same :func:`build_model`, :func:`build_data` and metrics, so both see the same model
+through the same :func:`build_run_model`, :func:`build_data` and metrics, so both see the same model
 and batches. The config is never written to: the data's class count is passed to what needs it
 (``${data.num_classes}`` resolved in a copy), and what the model takes is recorded once as the
 run trains (``inputs.json``) for export and predict.
@@ -43,8 +43,8 @@ from trainkit.data import (
 )
 from trainkit.data.mixing import MixedBatches, batch_mixing
 from trainkit.loop.step import default_forward
-from trainkit.models import param_groups
-from trainkit.models.build import make_model
+from trainkit.models import muon, param_groups
+from trainkit.models.build import ModelKeys, make_model
 from trainkit.models.vision import for_channels
 
 # data keys that say where the data is and how to read it, not what the model takes
@@ -55,6 +55,8 @@ def build_settings(cfg: DictConfig) -> TrainConfig:
     """The typed config, built once per command: unknown keys refused (a ``+key=value`` typo
     would be saved and ignored), types and ranges checked."""
     check_known_keys(cfg)
+    if cfg.get("model") is not None:
+        ModelKeys.split(cfg.model)  # model.pretrained and model.lora: their types checked
     return OmegaConf.to_object(cfg)
 
 
@@ -77,7 +79,7 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
     mix = batch_mixing(num_classes, mixup=settings.data.mixup, cutmix=settings.data.cutmix)
     if mix is not None:  # data.mixup / data.cutmix: training batches only
         train_data = MixedBatches(train_data, mix, seed=settings.trainer.seed, rank=runtime.rank)
-    model = build_model(cfg, num_classes, channels=settings.data.channels)
+    model = build_run_model(cfg, num_classes, channels=settings.data.channels, pretrained=True)
     if settings.checkpoint.adapters_only:  # refused now, not once the run has begun
         check_adapters_only(model, sharded=settings.trainer.strategy == "fsdp")
     vocab = getattr(model, "vocab_size", None)
@@ -111,13 +113,14 @@ def build_transforms(nodes: Any, key: str) -> list[Any] | None:
     return [instantiate(node, _convert_="all") for node in nodes]
 
 
-def build_model(cfg: DictConfig, num_classes: int | None, *, channels: int,
+def build_run_model(cfg: DictConfig, num_classes: int | None, *, channels: int,
                 weights: Mapping[str, torch.Tensor] | None = None, source: Any = "?",
-                adapters_only: bool = False, pretrained: bool = True) -> nn.Module:
+                adapters_only: bool = False, pretrained: bool = False) -> nn.Module:
     """The run's ``model`` node built with ``${data.num_classes}`` = ``num_classes``, its stem
-    for ``channels``: a new run's (``weights`` None) with ``model.pretrained`` (unless
-    ``pretrained`` is False: the estimate's meta model) and ``model.lora`` applied, or a
-    finished run's holding ``weights`` (from ``source``; checked to fit)."""
+    for ``channels``: a new run's (``weights`` None) with ``model.lora`` applied and, with
+    ``pretrained`` (training's model; as :func:`~trainkit.models.build.make_model`, off by
+    default), ``model.pretrained``'s weights loaded; or a finished run's holding ``weights``
+    (from ``source``; checked to fit)."""
     node = model_node(cfg, num_classes, channels)
     if weights is None:
         return make_model(node, pretrained=pretrained)
@@ -151,7 +154,13 @@ def _as_built(cfg: DictConfig, num_classes: int | None, channels: int | None = N
 
 def build_optimizer(cfg: DictConfig, model: nn.Module) -> Any:
     """``cfg.optim`` on ``model``'s parameter groups (``optim.param_groups``, ``layer_decay``,
-    ``decay_norm_and_bias``); the node's other keys go to its ``_target_``."""
+    ``decay_norm_and_bias``); the node's other keys go to its ``_target_``.
+
+    Raises:
+        ConfigError: ``optim=muon`` under ``trainer.strategy=fsdp``.
+    """
+    if "adamw_params" in cfg.optim and cfg.trainer.get("strategy") == "fsdp":
+        raise ConfigError(muon.FSDP_REFUSAL)
     return param_groups.build_optimizer(
         model, OmegaConf.to_container(cfg.optim, resolve=True),
         lambda node, groups: instantiate(node, params=groups, _convert_="all"))
@@ -256,7 +265,7 @@ def rebuild(run_dir: Path, ckpt: str, weights: str, overrides: Sequence[str]) ->
                           OmegaConf.from_dotlist(list(overrides)))
     settings = build_settings(cfg)
     chosen, which = model_weights(state, weights)
-    model = build_model(cfg, settings.data.num_classes, channels=settings.data.channels,
+    model = build_run_model(cfg, settings.data.num_classes, channels=settings.data.channels,
                         weights=chosen, source=path,
                         adapters_only=settings.checkpoint.adapters_only and which == "raw")
     name = checkpoint_name(path, ckpt)  # step_000000008 -> step_8, as ckpt= says

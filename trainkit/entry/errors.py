@@ -1,5 +1,5 @@
-"""The commands' user errors as one short last line with an exit status, and the run directory
-Hydra makes before the job starts (taken back when unused, marked ``failed`` when it failed).
+"""The commands' user errors as one short last line with an exit status (the run directory's
+own logic is :mod:`trainkit.entry.run_dir`).
 
 The library raises :class:`~trainkit.core.errors.TrainkitError` and names settings in its own
 words (``run_dir``); here they become the Hydra override that sets them (``hydra.run.dir``).
@@ -10,12 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shlex
-import shutil
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -23,13 +20,10 @@ import torch.distributed
 from hydra.errors import HydraException, InstantiationException
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from trainkit.core.errors import TrainkitError, chain_lines, command_name, one_line, print_error
-from trainkit.core.runtime import Runtime
+from trainkit.core.errors import TrainkitError, chain_lines, one_line, print_error
 from trainkit.core.schema import unknown_key_line
 from trainkit.core.signals import EXIT_PREEMPTED, StoppedOutsideTraining
-from trainkit.distributed.slurm_requeue import RUN_NAME_ENV
 from trainkit.observe.logging import log_to_file
-from trainkit.observe.summary import read_summary, write_summary
 
 # Users who set HYDRA_FULL_ERROR=1 get full tracebacks; read before main() sets it for itself.
 _SHOW_TRACEBACK = os.environ.get("HYDRA_FULL_ERROR") == "1"
@@ -170,109 +164,3 @@ def hydra_words(message: str) -> str:
     for pattern, words in _HYDRA_WORDS:
         message = pattern.sub(words, message)
     return message
-
-
-# What Hydra writes into a run directory before the job's own code runs.
-_HYDRA_ONLY = {".hydra"}
-# Bad input: ours, or a config node Hydra could not build (an optimizer's misspelt _target_).
-_BAD_INPUT = (TrainkitError, HydraException, OmegaConfBaseException)
-
-
-@contextlib.contextmanager
-def removed_if_unused(run_dir: str | Path) -> Iterator[None]:
-    """On an error, remove ``run_dir`` if it holds nothing but Hydra's ``.hydra/`` -- after bad
-    input also this attempt's own ``train.log``, ``inputs.json`` and empty folders -- so a typo
-    leaves no empty-looking ``outputs/<date>/<time>/`` (emptied parents inside ``outputs/`` go
-    too). A folder that holds anything else is kept, and one that got no summary is marked
-    ``failed`` with the error's line (:func:`_mark_failed`)."""
-    run_dir = Path(run_dir).absolute()
-    # this attempt's own files (not an earlier attempt's): gone with its bad input
-    ours = {name for name in ("train.log", "inputs.json") if not (run_dir / name).exists()}
-    summary = read_summary(run_dir)
-    try:
-        yield
-    except BaseException as err:
-        # rank 0 alone: it writes the folder, and another rank's early error must not take it
-        # away while rank 0 is about to use it
-        if Runtime.from_env("cpu").is_main:
-            _remove_unused(run_dir, _HYDRA_ONLY | (ours if isinstance(err, _BAD_INPUT) else set()))
-            if (run_dir.is_dir() and summary is None and read_summary(run_dir) is None
-                    and isinstance(err, Exception)):  # not a stop, an abort or an exit
-                _mark_failed(run_dir, err)
-        raise
-
-
-def _mark_failed(run_dir: Path, err: Exception) -> None:
-    """``summary.json`` of a run that failed before it had one (the loop writes ``diverged``,
-    ``oom``, ``hung`` itself; an earlier attempt's summary stays): ``status: failed`` and the
-    error's line, which ``trainkit runs`` shows. A later attempt's summary replaces it."""
-    error = (hydra_words(str(err)) if isinstance(err, TrainkitError)
-             else f"{type(err).__name__}: {one_line(err)}")
-    with contextlib.suppress(OSError):
-        write_summary(run_dir, {"status": "failed", "error": error})
-
-
-def _remove_unused(run_dir: Path, unused: set[str]) -> None:
-    try:
-        if not run_dir.is_dir():
-            return
-        entries = list(run_dir.iterdir())
-        if any(p.name not in unused and not (p.is_dir() and not any(p.iterdir()))
-               for p in entries):
-            return  # something of the run's own: keep it all
-        for path in entries:
-            if path.name == ".hydra":
-                shutil.rmtree(path, ignore_errors=True)
-            elif path.is_dir():
-                path.rmdir()  # empty (checkpoints/ made before the error)
-            else:
-                path.unlink()
-        run_dir.rmdir()
-        outputs = Path.cwd() / "outputs"  # configs/train.yaml: outputs/<date>/<time>
-        for parent in run_dir.parents:
-            if not (parent == outputs or outputs in parent.parents) or any(parent.iterdir()):
-                break
-            parent.rmdir()
-    except OSError:  # another rank removed it first, or a file appeared: leave what is there
-        pass
-
-
-# Hydra overrides a resume command leaves out: the folder (it names its own), and what only a
-# multirun or another rank's start needs.
-_NOT_CARRIED = ("hydra.run.dir", "hydra.sweep.", "hydra.mode", "hydra.job.num", "hydra.job.id",
-                "hydra.output_subdir", "hydra/launcher", "hydra/sweeper")
-
-
-def resume_command(run_dir: str | Path) -> str | None:
-    """The command that resumes this run in ``run_dir``; None where re-running the same command
-    does (``hydra.run.dir`` given, or the folder named by ``TRAINKIT_RUN_NAME``, as under SLURM).
-
-    Hydra's default folder is new at every start (``outputs/<date>/<time>``), and so is a
-    multirun's: their resume command is the job's own overrides (Hydra's record of them) with
-    ``hydra.run.dir=<run_dir>``, started as this process was (``trainkit train``, ``python -m
-    trainkit.train``, under torchrun).
-    """
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    hydra = HydraConfig.get()
-    given = list(hydra.overrides.hydra)
-    fixed = RUN_NAME_ENV in os.environ or any(o.startswith("hydra.run.dir=") for o in given)
-    if hydra.mode == RunMode.RUN and fixed:
-        return None
-    kept = [o for o in given if not o.lstrip("+~").startswith(_NOT_CARRIED)]
-    overrides = [*hydra.overrides.task, *kept, f"hydra.run.dir={run_dir}"]
-    return " ".join([_program(), *map(shlex.quote, overrides)])
-
-
-def _program() -> str:
-    """How this process was started: ``trainkit train`` or ``python -m trainkit.train``, after
-    torchrun's options where torchrun started it."""
-    program = command_name("trainkit.train")
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return program
-    local, world = os.environ.get("LOCAL_WORLD_SIZE", "1"), os.environ.get("WORLD_SIZE", "1")
-    nodes = "" if local == world else "--nnodes=<nodes> <your rendezvous options> "
-    module = (f"--no-python {program}" if program.startswith("trainkit")
-              else program.removeprefix("python "))
-    return f"torchrun {nodes}--nproc_per_node={local} {module}"

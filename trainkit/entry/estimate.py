@@ -34,7 +34,7 @@ from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.submodules import match_modules, repeated_blocks
 from trainkit.data import SOURCES, source_of
 from trainkit.distributed.fsdp import default_blocks, resolve_strategy
-from trainkit.entry.build import build_criterion, build_forward, build_model, build_settings
+from trainkit.entry.build import build_criterion, build_forward, build_run_model, build_settings
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.train import CONFIG_DIR
 from trainkit.loop.activations import split_policy
@@ -131,6 +131,7 @@ def find_target(name: str | None) -> Target:
 
 def estimate(cfg: DictConfig, target: Target, world: int) -> dict[str, Any]:
     """The run's memory per rank on ``target`` over ``world`` ranks, and what fits."""
+    assumed = _assumed_vocabulary(cfg)  # before _settings sets it
     settings = _settings(cfg)
     plan = Plan.of(cfg, settings, target, world)
     memory = plan.trace(plan.micro_batch)
@@ -142,8 +143,8 @@ def estimate(cfg: DictConfig, target: Target, world: int) -> dict[str, Any]:
               "micro_batches_per_step": plan.steps, "parts_gib": plan.parts(memory),
               "peak_gib": peak / GIB, "usable_gib": target.usable / GIB,
               "fits": peak <= target.usable}
-    report["notes"] = plan.notes()
-    report["largest_micro_batch"] = plan.largest_micro_batch(memory)
+    report["notes"] = [*assumed, *plan.notes()]
+    report["largest_micro_batch"] = plan.largest_micro_batch()
     report["suggestions"] = [] if report["fits"] else plan.suggestions(
         memory, report["largest_micro_batch"])
     return report
@@ -164,13 +165,40 @@ def _settings(cfg: DictConfig) -> TrainConfig:
         with open_dict(cfg):
             cfg.data.root = "."
     if data.get("num_classes") is None:
-        known = source.known_classes(str(cfg.data.get("root") or "."))
+        known = (source.known_classes(str(cfg.data.get("root") or "."))
+                 or _tokenizer_vocabulary(cfg, source))
         if known is None:
             raise ConfigError(f"data={data.name}: the estimate does not read the data; set "
                               "data.num_classes (its classes, or a token corpus's vocabulary)")
         with open_dict(cfg):
             cfg.data.num_classes = known
     return build_settings(cfg)
+
+
+# The vocabularies of `python -m trainkit.data tokenize --tokenizer ...` (bytes: its default).
+VOCABULARIES = {"bytes": 256, "gpt2": 50257}
+
+
+def _tokenizer_vocabulary(cfg: DictConfig, source: Any) -> int | None:
+    """A token corpus's vocabulary where its files do not say it: the tokenizer the config's
+    sample callback names (``+exp=lm``: bytes), else ``tokenize``'s default, bytes."""
+    if source.takes != "tokens":
+        return None
+    sample = (cfg.get("callbacks") or {}).get("sample") or {}
+    return VOCABULARIES.get(str(sample.get("tokenizer", "bytes")))
+
+
+def _assumed_vocabulary(cfg: DictConfig) -> list[str]:
+    """The note for a vocabulary taken from the tokenizer's name, not the corpus."""
+    if cfg.get("dataset") is not None or cfg.data.name not in SOURCES:
+        return []  # refused by _settings, in its words
+    source = source_of(cfg.data.name)
+    if (cfg.data.get("num_classes") is not None
+            or source.known_classes(str(cfg.data.get("root") or ".")) is not None
+            or (vocab := _tokenizer_vocabulary(cfg, source)) is None):
+        return []
+    return [f"data.num_classes={vocab} assumed (the tokenizer's vocabulary; no meta.json under "
+            "data.root): set data.num_classes for another"]
 
 
 def sample_batch(settings: TrainConfig, size: int, device: str = "meta") -> Callable[[], Any]:
@@ -216,7 +244,7 @@ class Plan:
         """The model (on meta), its optimizer, and the checkpointed modules' names."""
         with torch.device("meta"):
             data = self.settings.data
-            model = build_model(self.cfg, data.num_classes, channels=data.channels,
+            model = build_run_model(self.cfg, data.num_classes, channels=data.channels,
                                 pretrained=False)
         node = OmegaConf.to_container(self.cfg.optim, resolve=True)
         fused = self.fused = bool(node.get("fused"))
@@ -238,14 +266,17 @@ class Plan:
             model = model.to(memory_format=torch.channels_last)
         return model.train(), optimizer, names
 
-    def trace(self, micro_batch: int, checkpointed: list[str] | None = None) -> StepMemory:
-        """One steady-state step at ``micro_batch`` samples a micro-batch."""
+    def trace(self, micro_batch: int, checkpointed: list[str] | None = None,
+              micro_batches: int | None = None) -> StepMemory:
+        """One steady-state step at ``micro_batch`` samples a micro-batch (``micro_batches`` of
+        them traced: by default as many as the batch makes, up to TRACED_MICRO_BATCHES)."""
         model, optimizer, _ = self.build(self.checkpointed if checkpointed is None
                                          else checkpointed)
         extra = ([t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
                  if self.settings.trainer.ema_decay else [])
         spec = StepSpec(build_forward(self.cfg), build_criterion(self.cfg),
-                        micro_batches=min(self.micro_batches(micro_batch), TRACED_MICRO_BATCHES),
+                        micro_batches=micro_batches or min(self.micro_batches(micro_batch),
+                                                           TRACED_MICRO_BATCHES),
                         precision=self.precision, device_type=self.target.device_type,
                         clip=self.settings.trainer.gradient_clip_val is not None, extra=extra,
                         fused=self.fused)
@@ -293,21 +324,44 @@ class Plan:
                  "data_on_the_device": self.resident}
         return {k: v / GIB for k, v in parts.items()}
 
-    def largest_micro_batch(self, memory: StepMemory) -> int | None:
-        """The most samples a micro-batch can have within the usable memory (a linear fit of
-        two traces, checked by a third); None if not even one sample fits."""
+    def largest_micro_batch(self) -> int | None:
+        """The most samples a micro-batch can have within the usable memory: the boundary
+        where a traced step stops fitting, found by bracketing and bisection. Each size is
+        traced as a step of several micro-batches (a batch split into them, gradients
+        accumulating), whatever the configured batch: the answer is the same from any batch (a
+        linear fit of two traces only picks where to look first). None if not even one sample
+        fits, :data:`MOST` if that many fit."""
+        traced: dict[int, int] = {}
+
+        def fits(size: int) -> bool:
+            if size not in traced:
+                traced[size] = self.per_rank(self.trace(
+                    size, micro_batches=TRACED_MICRO_BATCHES))
+            return traced[size] <= self.target.usable
+
         low = max(1, self.micro_batch // 2) if self.micro_batch > 1 else 2
-        other = self.trace(low)
-        slope = (self.per_rank(memory) - self.per_rank(other)) / (self.micro_batch - low)
-        base = self.per_rank(memory) - slope * self.micro_batch
+        fits(self.micro_batch)
+        fits(low)
+        slope = (traced[self.micro_batch] - traced[low]) / (self.micro_batch - low)
+        base = traced[self.micro_batch] - slope * self.micro_batch
         guess = min(int((self.target.usable - base) / slope) if slope > 0 else MOST, MOST)
-        for _ in range(4):
-            if guess < 1:
-                return None
-            if self.per_rank(self.trace(guess)) <= self.target.usable:
-                return guess
-            guess = int(guess * 0.9)
-        return None
+        guess = max(1, guess)
+        if fits(guess):  # bracket: lo fits, hi does not
+            lo, hi = guess, min(MOST, guess + max(1, guess // 32))
+            while hi > lo and fits(hi):
+                if hi == MOST:
+                    return MOST
+                lo, hi = hi, min(MOST, 2 * hi)
+        else:
+            hi, lo = guess, max(1, guess - max(1, guess // 32))
+            while not fits(lo):
+                if lo == 1:
+                    return None
+                hi, lo = lo, max(1, lo // 2)
+        while hi - lo > 1:
+            middle = (lo + hi) // 2
+            lo, hi = (middle, hi) if fits(middle) else (lo, middle)
+        return lo
 
     def suggestions(self, memory: StepMemory, largest: int | None) -> list[str]:
         """Settings that make a run fit that does not: each checked by its own figures."""

@@ -41,7 +41,7 @@ OPTIONS = {"ckpt": "", "weights": "auto"}
 def main(argv: list[str] | None = None) -> int:
     """Run ``trainkit evaluate``; return its exit status."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if (status := usage_status(args, "trainkit.evaluate", USAGE, __doc__)) is not None:
+    if (status := usage_status(args, "trainkit.entry.evaluate", USAGE, __doc__)) is not None:
         return status
     with errors_as_one_line():
         run_dir, options, overrides = split_args(args, OPTIONS, USAGE)

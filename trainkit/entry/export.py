@@ -35,7 +35,7 @@ from trainkit.data.sources.hf_text import load_tokenizer
 from trainkit.entry.build import Rebuilt, model_inputs, rebuild, run_classes
 from trainkit.entry.cli import split_args
 from trainkit.entry.errors import errors_as_one_line
-from trainkit.models.pretrained import model_node
+from trainkit.models.build import with_drop_path_argument
 
 USAGE = ("RUN_DIR [ckpt=best|last|step_N|PATH] [--format F] [--dtype D] [--weights W] "
          "[--out DIR] [--adapters]")
@@ -74,7 +74,10 @@ def export_run(args: list[str], *, fmt: str = "safetensors", dtype: str = "fp32"
     if adapters or text:  # a Hugging Face model, or adapters
         return export_text_run(run, out, fmt=fmt, dtype=dtype, adapters=adapters)
     inputs = model_inputs(run)  # mean/std, image size, classes: as the run recorded
-    info = {"model": model_node(OmegaConf.to_container(run.cfg.model, resolve=True)),
+    node = OmegaConf.to_container(run.cfg.model, resolve=True)
+    node.pop("pretrained", None)  # where the run's weights started: the export's are its own
+    node = with_drop_path_argument(node)  # model.drop_path: as the model's own argument
+    info = {"model": node,
             "weights": run.weights,
             "checkpoint": {"ckpt": run.name, "path": run.state["_path"], "step": run.step},
             "manifest": run.state.get("manifest"), "exported_by": f"trainkit {trainkit_version()}"}

@@ -5,7 +5,8 @@ Each row: the run's overrides that differ between the runs (``optim.lr``), its s
 (``summary.json``; ``running?`` without one: still running, or killed), its monitored metric
 (``checkpoint.monitor``, best first by ``checkpoint.mode``), its best checkpoint's value and step
 (summary.json's ``best``), then its other metrics; a ``failed`` run's error line comes last.
-``--csv`` prints the same as comma-separated values, for scripts.
+``--csv`` prints the same as comma-separated values, for scripts: numbers in full precision, one
+value per column (the best checkpoint's value and step apart).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from trainkit.observe.summary import read_summary
 
 
 @dataclass
-class Run:
+class RunRow:
     """What the table shows of one run dir."""
 
     path: Path
@@ -44,7 +45,7 @@ class Run:
         return None if value is None or math.isnan(value) else float(value)
 
 
-def find_runs(root: Path) -> list[Run]:
+def find_runs(root: Path) -> list[RunRow]:
     """Every run dir under ``root`` (``root`` itself included), in path order."""
     import yaml  # Hydra's (and OmegaConf's) dependency
 
@@ -58,7 +59,7 @@ def find_runs(root: Path) -> list[Run]:
             continue  # being written, or not Hydra's
         checkpoint = config.get("checkpoint") or {}
         summary = read_summary(path) or {}
-        runs.append(Run(
+        runs.append(RunRow(
             path=path, overrides=dict(_split(o) for o in listed if not o.startswith("hydra.")),
             status=summary.get("status", "running?"), step=summary.get("global_step"),
             monitor=checkpoint.get("monitor"), mode=checkpoint.get("mode", "max"),
@@ -73,32 +74,41 @@ def _split(override: str) -> tuple[str, str]:
     return key.lstrip("+~"), value
 
 
-def best_first(runs: list[Run]) -> list[Run]:
+def best_first(runs: list[RunRow]) -> list[RunRow]:
     """Runs with a monitored value first, best first by each run's mode; then the others."""
-    def key(run: Run) -> tuple[int, float, str]:
+    def key(run: RunRow) -> tuple[int, float, str]:
         if run.value is None:
             return (1, 0.0, str(run.path))
         return (0, -run.value if run.mode == "max" else run.value, str(run.path))
     return sorted(runs, key=key)
 
 
-def table(runs: list[Run], root: Path) -> tuple[list[str], list[list[str]]]:
-    """The header and rows: run, differing overrides, status, step, monitor, other metrics."""
+def table(runs: list[RunRow], root: Path, *, full: bool = False
+          ) -> tuple[list[str], list[list[str]]]:
+    """The header and rows: run, differing overrides, status, step, monitor, other metrics.
+
+    ``full`` (``--csv``): each number in full precision (``repr``) and one value per column (the
+    best checkpoint's value and step in two); else 6 significant digits, ``best (step)`` in one.
+    """
+    number = _full if full else _number
     keys = sorted({k for run in runs for k in run.overrides})
     differing = [k for k in keys if len({run.overrides.get(k) for run in runs}) > 1]
     monitors = sorted({run.monitor for run in runs if run.monitor})
     others = sorted({m for run in runs for m in run.metrics} - set(monitors))
-    best = ["best (step)"] if any(run.best for run in runs) else []
+    has_best = any(run.best for run in runs)
+    best = (["best", "best step"] if full else ["best (step)"]) if has_best else []
     error = ["error"] if any(run.error for run in runs) else []
     header = ["run", *differing, "status", "step", *monitors, *best, *others, *error]
     rows = []
     for run in best_first(runs):
         name = str(run.path.relative_to(root)) if run.path != root else "."
+        shown_best = [] if not has_best else (
+            [number((run.best or {}).get("value")), str((run.best or {}).get("step", ""))]
+            if full else [_best(run.best)])
         rows.append([name, *(run.overrides.get(k, "") for k in differing), run.status,
                      "" if run.step is None else str(run.step),
-                     *(_number(run.metrics.get(m)) for m in monitors),
-                     *([_best(run.best)] if best else []),
-                     *(_number(run.metrics.get(m)) for m in others),
+                     *(number(run.metrics.get(m)) for m in monitors), *shown_best,
+                     *(number(run.metrics.get(m)) for m in others),
                      *([run.error] if error else [])])
     return header, rows
 
@@ -109,6 +119,11 @@ def _best(best: dict[str, Any] | None) -> str:
 
 def _number(value: float | None) -> str:
     return "" if value is None else f"{value:.6g}"
+
+
+def _full(value: float | None) -> str:
+    """A number as Python writes it back exactly (``0.6046813726425171``)."""
+    return "" if value is None else repr(value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainkitError as err:
         print_error(str(err), err.details)
         return 2
-    header, rows = table(runs, args.dir)
+    header, rows = table(runs, args.dir, full=args.csv)
     if args.csv:
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerows([header, *rows])

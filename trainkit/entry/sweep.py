@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ STUDY = "trainkit"  # one study per sweep dir: its database is the dir's own
 
 
 @dataclass(frozen=True)
-class Plan:
+class SweepPlan:
     """What every trial of a sweep shares."""
 
     overrides: tuple[str, ...]  # the command's Hydra overrides, given to every trial
@@ -45,7 +46,7 @@ class Plan:
     direction: str  # "maximize" or "minimize"
 
 
-def read_plan(overrides: Sequence[str]) -> Plan:
+def read_plan(overrides: Sequence[str]) -> SweepPlan:
     """Compose the entry point's config with ``overrides``; read the search space and objective.
 
     Raises:
@@ -76,7 +77,7 @@ def read_plan(overrides: Sequence[str]) -> Plan:
         raise TrainkitError(f"checkpoint.monitor={monitor!r} is not a metric the run reports: "
                             f"use one of {', '.join(reported)}")
     space = {key: _distribution(key, spec) for key, spec in params.items()}
-    return Plan(tuple(overrides), space, monitor, "maximize" if mode == "max" else "minimize")
+    return SweepPlan(tuple(overrides), space, monitor, "maximize" if mode == "max" else "minimize")
 
 
 def _distribution(key: str, spec: Any) -> Any:
@@ -102,7 +103,7 @@ def _distribution(key: str, spec: Any) -> Any:
                         "log scale, or step) or {choices: [...]}")
 
 
-def open_study(sweep_dir: Path, plan: Plan, seed: int | None) -> Any:
+def open_study(sweep_dir: Path, plan: SweepPlan, seed: int | None) -> Any:
     """The sweep dir's study, made on the first run and loaded on the next ones.
 
     Raises:
@@ -144,7 +145,7 @@ def _resume_preempted(study: Any) -> None:
 class Sweep:
     """Runs trials in ``jobs`` threads, each waiting on its trial's process."""
 
-    def __init__(self, study: Any, plan: Plan, sweep_dir: Path, trials: int) -> None:
+    def __init__(self, study: Any, plan: SweepPlan, sweep_dir: Path, trials: int) -> None:
         self.study, self.plan, self.sweep_dir, self.trials = study, plan, sweep_dir, trials
         self.stopping = threading.Event()  # a signal, or bad input: start no further trial
         self.bad_input: str | None = None
@@ -184,11 +185,12 @@ class Sweep:
             run_dir = trial.user_attrs.get("run_dir") or str(
                 self.sweep_dir / f"trial_{trial.number:03d}")
             trial.set_user_attr("run_dir", run_dir)
-            status, detail = self._run_trial(trial.params, run_dir)
-            self._tell(trial, status, detail, run_dir)
+            started = time.monotonic()
+            status, detail = self._run_trial(trial, run_dir)
+            self._tell(trial, status, detail, run_dir, time.monotonic() - started)
 
-    def _run_trial(self, params: Mapping[str, Any], run_dir: str) -> tuple[int, str]:
-        values = [f"{key}={value!r}" for key, value in params.items()]
+    def _run_trial(self, trial: Any, run_dir: str) -> tuple[int, str]:
+        values = [f"{key}={value!r}" for key, value in trial.params.items()]
         command = [sys.executable, "-m", "trainkit.train", *self.plan.overrides, *values,
                    "hydra.run.dir='" + run_dir.replace("'", "\\'") + "'"]
         with self._lock:
@@ -199,17 +201,19 @@ class Sweep:
             proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     text=True, start_new_session=True)
             self._running.add(proc)
+            # said at once: a trial may train for minutes before its line of results
+            print(f"trial {trial.number} started: {_shown(trial.params)}  ({run_dir})",
+                  flush=True)
         _, stderr = proc.communicate()
         with self._lock:
             self._running.discard(proc)
         last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
         return proc.returncode, last.removeprefix("trainkit: ")
 
-    def _tell(self, trial: Any, status: int, detail: str, run_dir: str) -> None:
+    def _tell(self, trial: Any, status: int, detail: str, run_dir: str, seconds: float) -> None:
         from optuna.trial import TrialState
 
-        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                         for k, v in trial.params.items())
+        shown = f"{_shown(trial.params)} after {seconds:.0f} s"
         summary = read_summary(run_dir) or {}
         value = (summary.get("metrics") or {}).get(self.plan.monitor)
         if status == 0 and summary.get("status") in ("completed", "stopped") and value is not None:
@@ -229,6 +233,12 @@ class Sweep:
         self.study.tell(trial, state=TrialState.FAIL)
         print(f"trial {trial.number}: {shown} -> failed (exit {status}): {detail}  ({run_dir})",
               flush=True)
+
+
+def _shown(params: Mapping[str, Any]) -> str:
+    """A trial's parameters as its lines show them: ``optim.lr=0.0123``."""
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in params.items())
 
 
 def best_line(study: Any, monitor: str) -> str:

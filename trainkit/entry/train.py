@@ -36,12 +36,8 @@ from trainkit.entry.build import (
     run_record,
     save_run_files,
 )
-from trainkit.entry.errors import (
-    errors_as_one_line,
-    removed_if_unused,
-    resume_command,
-    set_resume_hint,
-)
+from trainkit.entry.errors import errors_as_one_line, set_resume_hint
+from trainkit.entry.run_dir import RunRecords, removed_if_unused, resume_command
 from trainkit.loop.run_length import StartLines, length_notes
 from trainkit.loop.trainer import Trainer
 from trainkit.observe.flops import mfu_text
@@ -57,7 +53,7 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
 
     ``stop_at_step`` stops after that step as a preemption would (for verify_resume).
     ``resume``: the command that resumes the run after a stop, where re-running this one would
-    not (:func:`~trainkit.entry.errors.resume_command`); said at the start and at a stop.
+    not (:func:`~trainkit.entry.run_dir.resume_command`); said at the start and at a stop.
     """
     settings = build_settings(cfg)  # the typed config, once: keys, types and ranges checked
     runtime = Runtime.from_env(settings.trainer.device)
@@ -73,17 +69,21 @@ def train(cfg: DictConfig, run_dir: str | Path, *, stop_at_step: int | None = No
         [f"run dir {run_dir}" + (f"; after a stop, resume with: {resume}" if resume else "")],
         length_notes(settings.trainer, len(parts.train_data), cfg.sched) if runtime.is_main
         else [])
+    # the run's records (.hydra/, classes.json, inputs.json): once training starts, after its
+    # checkpoint was found to fit -- a refused start leaves an earlier run's folder as it was
+    records = RunRecords(run_dir, cfg, lambda: save_run_files(run_dir, cfg, settings, parts,
+                                                              runtime))
     trainer = Trainer(settings.trainer, run_dir=run_dir, checkpoint=settings.checkpoint,
                       runtime=runtime,
                       run_config=run_record(cfg, parts.num_classes, settings.data.channels),
-                      sinks=sinks, callbacks=[*build_callbacks(cfg, parts.model), start])
+                      sinks=sinks,
+                      callbacks=[records, *build_callbacks(cfg, parts.model), start])
     if resume:  # the stop line's "re-run the same command" would start a new run dir
         trainer.resume_hint = set_resume_hint(f"resume with: {resume}")
     scheduler = build_scheduler(cfg, parts.optimizer,
                                 trainer.planned_steps(len(parts.train_data)))
     metrics = build_metrics(cfg, parts.num_classes)  # checked against the data's classes
     preemption = Preemption()  # which signal stopped the run: SLURM's warning requeues it
-    save_run_files(run_dir, cfg, settings, parts, runtime)  # classes.json, inputs.json
     summary = trainer.fit(
         parts.model, parts.optimizer, parts.train_data, criterion=parts.criterion,
         scheduler=scheduler, val_data=parts.val_data, metrics=metrics, stop_at_step=stop_at_step,
@@ -120,7 +120,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         # Under torchrun rank 0 tells the others (waiting in join_ranks) its folder; theirs is
         # that one already, and an elastic restart's is the first attempt's: all get the same.
         run_dir = group.shared_run_dir(HydraConfig.get().runtime.output_dir)
-        with removed_if_unused(run_dir):  # a config error leaves no folder of Hydra's files only
+        with removed_if_unused(run_dir, cfg):  # a config error leaves no empty new folder
             summary = train(cfg, run_dir, resume=resume_command(run_dir))
     group.shutdown()
     if summary["status"] == "preempted":

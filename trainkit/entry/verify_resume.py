@@ -8,6 +8,10 @@ itself is not deterministic) or appeared after the resume (something was not res
 use deterministic algorithms (cuDNN, cuBLAS's workspace, ``torch.use_deterministic_algorithms``),
 so that on a GPU a mismatch is about resuming, not about the kernels.
 
+With ``--cmd "python my_script.py --run-dir {run_dir}"`` it checks your own script instead
+(:mod:`trainkit.entry.verify_script`): run to its end, stopped by SIGTERM after its first
+checkpoint and re-run, then every tensor of the final checkpoints compared.
+
 Exit status: 0 when the runs match bitwise, 1 when they differ, 2 on bad input.
 """
 
@@ -30,6 +34,7 @@ from trainkit.core.errors import TrainkitError, command_name
 from trainkit.core.tree import tree_leaves
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.train import CONFIG_DIR, train
+from trainkit.entry.verify_script import SIGNAL_AFTER, command_args, verify_command
 
 # Entries that name the run rather than describe its state.
 _IGNORED = ("manifest", "_path", "config")
@@ -44,9 +49,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="step to stop at (default: a random one)")
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep both run directories under this folder")
+    parser.add_argument("--cmd", default=None,
+                        help='your own script instead of a config: a command with {run_dir}, '
+                             'e.g. "python my_script.py --run-dir {run_dir}"')
+    parser.add_argument("--signal-after", default=SIGNAL_AFTER, metavar="GLOB",
+                        help="with --cmd: SIGTERM once a file under the run dir matches this "
+                             f"(default: {SIGNAL_AFTER}, its first checkpoint)")
     parser.add_argument("overrides", nargs="*", help="the overrides you pass to trainkit.train")
     args = parser.parse_args(argv)
     with errors_as_one_line():
+        if args.cmd is not None:
+            return _verify_script(args, sys.argv[1:] if argv is None else argv)
         return _verify(args)
     return 2  # unreachable: errors exit inside the context
 
@@ -77,6 +90,22 @@ def _verify(args: argparse.Namespace) -> int:
                 raise TrainkitError(f"the run ended before step {stop_at}: lower --stop-at")
             train(cfg, resumed)
         return _report(straight / "checkpoints", resumed / "checkpoints", stop_at, args.steps)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _verify_script(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--cmd``: the script run straight, stopped and resumed; its final checkpoints compared."""
+    given = {arg.split("=")[0] for arg in argv}
+    wrong = sorted(given & {"--steps", "--stop-at"}) + (["overrides"] if args.overrides else [])
+    if wrong:
+        raise TrainkitError(f"--cmd runs your script as it is: {', '.join(wrong)} apply to a "
+                            "config's run only (the script decides its length)")
+    command_args(args.cmd)  # checked before any folder is made
+    work = _work_dir(args.keep)
+    try:
+        return verify_command(args.cmd, work, args.signal_after)
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)

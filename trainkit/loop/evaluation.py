@@ -2,31 +2,55 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
+from trainkit.core import rng
 from trainkit.core.device import move_to_device
 from trainkit.core.errors import TrainkitError
 from trainkit.distributed import ddp, fsdp, group
 from trainkit.loop.precision import Precision
-from trainkit.loop.step import Criterion, Forward, batch_size
+from trainkit.loop.step import Criterion, Forward, _scalar, batch_size
 
 log = logging.getLogger("trainkit")
 
 
+# mixed into the run's seed for the evaluation's random stream (any constant apart from 0)
+_EVAL_STREAM = 0x6576616C
+
+
+@contextlib.contextmanager
+def own_stream(seed: int | None, runtime: Any) -> Iterator[None]:
+    """Evaluation on a random stream of its own: every generator (Python, NumPy, torch) seeded
+    from ``seed`` and the rank for it, and put back as it was after, so that evaluating never
+    moves the training stream (a DataLoader's iterator alone draws its seed from torch's).
+    Each evaluation draws the same numbers: evaluations compare alike."""
+    saved = rng.get_rng_state()
+    rng.seed_rank(runtime.rank, rng.mix_seed(_EVAL_STREAM, seed or 0), device=runtime.device)
+    try:
+        yield
+    finally:
+        rng.set_rng_state(saved)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
-             device: torch.device, criterion: Criterion, metrics: Mapping[str, Any] | None,
+             device: torch.device, criterion: Criterion | None,
+             metrics: Mapping[str, Any] | None,
              forward: Forward, max_batches: int | None = None) -> dict[str, float]:
     """Mean loss and each metric over ``data`` (at most ``max_batches`` batches, when given) as
-    ``{"val/loss": ..., "val/<name>": ...}``.
+    ``{"val/loss": ..., "val/<name>": ...}``, in eval mode under ``no_grad``.
+
+    A criterion's parts (``(loss, {name: part})``) and a forward's own scalars (a third item)
+    are averaged over the samples as ``val/<name>``; ``criterion`` None computes no loss.
 
     The sample itself is the data layer's: trainkit's evaluation loaders built with the same
     bound serve ``max_batches`` batches spread evenly over the split
@@ -46,6 +70,7 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     # do it too, but torchmetrics drops them under nan_strategy="disable", and any other strategy
     # reads every batch's NaN check on the host and leaves NaN losses out of the mean.)
     loss = MeanMetric(nan_strategy="disable").to(device)
+    means: dict[str, MeanMetric] = {}  # parts and scalars by name
     # FSDP: each forward all-gathers weights, so every rank runs as many (agreed before any)
     extra = _missing_forwards(data, max_batches) if fsdp.is_sharded(model) else None
     batch = None
@@ -53,17 +78,40 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
         batch = move_to_device(batch, device)
         n = batch_size(batch)
         with precision.autocast():
-            outputs, targets = forward(model, batch)[:2]  # a third item: the step's own scalars
-            loss.update(criterion(outputs, targets).detach().float().expand(n))
+            result = forward(model, batch)
+            outputs, targets = result[0], result[1]
+            if criterion is not None:
+                value = criterion(outputs, targets)
+                if type(value) is tuple:  # (loss, {name: part})
+                    value, parts = value
+                    _add_means(means, parts, n, device)
+                loss.update(value.detach().float().expand(n))
+        if len(result) == 3:  # the forward's own scalars
+            _add_means(means, result[2], n, device)
         for metric in metrics.values():
             metric.update(outputs, targets)
     if extra is not None:
         _match_forwards(model, extra, batch, precision, forward)
     # torchmetrics syncs its states across ranks in compute() when a process group is up
-    results = {"val/loss": float(loss.compute())}
+    results = {"val/loss": float(loss.compute())} if criterion is not None else {}
+    results.update({f"val/{name}": float(m.compute()) for name, m in means.items()})
     results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
     model.train(was_training)
     return results
+
+
+def _add_means(means: dict[str, MeanMetric], scalars: Any, n: int,
+               device: torch.device) -> None:
+    """Each ``{name: scalar}`` into its sample-weighted mean (no host read)."""
+    if not isinstance(scalars, Mapping):
+        raise TrainkitError(f"evaluation scalars are a {type(scalars).__name__}, not a mapping")
+    for name, value in scalars.items():
+        value = _scalar(name, value, "evaluation scalar")
+        mean = means.get(name)
+        if mean is None:
+            mean = means[name] = MeanMetric(nan_strategy="disable").to(device)
+        value = torch.as_tensor(value, dtype=torch.float32, device=device)
+        mean.update(value.expand(n))
 
 
 def _missing_forwards(data: Iterable[Any], max_batches: int | None) -> int:

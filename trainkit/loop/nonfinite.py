@@ -87,11 +87,17 @@ class NonFiniteGuard:
         state: the loop's counters (``skipped_steps``, ``nonfinite_steps``, ``nonfinite_streak``).
         saved: what the last checkpoint is, in words, for the error that stops the run.
         device: where the loss is; on a :data:`HOST_READS_FREE` device every step reads.
+        skips: steps skipped on the device since the last call (a fused optimizer's fp16
+            overflows, :meth:`~trainkit.loop.precision.Precision.read_skips`), counted into
+            ``skipped_steps`` at each :meth:`read`.
     """
 
     def __init__(self, patience: int, state: Any, saved: Callable[[], str],
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu",
+                 skips: Callable[[], int] | None = None) -> None:
         self.patience, self.state, self._saved = patience, state, saved
+        # steps skipped on the device for another cause (fused fp16 overflows), read with ours
+        self._skips = skips
         self._always = torch.device(device).type in HOST_READS_FREE
         # every step reads its check on the host (the CPU): on_host needs no call
         self.host_every_step = patience > 0 and self._always
@@ -155,6 +161,8 @@ class NonFiniteGuard:
         at the same steps and hold the same (all-reduced) tally, so they stop together.
         """
         tally = self.counter.read()
+        if self._skips is not None:
+            self.state.skipped_steps += self._skips()
         if tally.count:
             state = self.state
             state.nonfinite_steps += tally.count

@@ -50,6 +50,7 @@ class Precision:
         _check_supported(self.mode, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.mode == "16-mixed" else None
         self._unscaled: set[int] = set()  # optimizers unscaled since the last step
+        self._skips: torch.Tensor | None = None  # fused steps skipped on overflow, unread
         self._no_autocast = contextlib.nullcontext()  # reused: this runs every micro-step
 
     def describe(self) -> str:
@@ -73,8 +74,15 @@ class Precision:
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step the optimizer unless fp16 gradients overflowed; True when it stepped."""
+    def step(self, optimizer: torch.optim.Optimizer, update: bool = True) -> bool:
+        """Step the optimizer unless fp16 gradients overflowed; True when it stepped.
+
+        ``update=False`` leaves the loss scale as it is: torch's recipe for several optimizers
+        steps each through the scaler and updates the scale once per iteration
+        (:meth:`update`). A fused optimizer (``AdamW(fused=True)``) skips an overflowed step
+        inside its kernel, on the device: it reports True without a host read, and the skip is
+        counted by :meth:`read_skips` where the loop reads anyway.
+        """
         if self.scaler is None:
             optimizer.step()
             return True
@@ -82,8 +90,8 @@ class Precision:
         unset = _unset_momentum(optimizer)
         # Whether the scaler let the optimizer step, through public APIs only: a step post-hook
         # runs exactly when optimizer.step() ran (the scaler skips it on overflow; the flag it
-        # had read costs no second wait). A fused optimizer (Adam(fused=True)) always runs and
-        # skips inside its kernel on the `found_inf` GradScaler hands it for that.
+        # had read costs no second wait). A fused optimizer always runs and skips inside its
+        # kernel on the `found_inf` GradScaler hands it for that.
         ran: list[torch.Tensor | None] = []
         handle = optimizer.register_step_post_hook(
             lambda opt, args, kwargs: ran.append(getattr(opt, "found_inf", None)))
@@ -91,13 +99,41 @@ class Precision:
             self.scaler.step(optimizer)
         finally:
             handle.remove()
-        self.scaler.update()
-        self._unscaled.clear()
-        stepped = bool(ran) and (ran[0] is None or not ran[0].item())  # fused: a sync on its flag
+        if update:
+            self.update()
+        found_inf = ran[0] if ran else None
+        if found_inf is None:
+            stepped = bool(ran)
+        elif unset:  # a fused SGD's first step: what a skip left must be undone (one read, once)
+            stepped = not found_inf.item()  # host sync, at the first step only
+        else:  # fused: no host read; the skip is counted on the device
+            self._skips = found_inf.detach().clone() if self._skips is None else (
+                self._skips + found_inf)
+            stepped = True
         if unset and not stepped:  # what the skipped first step left: the next one is a first
             for param in unset:
                 optimizer.state[param].pop("momentum_buffer", None)
         return stepped
+
+    def update(self) -> None:
+        """Update the loss scale once for the iteration (after every optimizer's :meth:`step`
+        with ``update=False``)."""
+        if self.scaler is not None:
+            self.scaler.update()
+        self._unscaled.clear()
+
+    def forget_unscaled(self) -> None:
+        """No optimizer counts as unscaled (a window whose steps were all skipped by the
+        NaN/inf check after clipping unscaled them: the next window unscales anew)."""
+        self._unscaled.clear()
+
+    def read_skips(self) -> int:
+        """Steps a fused optimizer skipped on an fp16 overflow since the last read (a host read
+        when there were fused steps; 0 without one)."""
+        if self._skips is None:
+            return 0
+        skips, self._skips = int(self._skips.item()), None  # host sync
+        return skips
 
     def reset(self) -> None:
         """Forget a step cut short after :meth:`unscale_` (an out-of-memory error in clipping,

@@ -76,6 +76,10 @@ class RunReport:
         self.sinks.log(scalars, step)
         self.times.window(scalars, step)
 
+    def log_now(self, scalars: Mapping[str, Any], step: int) -> None:
+        """A callback's scalars as ``train/<name>`` at ``step`` (a tensor read on the host)."""
+        self.sinks.log({f"train/{name}": float(value) for name, value in scalars.items()}, step)
+
     def open_sinks(self, sinks: Sinks, config: Mapping[str, Any]) -> None:
         """The fit's sinks, started with the run's ``config`` (a tracker continues its run)."""
         self.sinks = sinks

@@ -27,7 +27,9 @@ from trainkit.data.loader.resumable import ResumableData
 from trainkit.distributed import group
 
 log = logging.getLogger("trainkit")
-_RESTORED = ("model", "optimizer", "scheduler", "precision", "ema")  # the Checkpointer's parts
+# the Checkpointer's parts (a fit of several models: also each by name)
+_RESTORED = ("model", "optimizer", "scheduler", "precision", "ema", "models", "optimizers",
+             "schedulers")
 # Device types whose losses are read a step late (the tests add "cpu" to run that path there)
 LATE_READS = frozenset({"cuda"})
 
@@ -148,9 +150,12 @@ class SpikeGuard:
     def __init__(self, config: SpikeConfig, state: Any, parts: Mapping[str, Any],
                  device: torch.device, batches_per_epoch: int, sinks: Any,
                  is_main: bool = True, saves: Callable[[int], bool] = lambda step: False,
-                 total_steps: int | None = None) -> None:
+                 total_steps: int | None = None, restarts_data: bool = True) -> None:
         self.config, self.state, self.parts, self._saves = config, state, parts, saves
         self.total_steps = total_steps
+        # a loader that resumes mid-epoch starts a new pass from the state's position after a
+        # rollback; any other goes on with the next batch of the pass in flight (the same one)
+        self.restarts_data = restarts_data
         if state.spike is None:  # a new run, or one resumed from a checkpoint made without
             state.spike = new_state()
         self.detector = SpikeDetector(config, state.spike)
@@ -189,7 +194,8 @@ class SpikeGuard:
 
     def after_step(self, step: int, agreed: bool, nonfinite: Any, saving: bool = False) -> bool:
         """Roll back when the ranks agreed on a spike (``agreed``); else snapshot when due.
-        True when the run rolled back: the data goes on from the state's position.
+        True when the run rolled back and its loader starts a new pass from the state's position
+        (a plain loader's pass goes on instead: False).
 
         ``nonfinite``: the loop's :class:`~trainkit.loop.nonfinite.NonFiniteGuard`, whose
         streak a rollback ends. ``saving``: the run stops or saves after this step (a
@@ -205,7 +211,7 @@ class SpikeGuard:
             agreed = group.any_rank(self.pending())[0]  # a collective at these steps only
         if agreed:
             self._roll_back(step, nonfinite)
-            return True
+            return self.restarts_data
         if snapshot:
             self.take_snapshot()
         return False
@@ -325,17 +331,11 @@ def _copy(tree: Any) -> Any:
 def spike_guard(config: SpikeConfig, state: Any, checkpointer: Any, run: Any,
                 runtime: Any) -> SpikeGuard | None:
     """The fit's guard when ``trainer.spike.enabled`` (None when off: nothing per step), for
-    ``checkpointer``'s parts and periodic saves, ``run``'s loader (which must resume
-    mid-epoch) and sinks, and ``runtime``'s device.
-
-    Raises:
-        TrainkitError: the loader cannot start inside an epoch.
-    """
+    ``checkpointer``'s parts and periodic saves, ``run``'s loader (any: one that resumes
+    mid-epoch starts a new pass after a rollback, another goes on with its next batch) and
+    sinks, and ``runtime``'s device."""
     if not config.enabled:
         return None
-    if not isinstance(run.data, ResumableData):
-        raise TrainkitError(f"trainer.spike needs a loader that resumes mid-epoch; a "
-                            f"{type(run.data).__name__} cannot: use trainkit's loaders "
-                            "(trainkit.data) or set trainer.spike.enabled=false")
     return SpikeGuard(config, state, checkpointer.parts, runtime.device, len(run.data),
-                      run.report.sinks, runtime.is_main, saves=checkpointer.due)
+                      run.report.sinks, runtime.is_main, saves=checkpointer.due,
+                      restarts_data=isinstance(run.data, ResumableData))

@@ -1,4 +1,9 @@
-"""One optimizer step over an accumulation window: weighting, no_sync, clipping, skipped steps."""
+"""One optimizer step over an accumulation window: weighting, no_sync, clipping, skipped steps.
+
+Written once, for every step: a step function over a :class:`StepContext` (``Trainer.fit(...,
+step=fn)``, several models and optimizers), run by :class:`ContextStep`; the built-in step
+(forward, criterion, one optimizer) is such a function (:class:`WindowStep`).
+"""
 
 from __future__ import annotations
 
@@ -120,12 +125,308 @@ def train_window(
         window, check_finite=check_finite, guard_finite=guard_finite)
 
 
-class WindowStep:
-    """:func:`train_window` with the arguments that hold for a whole fit bound once.
+class StepContext:
+    """What a step function is given: the models, optimizers and schedulers by name, and the
+    step's guarantees as methods (``Trainer.fit(..., step=fn)``; the built-in step is one such
+    function, :class:`WindowStep`).
 
-    What cannot change during a fit (autocast, loss scaling, clipping) is decided here, not per
-    step. A ``forward`` may return a third item, ``{name: scalar}``: each is added, unread, to
-    that name's :class:`~trainkit.observe.metrics.DeviceMean` in :attr:`scalars` (logged as
+    Attributes:
+        models: the models as the step calls them (DDP-wrapped, compiled), by name.
+        optimizers: the optimizers, by name.
+        schedulers: the LR schedulers, by the name of the optimizer each drives.
+        device: where batches and models are.
+        precision: the run's :class:`~trainkit.loop.precision.Precision` (the step function
+            already runs inside its autocast).
+        micro_batch: this call's index in the accumulation window (0 without accumulation).
+        last: whether this is the window's last micro-batch (the one the optimizers step at).
+        after_backward: called after each backward with :attr:`last` (micro-batching's vote).
+
+    Example:
+        >>> def gan_step(ctx, batch):
+        ...     real = batch[0]
+        ...     fake = ctx.models["g"](torch.randn(len(real), 8, device=ctx.device))
+        ...     ctx.optimize("d", d_loss(ctx.models["d"], real, fake.detach()))
+        ...     ctx.optimize("g", g_loss(ctx.models["d"], fake), frozen=["d"])
+        >>> trainer.fit({"g": G, "d": D}, {"g": opt_g, "d": opt_d}, loader,
+        ...             step=gan_step)  # doctest: +SKIP
+    """
+
+    def __init__(self, models: Mapping[str, nn.Module], optimizers: Mapping[str, Any], *,
+                 precision: Precision, device: torch.device,
+                 schedulers: Mapping[str, Any] | None = None, clip_val: float | None = None,
+                 clip_algorithm: str = "norm", agree: Callable[[Any], Any] | None = None,
+                 scalars: dict[str, DeviceMean] | None = None,
+                 global_step: Callable[[], int] | None = None) -> None:
+        self.models = dict(models)
+        self.optimizers = dict(optimizers)
+        self.schedulers = {k: v for k, v in (schedulers or {}).items() if v is not None}
+        unknown = sorted(set(self.schedulers) - set(self.optimizers))
+        if unknown:
+            raise TrainkitError(f"schedulers {unknown} name no optimizer: name each by its "
+                                f"optimizer ({', '.join(self.optimizers)})")
+        self.precision, self.device = precision, device
+        self.clip_val, self.clip_algorithm, self.agree = clip_val, clip_algorithm, agree
+        # ctx.log's scalars (and each optimizer's loss): a mean over the log window, unread
+        self.scalars = scalars if scalars is not None else {}
+        self._global_step = global_step or (lambda: 0)
+        self.after_backward: Callable[[bool], None] | None = None
+        self.micro_batch, self.last, self._share = 0, True, 1.0
+        # fp32: no autocast to enter, no loss scaler to pass the backward and the step through
+        self._plain = precision.dtype is None and precision.scaler is None
+        # fused kernels skip a NaN/inf step on a found_inf flag (not under GradScaler, whose
+        # own); not SGD with momentum: a skipped first step leaves its buffers unset
+        self._fused = {name: precision.scaler is None and is_fused(opt)
+                       and not _sgd_with_momentum(opt) for name, opt in self.optimizers.items()}
+        self._params = {name: [p for g in opt.param_groups for p in g["params"]]
+                        for name, opt in self.optimizers.items()}
+        self._named_loss = len(self.optimizers) > 1  # each optimizer's loss as train/loss_<name>
+        self._begin_window(False, False)
+
+    @property
+    def global_step(self) -> int:
+        """The optimizer step being taken (1 for the first)."""
+        return self._global_step() + 1
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The step's autocast (already entered around the step function: for code of your
+        own that runs outside it)."""
+        return self.precision.autocast()
+
+    def log(self, **scalars: torch.Tensor | float) -> None:
+        """Log each scalar as ``train/<name>``, averaged over the log window on the device (no
+        host read)."""
+        add_scalars(self.scalars, scalars, what="ctx.log's scalar")
+
+    def optimize(self, name: str, loss: Any, frozen: Iterable[str] = ()) -> None:
+        """Backward ``loss`` for optimizer ``name``; at the window's last micro-batch, step it.
+
+        The loss is weighted by the micro-batch's share of the window's samples (so k micro-
+        batches of b give the gradient of one batch of k*b) and scaled under ``16-mixed``. At
+        the last micro-batch: unscale and clip, the NaN/inf guard (a NaN/inf loss skips this
+        optimizer's step only), ``optimizer.step()`` through the loss scaler, ``zero_grad`` and
+        its scheduler. ``frozen``: models whose gradients this backward leaves as they were
+        (their ``.grad`` is set aside around it): a GAN's generator step through the
+        discriminator. ``loss`` may be a criterion's ``(loss, {name: part})``. Each optimizer is
+        optimized at most once per micro-batch.
+
+        Raises:
+            TrainkitError: an unknown name, or a second call for one optimizer in a micro-batch.
+        """
+        if name in self._called or name not in self.optimizers:
+            self._refuse(name)
+        self._called.add(name)
+        if type(loss) is tuple:  # a criterion's (loss, {name: part})
+            loss = split_loss(loss, self.scalars)
+        if self._share != 1.0:
+            loss = loss * self._share
+        if self._plain:
+            self._backward(name, loss, frozen)
+            return
+        if self.precision.dtype is not None:
+            # the casts autocast cached for the forward: the graph holds what backward needs;
+            # the cache would keep the rest alive through the backward and the step
+            torch.clear_autocast_cache()
+        with _no_autocast(self.precision):  # backward and step outside autocast (torch's advice)
+            self._backward(name, loss, frozen)
+
+    def _backward(self, name: str, loss: torch.Tensor, frozen: Iterable[str]) -> None:
+        """The weighted loss's backward (frozen models' gradients set aside), then the step at
+        the window's last micro-batch."""
+        aside = self._set_aside(frozen) if frozen else ()
+        if self._plain:
+            loss.backward()
+        else:
+            self.precision.backward(loss)
+        for param, grad in aside:
+            param.grad = grad
+        if self.after_backward is not None:
+            self.after_backward(self.last)
+        # in place when allowed (a view cannot be): no new tensor a step
+        self._losses.setdefault(name, []).append(
+            loss.detach_() if loss._base is None else loss.detach())
+        if self.last:
+            self._step(name)
+
+    # -- the engine's side (ContextStep) -------------------------------------------------------
+
+    def _refuse(self, name: str) -> None:
+        if name not in self.optimizers:
+            raise TrainkitError(f"ctx.optimize({name!r}): no optimizer of that name (the fit "
+                                f"has {', '.join(self.optimizers)})")
+        raise TrainkitError(f"ctx.optimize({name!r}) was called twice in one micro-batch: each "
+                            "optimizer steps once per window (add the losses)")
+
+    def _begin_window(self, check_finite: bool, guard_finite: bool) -> None:
+        """A new window, at its first micro-batch (of one, until told otherwise)."""
+        self._check_finite, self._guard_finite = check_finite, guard_finite
+        self._losses: dict[str, list[torch.Tensor]] = {}
+        # per optimizer: (finite, stepped, value, grad_norm, finite_flag, window loss)
+        self._results: dict[str, tuple[Any, ...]] = {}
+        self._called: set[str] = set()
+        self._scaled = False  # an optimizer stepped through the loss scaler in this window
+        self.micro_batch, self.last, self._share = 0, True, 1.0
+
+    def _begin_micro_batch(self, index: int, last: bool, share: float) -> None:
+        self.micro_batch, self.last, self._share = index, last, share
+        if index:
+            self._called = set()
+
+    def _set_aside(self, frozen: Iterable[str]) -> list[tuple[torch.Tensor, Any]]:
+        """The frozen models' gradients, taken off their parameters until the backward ends."""
+        if isinstance(frozen, str):
+            frozen = [frozen]
+        aside = []
+        for model_name in frozen:
+            model = self.models.get(model_name)
+            if model is None:
+                raise TrainkitError(f"frozen={model_name!r}: no model of that name (the fit "
+                                    f"has {', '.join(self.models)})")
+            for param in model.parameters():
+                aside.append((param, param.grad))
+                param.grad = None
+        return aside
+
+    def _step(self, name: str) -> None:
+        """Optimizer ``name``'s step over the window's gradients, guarded as the loop asks:
+        ``check_finite`` reads the loss on the host (a sync on a GPU) and skips a NaN/inf step;
+        ``guard_finite`` checks on the device instead (a bad window's gradients zeroed, or a
+        fused optimizer skips on the flag)."""
+        optimizer, losses = self.optimizers[name], self._losses[name]
+        # weighted micro-batch losses add up to the window's mean
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+        value = flag = None
+        if self._check_finite:
+            value = loss.item()  # host sync: the loop reads this step anyway (CPU: free)
+            bad = not math.isfinite(value)
+            if self.agree is not None:
+                bad = self.agree(bad)
+            if bad:
+                drop_gradients(optimizer)
+                self._results[name] = (False, False, value, None, None, loss)
+                return
+        elif self._guard_finite:
+            flag = _drop_nonfinite_gradients(optimizer, loss, self.agree, self._fused[name])
+        grad_norm = (clip_gradients(self.precision, self._params[name], optimizer,
+                                    self.clip_val, self.clip_algorithm)
+                     if self.clip_val is not None else None)
+        if flag is not None and self._fused[name]:
+            _found_inf_step(optimizer, flag)
+            stepped = True
+        elif self._plain:
+            optimizer.step()
+            stepped = True
+        else:
+            stepped = self.precision.step(optimizer, update=False)
+            self._scaled = True
+        drop_gradients(optimizer)
+        if stepped and self.schedulers:
+            scheduler = self.schedulers.get(name)
+            if scheduler is not None:
+                scheduler.step()
+        self._results[name] = (True, stepped, value, grad_norm, flag, loss)
+
+    def _end_window(self, total: int) -> StepResult:
+        """The window's result for the loop: the losses added up, finite when all optimizers'
+        were, stepped when one did; the loss scale updated once for the iteration."""
+        if self._scaled:
+            self.precision.update()
+        elif self.precision.scaler is not None:
+            self.precision.forget_unscaled()
+        results = self._results
+        if len(results) == 1 and not self._named_loss:  # one optimizer: its own result
+            (finite, stepped, value, grad_norm, flag, loss), = results.values()
+            return StepResult(loss, grad_norm, stepped, total, finite, value, flag)
+        if not results:  # no optimizer stepped in this window (the step chose none)
+            return StepResult(torch.zeros((), device=self.device), None, True, total)
+        window = {name: r[5] for name, r in results.items()}
+        if self._named_loss:
+            add_scalars(self.scalars, {f"loss_{name}": loss for name, loss in window.items()})
+        loss = torch.stack([v.float() for v in window.values()]).sum()
+        values = [r[2] for r in results.values()]
+        norms = [r[3] for r in results.values() if r[3] is not None]
+        flags = [r[4] for r in results.values() if r[4] is not None]
+        return StepResult(
+            loss, norms[0] if len(norms) == 1 else (
+                torch.stack([n.float() for n in norms]).norm() if norms else None),
+            any(r[1] for r in results.values()), total, all(r[0] for r in results.values()),
+            sum(values) if None not in values else None,  # type: ignore[arg-type]
+            flags[0] if len(flags) == 1 else (torch.stack(flags).all() if flags else None))
+
+
+def _no_autocast(precision: Precision) -> contextlib.AbstractContextManager[Any]:
+    if precision.dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(precision.device.type, enabled=False)
+
+
+class ContextStep:
+    """The loop's step over a step function: calls it once per micro-batch of a window, with
+    the :class:`StepContext`, inside the step's autocast (and DDP's ``no_sync`` but at the
+    window's last micro-batch), the batch on the device; returns what the window did."""
+
+    def __init__(self, step: Callable[[StepContext, Batch], Any], ctx: StepContext) -> None:
+        self.fn, self.ctx = step, ctx
+        self.precision, self.device = ctx.precision, ctx.device
+        self.model = next(iter(ctx.models.values()))
+        self.optimizer = next(iter(ctx.optimizers.values()))
+        # the models DDP wraps: their gradients wait for the window's last micro-batch
+        self._synced = [m for m in ctx.models.values() if hasattr(m, "no_sync")]
+
+    @property
+    def after_backward(self) -> Callable[[bool], None] | None:
+        return self.ctx.after_backward
+
+    @after_backward.setter
+    def after_backward(self, hook: Callable[[bool], None] | None) -> None:
+        self.ctx.after_backward = hook
+
+    def __call__(self, window: Sequence[Batch], check_finite: bool = False,
+                 guard_finite: bool = False) -> StepResult:
+        """One optimizer step over ``window`` (see :func:`train_window` for the checks)."""
+        ctx = self.ctx
+        ctx._begin_window(check_finite, guard_finite)
+        if len(window) == 1:  # the common case: no weighting, no no_sync
+            batch = window[0]
+            if type(batch) in _FLAT and batch and type(batch[0]) is torch.Tensor:  # (x, y)
+                total = batch[0].shape[0]
+                for item in batch:  # already on the device (a CPU run's, a prefetcher's)?
+                    if not isinstance(item, torch.Tensor) or item.device != self.device:
+                        batch = move_to_device(batch, self.device)
+                        break
+            else:
+                total = batch_size(batch)
+                batch = move_to_device(batch, self.device)
+            if ctx._plain:
+                self.fn(ctx, batch)
+            else:
+                with self.precision.autocast():
+                    self.fn(ctx, batch)
+            return ctx._end_window(total)
+        sizes = [batch_size(b) for b in window]
+        total, last = sum(sizes), len(window) - 1
+        for i, batch in enumerate(window):
+            batch = move_to_device(batch, self.device)
+            ctx._begin_micro_batch(i, i == last, sizes[i] / total)
+            with contextlib.ExitStack() as stack:
+                if i != last:  # only the last micro-batch's backward all-reduces under DDP
+                    for model in self._synced:
+                        stack.enter_context(sync_gradients(model, sync=False))
+                stack.enter_context(self.precision.autocast())
+                self.fn(ctx, batch)
+        return ctx._end_window(total)
+
+    def wrap_forward_once(self, wrap: Callable[[Forward], Forward]) -> None:
+        """The advice's sampling of one forward: not for a step function (nothing to wrap)."""
+
+
+class WindowStep(ContextStep):
+    """:func:`train_window` with the arguments that hold for a whole fit bound once: the
+    built-in step (``forward``, ``criterion``, one optimizer) as a step function over a
+    :class:`StepContext`, so it has every guarantee a step of your own has, written once there.
+
+    A ``forward`` may return a third item, ``{name: scalar}``, and a ``criterion``
+    ``(loss, {name: part})``: each is added, unread, to that name's
+    :class:`~trainkit.observe.metrics.DeviceMean` in :attr:`scalars` (logged as
     ``train/<name>``).
 
     Example:
@@ -143,95 +444,20 @@ class WindowStep:
                  scalars: dict[str, DeviceMean] | None = None) -> None:
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.criterion, self.device = criterion, device
-        self.clip_val, self.clip_algorithm, self.agree = clip_val, clip_algorithm, agree
         # the forward's own scalars, by name: a mean of each over the micro-batches since read
         self.scalars = scalars if scalars is not None else {}
-        self.forward = forward
-        self._forward = _own_scalars_to(self.scalars, forward)  # for the paths below the plain
+        # the step function; not a method of this object, which holds it (no reference cycle)
+        self._fn = _Supervised(model, criterion, forward, self.scalars)
         self._wrapped = False  # wrap_forward_once's wrapper waits for the next forward
-        # fp32: no autocast to enter, no loss scaler to pass the backward and the step through
-        self._plain = precision.dtype is None and precision.scaler is None
-        # called after each micro-batch's backward, with whether it was the window's last
-        # (micro_batch's DDP vote on out-of-memory); None: nothing to call
-        self.after_backward: Callable[[bool], None] | None = None
-        # fused kernels skip a NaN/inf step on a found_inf flag (not under GradScaler, whose own);
-        # not SGD with momentum: a skipped first step leaves its buffers unset (_sgd_with_momentum)
-        self._fused = (precision.scaler is None and is_fused(optimizer)
-                       and not _sgd_with_momentum(optimizer))
+        super().__init__(self._fn, StepContext(
+            {"model": model}, {"model": optimizer}, precision=precision, device=device,
+            clip_val=clip_val, clip_algorithm=clip_algorithm, agree=agree, scalars=self.scalars))
+        self.model, self.optimizer = model, optimizer  # as given (ContextStep: the first-named)
 
-    def __call__(self, window: Sequence[Batch], check_finite: bool = False,
-                 guard_finite: bool = False) -> StepResult:
-        """One optimizer step over ``window`` (see :func:`train_window` for the checks)."""
-        if len(window) == 1:  # the common case: no weighting, no no_sync, nothing to add up
-            loss, total = self._backward_one(window[0])
-        else:
-            loss, total = _accumulate(self.model, window, self.precision, self.criterion,
-                                      self._forward, self.device, self.after_backward)
-        if check_finite:
-            return self._checked_on_host(loss, total)
-        if guard_finite:
-            return self._checked_on_device(loss, total)
-        return self._update(loss, total)
-
-    def _backward_one(self, batch: Batch) -> tuple[torch.Tensor, int]:
-        """Forward and backward of a window of one batch: its loss (detached) and samples."""
-        if type(batch) in _FLAT and batch and type(batch[0]) is torch.Tensor:  # (x, y)
-            total = batch[0].shape[0]
-            for item in batch:  # already on the device (a CPU run's, a prefetcher's)?
-                if not isinstance(item, torch.Tensor) or item.device != self.device:
-                    batch = move_to_device(batch, self.device)
-                    break
-        else:
-            total = batch_size(batch)
-            batch = move_to_device(batch, self.device)
-        if self._plain:
-            result = self.forward(self.model, batch)
-            # inline, not self._forward: the common path pays one len(), not a call
-            outputs, targets = result if len(result) == 2 else self._forward.split(result)
-            loss = self.criterion(outputs, targets)
-            loss.backward()
-        else:
-            loss = _loss(self.model, batch, self.precision, self.criterion, self._forward)
-            self.precision.backward(loss)
-        # in place when allowed (a view cannot be): no new tensor a step
-        loss = loss.detach_() if loss._base is None else loss.detach()
-        if self.after_backward is not None:
-            self.after_backward(True)
-        return loss, total
-
-    def _checked_on_host(self, loss: torch.Tensor, total: int) -> StepResult:
-        """The step, skipped when the loss read on the host (a sync) is NaN/inf on any rank."""
-        value = loss.item()  # host sync (see train_window)
-        nonfinite = not math.isfinite(value)
-        if self.agree is not None:
-            nonfinite = self.agree(nonfinite)
-        if nonfinite:
-            drop_gradients(self.optimizer)
-            return StepResult(loss, None, False, total, False, value)
-        return self._update(loss, total, value)
-
-    def _checked_on_device(self, loss: torch.Tensor, total: int) -> StepResult:
-        """The step with a NaN/inf loss's gradients dropped on the device (no host read): a
-        fused optimizer skips its update on the flag; others step on zeroed gradients."""
-        flag = _drop_nonfinite_gradients(self.optimizer, loss, self.agree, self._fused)
-        if not self._fused:
-            return self._update(loss, total, finite_flag=flag)
-        grad_norm = self._clip() if self.clip_val is not None else None
-        _found_inf_step(self.optimizer, flag)
-        drop_gradients(self.optimizer)
-        return StepResult(loss, grad_norm, True, total, True, None, flag)
-
-    def _update(self, loss: torch.Tensor, total: int, value: float | None = None,
-                finite_flag: torch.Tensor | None = None) -> StepResult:
-        """Clip, step the optimizer (through the loss scaler, which may skip), drop gradients."""
-        grad_norm = self._clip() if self.clip_val is not None else None
-        if self._plain:
-            self.optimizer.step()
-            stepped = True
-        else:
-            stepped = self.precision.step(self.optimizer)
-        drop_gradients(self.optimizer)
-        return StepResult(loss, grad_norm, stepped, total, True, value, finite_flag)
+    @property
+    def forward(self) -> Forward:
+        """The forward the next micro-batch runs."""
+        return self._fn.forward
 
     def wrap_forward_once(self, wrap: Callable[[Forward], Forward]) -> None:
         """Run the next micro-batch's forward through ``wrap(forward)``, then the plain one.
@@ -242,33 +468,73 @@ class WindowStep:
         """
         if self._wrapped:
             return
-        forward, split_forward = self.forward, self._forward
+        fn = self._fn
+        forward, split_forward = fn.forward, fn.split
         wrapped, pending = wrap(forward), [True]
 
-        # a flag, not `self.forward is once`: a closure naming itself is a reference cycle that
+        # a flag, not `fn.forward is once`: a closure naming itself is a reference cycle that
         # would keep this step (and its model) alive until the cyclic collector runs
         def once(model: nn.Module, batch: Batch) -> tuple[Any, ...]:
             if not pending[0]:  # a later micro-batch of the same window
                 return forward(model, batch)
             pending[0] = False
-            self.forward, self._forward, self._wrapped = forward, split_forward, False
+            fn.forward, fn.split, self._wrapped = forward, split_forward, False
             return wrapped(model, batch)
 
-        self.forward, self._forward = once, _own_scalars_to(self.scalars, once)
+        fn.forward, fn.split = once, _own_scalars_to(self.scalars, once).split
         self._wrapped = True
 
-    def _clip(self) -> torch.Tensor | None:
-        """Clip the gradients by norm (returning the norm before clipping) or by value."""
-        self.precision.unscale_(self.optimizer)  # clip true gradients, not loss-scaled ones
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if self.clip_algorithm != "norm":
-            nn.utils.clip_grad_value_(params, self.clip_val)
-            return None
-        grad_norm = nn.utils.clip_grad_norm_(params, self.clip_val)
-        full_tensor = getattr(grad_norm, "full_tensor", None)  # FSDP: a DTensor
-        if full_tensor is not None:  # the norm over all shards, as a plain tensor
-            grad_norm = full_tensor()
-        return grad_norm
+
+class _Supervised:
+    """The built-in step as a step function: ``forward(model, batch)`` gives ``(outputs,
+    targets)`` (or a third item of scalars), ``criterion`` the loss, the one optimizer steps."""
+
+    __slots__ = ("criterion", "forward", "model", "split")
+
+    def __init__(self, model: nn.Module, criterion: Criterion, forward: Forward,
+                 scalars: dict[str, DeviceMean]) -> None:
+        self.model, self.criterion, self.forward = model, criterion, forward
+        self.split = _own_scalars_to(scalars, forward).split  # a third item's scalars
+
+    def __call__(self, ctx: StepContext, batch: Batch) -> None:
+        result = self.forward(self.model, batch)
+        # inline, not a call: the common path pays one len()
+        outputs, targets = result if len(result) == 2 else self.split(result)
+        # each dropped once used: a forward's own scalars (their graph) not alive through the
+        # loss, the outputs (an LM's logits) not through the backward
+        del result
+        loss = self.criterion(outputs, targets)
+        del outputs, targets
+        ctx.optimize("model", loss)
+
+
+def clip_gradients(precision: Precision, params: Sequence[torch.Tensor],
+                   optimizer: torch.optim.Optimizer, clip_val: float,
+                   algorithm: str = "norm") -> torch.Tensor | None:
+    """Unscale ``optimizer``'s gradients, then clip ``params``' by norm (returning the total
+    norm before clipping, a plain tensor also under FSDP) or by value (None)."""
+    precision.unscale_(optimizer)  # clip true gradients, not loss-scaled ones
+    if algorithm != "norm":
+        nn.utils.clip_grad_value_(params, clip_val)
+        return None
+    grad_norm = nn.utils.clip_grad_norm_(params, clip_val)
+    full_tensor = getattr(grad_norm, "full_tensor", None)  # FSDP: a DTensor
+    if full_tensor is not None:  # the norm over all shards, as a plain tensor
+        grad_norm = full_tensor()
+    return grad_norm
+
+
+def split_loss(result: Any, scalars: dict[str, DeviceMean]) -> torch.Tensor:
+    """A criterion's ``(loss, {name: part})``: each part added, unread, to ``scalars`` (logged as
+    ``train/<name>``); the loss returned. A plain loss is returned as it is."""
+    if type(result) is not tuple:
+        return result
+    if len(result) != 2:
+        raise TrainkitError(f"criterion returned {len(result)} items: return a loss or "
+                            "(loss, {name: part})")
+    loss, parts = result
+    add_scalars(scalars, parts, what="criterion's part")
+    return loss
 
 
 def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
@@ -306,7 +572,8 @@ def _own_scalars_to(scalars: dict[str, DeviceMean], forward: Forward) -> Forward
     return split_forward
 
 
-def add_scalars(scalars: dict[str, DeviceMean], own: Any) -> None:
+def add_scalars(scalars: dict[str, DeviceMean] | None, own: Any,
+                what: str = "forward's scalar") -> None:
     """Add a forward's ``{name: scalar}`` to the mean of each name, without a host read.
 
     Raises:
@@ -314,10 +581,14 @@ def add_scalars(scalars: dict[str, DeviceMean], own: Any) -> None:
     """
     if not isinstance(own, Mapping):
         raise TrainkitError(f"forward's third item is a {type(own).__name__}, not a mapping: "
-                            "return (outputs, targets, {'name': scalar_tensor})")
+                            "return (outputs, targets, {'name': scalar_tensor})"
+                            if what == "forward's scalar" else
+                            f"{what}s are a {type(own).__name__}, not a mapping of name to "
+                            "scalar")
+    scalars = {} if scalars is None else scalars
     for name, value in own.items():
         if type(value) is not torch.Tensor or value.ndim:
-            value = _scalar(name, value)
+            value = _scalar(name, value, what)
         elif value.dtype is not torch.float32:  # one dtype per mean: its values stack
             value = value.detach().float()
         else:
@@ -325,56 +596,23 @@ def add_scalars(scalars: dict[str, DeviceMean], own: Any) -> None:
         mean = scalars.get(name)
         if mean is None:
             if name in _TRAINKITS:
-                raise TrainkitError(f"forward's scalar {name!r} would replace trainkit's own "
+                raise TrainkitError(f"{what} {name!r} would replace trainkit's own "
                                     f"train/{name}: give it another name")
             mean = scalars[name] = DeviceMean()
         mean.add(value)
 
 
-def _scalar(name: Any, value: Any) -> float | torch.Tensor:
+def _scalar(name: Any, value: Any, what: str = "forward's scalar") -> float | torch.Tensor:
     """A number as a float, a 0-d tensor (of a subclass) as float32; else a one-line error."""
     if isinstance(value, torch.Tensor):
         if value.ndim:
-            raise TrainkitError(f"forward's scalar {name!r} has shape {tuple(value.shape)}: "
+            raise TrainkitError(f"{what} {name!r} has shape {tuple(value.shape)}: "
                                 "return a 0-d tensor (e.g. its .mean()) or a number")
         return value.detach().float()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    raise TrainkitError(f"forward's scalar {name!r} is a {type(value).__name__}: return a 0-d "
+    raise TrainkitError(f"{what} {name!r} is a {type(value).__name__}: return a 0-d "
                         "tensor or a number")
-
-
-def _loss(model: nn.Module, batch: Batch, precision: Precision, criterion: Criterion,
-          forward: Forward) -> torch.Tensor:
-    """One micro-batch's forward pass and loss, under autocast when the precision has one."""
-    if precision.dtype is None:  # fp32: no context to enter (this runs every micro-step)
-        outputs, targets = forward(model, batch)
-        return criterion(outputs, targets)
-    with precision.autocast():
-        outputs, targets = forward(model, batch)
-        return criterion(outputs, targets)
-
-
-def _accumulate(model: nn.Module, window: Sequence[Batch], precision: Precision,
-                criterion: Criterion, forward: Forward, device: torch.device,
-                after_backward: Callable[[bool], None] | None = None) -> tuple[torch.Tensor, int]:
-    """Forward/backward each micro-batch of a window of several, each loss weighted by its share
-    of the samples; returns the window's mean loss (detached) and its sample count."""
-    sizes = [batch_size(b) for b in window]
-    total = sum(sizes)
-    last = len(window) - 1
-    losses = []
-    for i, batch in enumerate(window):
-        batch = move_to_device(batch, device)
-        # Only the last micro-batch's backward all-reduces gradients under DDP.
-        with contextlib.nullcontext() if i == last else sync_gradients(model, sync=False):
-            loss = _loss(model, batch, precision, criterion, forward) * (sizes[i] / total)
-            precision.backward(loss)
-        if after_backward is not None:
-            after_backward(i == last)
-        losses.append(loss.detach_())  # the product is no view: detached in place
-    # Weighted micro-batch losses add up to the window's mean.
-    return torch.stack(losses).sum(), total
 
 
 def _drop_nonfinite_gradients(optimizer: torch.optim.Optimizer, loss: torch.Tensor,

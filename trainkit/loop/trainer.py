@@ -15,7 +15,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,9 @@ from trainkit.checkpoint.checkpointer import Checkpointer
 from trainkit.config import CheckpointConfig, TrainerConfig
 from trainkit.core import rng
 from trainkit.core.cuda_settings import apply_device_settings
+from trainkit.core.errors import TrainkitError
 from trainkit.core.runtime import Runtime
+from trainkit.core.schedules import schedule_words
 from trainkit.core.signals import Preemption
 from trainkit.data.loader.resumable import set_epoch
 from trainkit.distributed import ddp, group, strategy
@@ -36,25 +38,19 @@ from trainkit.distributed.watchdog import Watchdog, watched
 from trainkit.loop import evaluation
 from trainkit.loop.activations import apply_activation_checkpointing, check_sharded
 from trainkit.loop.callbacks import Callbacks
+from trainkit.loop.context import NamedFit, StepFn
 from trainkit.loop.ema import EMA
-from trainkit.loop.micro_batch import micro_batched
 from trainkit.loop.nonfinite import NonFiniteGuard, NonFiniteLossError
 from trainkit.loop.precision import Precision
+from trainkit.loop.preemptible import exit_if_preempted
 from trainkit.loop.run import Run, new_run
 from trainkit.loop.run_report import RunReport
 from trainkit.loop.spike import LossSpikeError, spike_guard
-from trainkit.loop.step import (
-    Criterion,
-    Forward,
-    WindowStep,
-    default_forward,
-    steps_per_epoch,
-    windows,
-)
+from trainkit.loop.step import Criterion, Forward, default_forward, steps_per_epoch, windows
 from trainkit.loop.train_state import TrainState
 from trainkit.models.param_groups import apply_freeze, describe
 from trainkit.observe.advice import Advisor
-from trainkit.observe.logging import log_start, log_window, setup_logging
+from trainkit.observe.logging import log_start, log_window, release_run_log, setup_logging
 from trainkit.observe.metrics import FlopsMeter, startup_seconds
 from trainkit.observe.profile import profilers
 from trainkit.observe.sinks import MetricsSink, default_sinks
@@ -108,6 +104,7 @@ class Trainer:
                                     self.runtime.device)
         self.callbacks = Callbacks([*callbacks, *self._profilers])  # raises on two states, one key
         self._stop_reason: str | None = None
+        self._report: RunReport | None = None  # the fit's, for trainer.log
         self._watchdog = Watchdog(self.config.hang_timeout_s, self.config.hang_action,
                                   run_dir=self.run_dir, rank=self.runtime.rank,
                                   world_size=self.runtime.world_size)
@@ -118,18 +115,29 @@ class Trainer:
 
     # -- public -------------------------------------------------------------------------------
 
-    def fit(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_data: Iterable[Any],
-            *, criterion: Criterion = F.cross_entropy, scheduler: Any = None,
-            val_data: Iterable[Any] | None = None, metrics: Mapping[str, Any] | None = None,
-            forward: Forward = default_forward, preemption: Preemption | None = None,
-            stop_at_step: int | None = None) -> dict[str, Any]:
+    def fit(self, model: nn.Module | Mapping[str, nn.Module],
+            optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer],
+            train_data: Iterable[Any], *, criterion: Criterion | None = None,
+            scheduler: Any = None, val_data: Iterable[Any] | None = None,
+            metrics: Mapping[str, Any] | None = None, forward: Forward = default_forward,
+            preemption: Preemption | None = None, stop_at_step: int | None = None,
+            step: StepFn | None = None, schedulers: Mapping[str, Any] | None = None,
+            evaluate: Callable[[Any, Any], tuple[Any, ...]] | None = None) -> dict[str, Any]:
         """Train until ``max_epochs`` or ``max_steps`` (or a stop), evaluating on ``val_data``
         with the torchmetrics ``metrics`` (as ``val/<name>``); return the run's summary.
 
         ``train_data`` has a length (a :class:`~trainkit.data.ResumableData` resumes mid-epoch);
         ``forward(model, batch)`` returns ``(outputs, targets)``, optionally with ``{name: scalar}``
-        logged as ``train/<name>``. A signal, like ``stop_at_step``, stops the run after the current
+        logged as ``train/<name>``; ``criterion(outputs, targets)`` (default cross-entropy) the
+        loss, or ``(loss, {name: part})`` with each part logged as ``train/<name>`` and
+        ``val/<name>``. A signal, like ``stop_at_step``, stops the run after the current
         step with a checkpoint; a re-run of a completed run trains nothing (docs/training.md).
+
+        Your own step: ``model`` and ``optimizer`` may be dicts by name, ``schedulers`` a dict
+        by optimizer name, and ``step(ctx, batch)`` (a :class:`~trainkit.StepContext`) is called
+        once per micro-batch; ``evaluate(ctx, batch)`` returns ``(outputs, targets)`` for the
+        metrics (and ``criterion``, when given, for ``val/loss``). Evaluation runs in eval mode
+        under ``no_grad``, on a random stream of its own (docs/research.md, "Your own step").
 
         Raises:
             NonFiniteLossError: ``trainer.nonfinite_patience`` NaN/inf losses in a row.
@@ -137,6 +145,10 @@ class Trainer:
             TrainkitError: a checkpoint could not be written or does not fit this run, or the
                 device ran out of memory (``status: "oom"``).
         """
+        named, criterion = NamedFit.of(model, optimizer, criterion, step, forward, schedulers,
+                                       scheduler, evaluate)
+        if named is not None:  # the step's context steps each optimizer's scheduler
+            model, optimizer, scheduler = named.first_model, named.first_optimizer, None
         advisor = Advisor(self.runtime.device, train_data) if self.config.advice else None
         report = RunReport(self.runtime, self.run_dir, self.state, advisor, self._profilers)
         with report:  # its sinks and profilers closed however the fit ends, after the summary
@@ -144,8 +156,10 @@ class Trainer:
                 run = self._setup(model, optimizer, train_data, report, criterion=criterion,
                                   scheduler=scheduler, val_data=val_data, metrics=metrics,
                                   forward=forward, preemption=preemption or Preemption(),
-                                  stop_at_step=stop_at_step)
-                return run if isinstance(run, dict) else self._run(run)  # dict: it had ended
+                                  stop_at_step=stop_at_step, named=named)
+                summary = run if isinstance(run, dict) else self._run(run)  # dict: it had ended
+                exit_if_preempted(summary)  # inside trainkit.preemptible(): exit 75 now
+                return summary
             except torch.cuda.OutOfMemoryError as err:  # moving the model, resuming, a step, eval
                 error = report.out_of_memory(
                     err, optimizer, batch=getattr(train_data, "batch_size", "?"),
@@ -164,13 +178,30 @@ class Trainer:
         if self._stop_reason is None:
             self._stop_reason = str(reason)
 
+    def log(self, **scalars: float | torch.Tensor) -> None:
+        """Log each scalar as ``train/<name>`` at the current step, into the fit's sinks
+        (TensorBoard, metrics.jsonl, trackers): from any callback hook.
+
+        A tensor is read on the host (a sync): callbacks log where they read anyway.
+
+        Raises:
+            TrainkitError: called outside ``fit``.
+        """
+        if self._report is None:
+            raise TrainkitError("trainer.log(...) logs during fit (from a callback hook)")
+        self._report.log_now(scalars, self.state.global_step)
+
     def evaluate(self, model: nn.Module, data: Iterable[Any], *,
                  criterion: Criterion = F.cross_entropy, metrics: Mapping[str, Any] | None = None,
                  forward: Forward = default_forward) -> dict[str, float]:
-        """Mean loss and each metric over ``data`` as ``{"val/loss": ..., "val/<name>": ...}``."""
-        return evaluation.evaluate(model, data, precision=self.precision, criterion=criterion,
-                                   device=self.runtime.device, metrics=metrics, forward=forward,
-                                   max_batches=self.config.eval_max_batches)
+        """Mean loss and each metric over ``data`` as ``{"val/loss": ..., "val/<name>": ...}``,
+        in eval mode under ``no_grad``, on the evaluation's random stream (the training stream
+        does not move)."""
+        with evaluation.own_stream(self.config.seed, self.runtime):
+            return evaluation.evaluate(model, data, precision=self.precision,
+                                       criterion=criterion, device=self.runtime.device,
+                                       metrics=metrics, forward=forward,
+                                       max_batches=self.config.eval_max_batches)
 
     def planned_steps(self, batches_per_epoch: int) -> int:
         """Optimizer steps this run will take: the smaller of the epoch and step limits."""
@@ -196,7 +227,11 @@ class Trainer:
                report: RunReport, **parts: Any) -> Run | dict[str, Any]:
         """The run to train, its parts resumed; or the summary of a run that already ended."""
         setup_logging(self.run_dir, self.runtime.is_main)  # this run's train.log, or none
-        model = self.prepare_model(model, optimizer)  # DDP/FSDP: rank 0's weights everywhere
+        named: NamedFit | None = parts["named"]
+        self._report = report
+        # DDP/FSDP: rank 0's weights everywhere
+        model = (self.prepare_model(model, optimizer) if named is None else
+                 named.place(self.prepare_model, self.config, self.runtime))
         # Training's random draws (dropout, ...) follow from config.seed, each rank its own.
         rng.seed_rank(self.runtime.rank, self.config.seed, device=self.runtime.device)
         ema = EMA(model, self.config.ema_decay) if self.config.ema_decay else None
@@ -206,9 +241,12 @@ class Trainer:
                                    precision=self.precision, scheduler=parts["scheduler"], ema=ema,
                                    data=train_data,
                                    callbacks=callbacks if callbacks.stateful else None)
+        if named is not None:
+            named.register(self.checkpointer)
         if callbacks.handlers["on_checkpoint"]:
             self.checkpointer.on_saved = functools.partial(callbacks.fire, "on_checkpoint", self)
         self.checkpointer.start(total_steps)
+        release_run_log()  # the run is accepted: its checkpoint (if any) fits this config
         finished = report.already_ended(total_steps, self.config.epoch_limit)
         if finished is not None:  # a re-run of an ended run: nothing to train or write
             return finished
@@ -225,7 +263,8 @@ class Trainer:
                   steps_per_epoch(len(train_data), self.config.accumulate_grad_batches),
                   self.config, getattr(train_data, "batch_size", None), self._settings_text,
                   precision=self.precision.describe(), startup_s=report.startup_s,
-                  setup_s=report.setup_s, params=describe(model, optimizer))
+                  setup_s=report.setup_s,
+                  params=describe(model, optimizer, schedule_words(parts["scheduler"])))
         if self.precision.warning:
             log.warning(self.precision.warning)
         return run
@@ -250,12 +289,13 @@ class Trainer:
             if status == "completed":
                 self.checkpointer.save(state.global_step, last_step=True)
             self.checkpointer.wait()  # the last checkpoint is on disk before the summary says so
-        except (NonFiniteLossError, LossSpikeError):
-            run.report.finish("diverged", {})
+        except (NonFiniteLossError, LossSpikeError):  # its last evaluation stays its result
+            run.report.finish("diverged", run.results or {})
             raise
         finally:
             self.checkpointer.close()  # a write still in flight ends whole, however fit ends
             self._watchdog.on_abort = None  # its report holds the run's data
+            self._report = None
         extra = {"stop_reason": state.stop_reason} if status == "stopped" else {}
         # best: checkpoint.monitor's best checkpoint, or None; the data's skipped files
         summary = run.report.finish(status, run.results or {}, **extra,
@@ -269,26 +309,23 @@ class Trainer:
     def _start_training(self, run: Run) -> None:
         """The step, the vote and the NaN/inf guard, as training starts (after compiling)."""
         cfg, state = self.config, self.state
-        model = strategy.compiled(run.model, cfg.compile) if cfg.compile else run.model
+        model = run.compiled(cfg.compile)  # as the step calls it (each trained model compiled)
         run.meter.flops = self.flops.watch(model)  # FLOPs and MFU: counted at the first call
         self.callbacks.fire("on_fit_start", self)
         run.meter.restart()
         # Under DDP all ranks must skip, stop and save at the same steps: one vote per step.
         preemption = run.preemption  # not the run: the run holds the vote (no reference cycle)
         run.spike = spike_guard(cfg.spike, state, self.checkpointer, run, self.runtime)
+        # the time-based log decision: rank 0's clock, carried by the vote to the next step, so
+        # that every rank reads its NaN/inf check alike (the two ways issue other collectives)
         run.vote = group.StepVote(lambda: preemption.requested or self._stop_reason is not None,
                                   save_due=self.checkpointer.time_due,
-                                  spike=run.spike.pending if run.spike else None)
+                                  spike=run.spike.pending if run.spike else None,
+                                  log_due=run.logs.due_by_time if self.runtime.is_main else None)
+        # fused fp16 steps skipped on the device are counted where the guard reads anyway
         run.guard = NonFiniteGuard(cfg.nonfinite_patience, state, self.checkpointer.last_saved,
-                                   self.runtime.device)
-        run.step = WindowStep(
-            model, optimizer=run.optimizer, precision=self.precision, criterion=run.criterion,
-            forward=run.forward, device=self.runtime.device, clip_val=cfg.gradient_clip_val,
-            clip_algorithm=cfg.gradient_clip_algorithm,
-            agree=run.vote.nonfinite if run.vote.active else None, scalars=run.meter.own)
-        # trainer.micro_batch_size: each batch split (and, in auto, retried on out-of-memory)
-        run.step = micro_batched(run.step, cfg, state, model, self._profilers)
-        run.step = run.spike.wrap(run.step) if run.spike else run.step  # sees each loss
+                                   self.runtime.device, skips=self.precision.read_skips)
+        run.build_step(model, self.precision, cfg, self._profilers, state)
         run.evals.enabled = run.val_data is not None
         run.logs.logged()  # the first line by time is due a period from now
         run.report.time_first(run, cfg.compile)  # the cold start, said as the fit ends
@@ -306,7 +343,7 @@ class Trainer:
         set_epoch(run.data, state.epoch, state.batch_in_epoch)
         apply_freeze(ddp.unwrap(run.model), self.config, state.epoch)  # unfreeze_at_epoch
         clock, fire, batches = time.perf_counter, self.callbacks.fire, len(run.data)
-        run.model.train()
+        run.train_mode()
         run.evals.start_epoch(state.global_step, state.epoch, state.global_step + steps_per_epoch(
             batches - state.batch_in_epoch, self.config.accumulate_grad_batches))
         step_end = self.callbacks.handlers["on_step_end"]
@@ -315,7 +352,7 @@ class Trainer:
         fetched = clock()
         for window in windows(run.data, self.config.accumulate_grad_batches):
             run.meter.data_wait += clock() - fetched  # blocked on the data since the last step
-            logs = run.logs.should_log(state.global_step + 1)
+            logs = run.should_log(state.global_step + 1)
             self._step(run, window, batches, logs)
             step = state.global_step
             if logs:
@@ -377,10 +414,12 @@ class Trainer:
         """Evaluate (with the EMA weights when on), log, tell the callbacks, and let the
         Checkpointer keep the best (last: its checkpoint holds the callbacks' new state)."""
         ema, step = run.ema, self.state.global_step
-        with ema.applied() if ema is not None else contextlib.nullcontext():
+        forward, models = run.evaluation_parts(self.precision)
+        with (ema.applied() if ema is not None else contextlib.nullcontext(), models,
+              evaluation.own_stream(self.config.seed, self.runtime)):
             results = evaluation.evaluate(  # as self.evaluate does
                 run.model, run.val_data, precision=self.precision, criterion=run.criterion,
-                device=self.runtime.device, metrics=run.metrics, forward=run.forward,
+                device=self.runtime.device, metrics=run.metrics, forward=forward,
                 max_batches=self.config.eval_max_batches)
         run.report.sinks.log(results, step)
         log.info("epoch %d step %d %s", self.state.epoch_number, step,
@@ -394,8 +433,10 @@ class Trainer:
     def _log_train(self, run: Run) -> None:
         """The window's figures to the sinks, the console and train.log."""
         state = self.state
+        run.guard.read()  # what the device counted: NaN/inf and fused fp16 skips (host waits)
         scalars = {**run.meter.read(), "train/lr": run.optimizer.param_groups[0]["lr"],
                    "amp/skipped_steps": state.skipped_steps}
+        scalars.update(run.named.rates() if run.named is not None else {})
         if self.precision.scaler is not None:
             scalars["amp/loss_scale"] = self.precision.scaler.get_scale()
         run.report.log(scalars, state.global_step)

@@ -9,10 +9,10 @@ node a checkpoint stores, so a LoRA run's checkpoints load into the same wrappin
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import inspect
+import os
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torch import nn
@@ -22,29 +22,65 @@ from trainkit.models.lora import apply_lora
 from trainkit.models.pretrained import load_pretrained
 
 
-def make_model(node: Mapping[str, Any], *, pretrained: bool = False) -> nn.Module:
-    """``instantiate(node)`` less the keys trainkit reads: with ``pretrained`` (a new run's
-    model; a rebuilt one takes its checkpoint's weights) ``model.pretrained``'s weights loaded,
-    then LoRA applied where ``model.lora`` is set (the adapters wrap the loaded weights)."""
-    from hydra.utils import instantiate  # the config's own way to build it; only when called
-    from omegaconf import DictConfig, OmegaConf, open_dict
+@dataclass(frozen=True)
+class ModelKeys:
+    """The keys of a ``model`` config node that trainkit reads itself, not the model's class
+    (the only list of them: :data:`MODEL_KEYS`). Every other key is an argument of its
+    ``_target_``.
 
-    node = copy.deepcopy(node)  # a config's node keeps its place: errors name model.<key>
-    with open_dict(node) if isinstance(node, DictConfig) else contextlib.nullcontext():
-        lora, weights = node.pop("lora", None), node.pop("pretrained", None)
-        drop_path = node.pop("drop_path", None)
-        if drop_path:  # model.drop_path: the model's own stochastic-depth argument
-            node[drop_path_argument(node)] = drop_path
-    if isinstance(lora, DictConfig):
-        lora = OmegaConf.to_container(lora, resolve=True)
-    model = instantiate(node, _convert_="all")
-    if pretrained and weights:
-        load_pretrained(model, weights)
-    return apply_lora(model, lora) if lora else model
+    Example:
+        >>> ModelKeys.split({"_target_": "m.Net", "width": 3, "pretrained": "w.pt"})
+        (ModelKeys(pretrained='w.pt', lora=None, drop_path=0.0), {'_target_': 'm.Net', 'width': 3})
+    """
+
+    # weights to start a new run from: a file or a Hugging Face folder (models/pretrained.py)
+    pretrained: str | None = None
+    # PEFT's LoraConfig arguments ({r, alpha, dropout, target_modules}: models/lora.py)
+    lora: dict[str, Any] | None = None
+    # stochastic depth, given to the model's own argument (:func:`drop_path_argument`); 0: off
+    drop_path: float = 0.0
+
+    @classmethod
+    def split(cls, node: Mapping[str, Any]) -> tuple[ModelKeys, dict[str, Any]]:
+        """``node``'s own keys, type-checked, and the rest: what its ``_target_`` takes.
+
+        Raises:
+            ConfigError: ``model.pretrained`` is not a path, or ``model.lora`` not a mapping.
+        """
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(node, DictConfig):
+            node = OmegaConf.to_container(node, resolve=True)
+        rest = {key: value for key, value in node.items() if key not in MODEL_KEYS}
+        pretrained, lora = node.get("pretrained"), node.get("lora")
+        if pretrained is not None and not isinstance(pretrained, (str, os.PathLike)):
+            raise ConfigError(f"model.pretrained must be a weights file or folder (or null), "
+                              f"got {pretrained!r}")
+        if lora is not None and not isinstance(lora, Mapping):
+            raise ConfigError(f"model.lora must be a mapping of PEFT's LoraConfig arguments, "
+                              f"e.g. '{{r: 8, alpha: 16}}' (or null), got {lora!r}")
+        drop_path = node.get("drop_path") or 0.0
+        if isinstance(drop_path, bool) or not isinstance(drop_path, (int, float)) or not (
+                0 <= drop_path < 1):
+            raise ConfigError(f"model.drop_path must be in [0, 1), got {drop_path!r}")
+        if drop_path:  # the model's own stochastic-depth argument, or one line
+            rest[drop_path_argument(rest)] = float(drop_path)
+        return cls(None if pretrained is None else str(pretrained),
+                   None if lora is None else dict(lora), float(drop_path)), rest
 
 
+MODEL_KEYS = tuple(f.name for f in fields(ModelKeys))
 # stochastic depth's argument: timm's, torchvision's
 DROP_PATH_ARGUMENTS = ("drop_path_rate", "stochastic_depth_prob")
+
+
+def with_drop_path_argument(node: Mapping[str, Any]) -> dict[str, Any]:
+    """``node`` with ``drop_path`` given as the model's own argument (:func:`drop_path_argument`),
+    or left out when 0: a node ``hydra.utils.instantiate`` builds (an export's model.json)."""
+    rest = {key: value for key, value in node.items() if key != "drop_path"}
+    if node.get("drop_path"):
+        rest[drop_path_argument(rest)] = node["drop_path"]
+    return rest
 
 
 def drop_path_argument(node: Mapping[str, Any]) -> str:
@@ -58,13 +94,13 @@ def drop_path_argument(node: Mapping[str, Any]) -> str:
     from hydra.utils import get_object
 
     target = str(node.get("_target_", ""))
+    if target.startswith("timm."):
+        return "drop_path_rate"  # timm.create_model passes it to every model of timm's
     built: Any = get_object(target) if target else None
     if target == "trainkit.models.vision.torchvision_classifier":
         import torchvision
 
         built = torchvision.models.get_model_builder(str(node.get("name")))
-    if target.startswith("timm."):
-        return "drop_path_rate"  # timm.create_model passes it to every model of timm's
     returns = inspect.signature(built).return_annotation if callable(built) else None
     cls = returns if isinstance(returns, type) else built
     try:
@@ -76,3 +112,22 @@ def drop_path_argument(node: Mapping[str, Any]) -> str:
             return name
     raise ConfigError(f"model.drop_path: {target or 'this model'} takes no drop_path_rate or "
                       "stochastic_depth_prob (stochastic depth); remove model.drop_path")
+
+
+def class_arguments(node: Mapping[str, Any]) -> dict[str, Any]:
+    """The model config ``node`` without :data:`MODEL_KEYS`: what its ``_target_`` takes."""
+    return ModelKeys.split(node)[1]
+
+
+def make_model(node: Mapping[str, Any], *, pretrained: bool = False) -> nn.Module:
+    """``instantiate(node)`` less the keys trainkit reads (:class:`ModelKeys`): with
+    ``pretrained`` (a new run's model; a rebuilt one takes its checkpoint's weights)
+    ``model.pretrained``'s weights loaded, then LoRA applied where ``model.lora`` is set (the
+    adapters wrap the loaded weights)."""
+    from hydra.utils import instantiate  # the config's own way to build it; only when called
+
+    keys, arguments = ModelKeys.split(node)
+    model = instantiate(arguments, _convert_="all")
+    if pretrained and keys.pretrained:
+        load_pretrained(model, keys.pretrained)
+    return apply_lora(model, keys.lora) if keys.lora else model

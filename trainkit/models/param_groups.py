@@ -22,7 +22,7 @@ from torch import nn
 from trainkit.core.errors import ConfigError
 
 log = logging.getLogger("trainkit")
-KEYS = ("param_groups", "layer_decay", "decay_norm_and_bias")  # optim keys read here
+KEYS = ("param_groups", "layer_decay", "decay_norm_and_bias", "adamw_params")  # read here
 # Model families layer decay knows: (block index pattern, stem pattern); blocks count from 1,
 # the stem is layer 0, anything else (the head, a final norm) the top layer.
 FAMILIES = {
@@ -192,23 +192,34 @@ def _by_family(model: nn.Module, block: str, stem: str) -> dict[str, int]:
             else top for name in names}
 
 
-def describe(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> str:
+def peak_lr(group: Mapping[str, Any]) -> float:
+    """A param group's configured (peak) learning rate, not the one its schedule has set now:
+    a warm-up starts below it (OneCycleLR keeps it as ``max_lr``, torch's other schedules as
+    ``initial_lr``)."""
+    return float(group.get("max_lr", group.get("initial_lr", group.get("lr", 0.0))))
+
+
+def describe(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             schedule: str = "") -> str:
     """``"11.2M parameters: 2.1K train, 11.2M frozen; 2 groups: head lr 0.01, default lr
-    0.001"``: the first log line's words (groups summarised when there are many)."""
+    0.001"``: the first log line's words (groups summarised when there are many), each lr the
+    configured peak (:func:`peak_lr`), followed by ``schedule`` (the schedule in words)."""
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     frozen = sum(p.numel() for p in params if not p.requires_grad)
     text = f"{_count(total)} parameters" + (
         f": {_count(total - frozen)} train, {_count(frozen)} frozen" if frozen else "")
     groups = getattr(optimizer, "param_groups", [])
-    if len(groups) <= 1:
-        return text
-    lrs = [g.get("lr", 0.0) for g in groups]
-    if len(groups) > 4:
-        return text + f"; {len(groups)} groups, lr {min(lrs):.3g} to {max(lrs):.3g}"
-    return text + f"; {len(groups)} groups: " + ", ".join(
-        f"{g.get('name', i)} lr {g.get('lr', 0.0):.3g} wd {g.get('weight_decay', 0.0):.3g}"
-        for i, g in enumerate(groups))
+    lrs = [peak_lr(g) for g in groups]
+    if len(groups) == 1:
+        text += f"; peak lr {lrs[0]:.3g}"
+    elif len(groups) > 4:
+        text += f"; {len(groups)} groups, peak lr {min(lrs):.3g} to {max(lrs):.3g}"
+    elif groups:
+        text += f"; {len(groups)} groups: " + ", ".join(
+            f"{g.get('name', i)} lr {lr:.3g} wd {g.get('weight_decay', 0.0):.3g}"
+            for i, (g, lr) in enumerate(zip(groups, lrs)))
+    return text + (f"; {schedule}" if schedule and groups else "")
 
 
 def _count(n: int) -> str:
@@ -222,8 +233,11 @@ def build_optimizer(model: nn.Module, node: Mapping[str, Any],
                     make: Callable[[dict[str, Any], list[dict[str, Any]]], Any]) -> Any:
     """The optimizer a config node describes, on :func:`param_groups` of ``model``: the keys
     :data:`KEYS` read here, the others (``_target_``, ``lr``, ...) given to ``make(node,
-    groups)`` (the entry point's ``hydra.utils.instantiate``)."""
+    groups)`` (the entry point's ``hydra.utils.instantiate``). A node with ``adamw_params``
+    (``optim=muon``) has each group split into Muon's and AdamW's
+    (:func:`trainkit.models.muon.split_groups`)."""
     node = dict(node)
+    adamw_params = node.pop("adamw_params", None)
     groups, layer_decay = node.pop("param_groups", None) or [], node.pop("layer_decay", None)
     decay_all = node.pop("decay_norm_and_bias", True)
     if not isinstance(decay_all, bool):
@@ -233,8 +247,12 @@ def build_optimizer(model: nn.Module, node: Mapping[str, Any],
     if not isinstance(groups, Sequence) or not all(isinstance(g, Mapping) for g in groups):
         raise ConfigError("optim.param_groups must be a list of {params: pattern, lr: ...}, "
                           f"got {groups!r}")
-    optimizer = make(node, param_groups(
-        model, lr=node.get("lr"), groups=groups, layer_decay=layer_decay,
-        decay_norm_and_bias=decay_all))
+    built = param_groups(model, lr=node.get("lr"), groups=groups, layer_decay=layer_decay,
+                         decay_norm_and_bias=decay_all)
+    if adamw_params is not None:
+        from trainkit.models.muon import split_groups
+
+        built = split_groups(model, built, list(adamw_params))
+    optimizer = make(node, built)
     check_options(optimizer)
     return optimizer

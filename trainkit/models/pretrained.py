@@ -29,26 +29,11 @@ log = logging.getLogger("trainkit")
 # More than this fraction of the model's weights not in the file (by name or shape): the file is
 # of another model, and training from it would be training from random weights.
 MAX_MISSING = 0.5
-# keys of the model config node that trainkit reads, not the model's class (stripped before
-# hydra's instantiate: at training, and when a run's model is rebuilt to evaluate or export)
-MODEL_KEYS = ("pretrained",)
 _WRAPPERS = ("state_dict_ema", "model_ema", "state_dict", "model", "module", "params")
 _PREFIXES = ("module.", "_orig_mod.")
 _HF_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
              "pytorch_model.bin.index.json")
 _SHOWN = 6  # names shown per log line
-
-
-def model_node(node: Mapping[str, Any]) -> dict[str, Any]:
-    """The model config ``node`` without :data:`MODEL_KEYS`: what its ``_target_`` takes
-    (``model.drop_path`` as the model's own argument, where set)."""
-    taken = {key: value for key, value in node.items()
-             if key not in MODEL_KEYS and key != "drop_path"}
-    if node.get("drop_path"):
-        from trainkit.models.build import drop_path_argument  # build imports this module
-
-        taken[drop_path_argument(node)] = node["drop_path"]
-    return taken
 
 
 def read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], str]:

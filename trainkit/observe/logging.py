@@ -27,8 +27,40 @@ class ConsoleHandler(logging.StreamHandler):
         pass  # StreamHandler's own assignment: the current sys.stdout is always used
 
 
+class HeldFileHandler(logging.FileHandler):
+    """``train.log`` of a folder that has one already: its lines are held until
+    :func:`release_run_log` (the run is accepted), so a refused start leaves the file as it was."""
+
+    def __init__(self, filename: str) -> None:
+        super().__init__(filename, delay=True)  # not even opened until a line is written
+        self.held: list[logging.LogRecord] | None = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.held is None:
+            super().emit(record)
+        else:
+            self.held.append(record)
+
+    def accept(self) -> None:
+        """Write the held lines, and every later one as it comes."""
+        held, self.held = self.held or [], None
+        for record in held:
+            super().emit(record)
+
+
+def release_run_log() -> None:
+    """The run is accepted (its checkpoint fits, its config passed): ``train.log`` gets the lines
+    held so far (:class:`HeldFileHandler`)."""
+    for handler in logging.getLogger(LOGGER_NAME).handlers:
+        if isinstance(handler, HeldFileHandler):
+            handler.accept()
+
+
 def setup_logging(run_dir: str | Path | None, is_main: bool = True) -> logging.Logger:
     """Send trainkit's log lines to stdout and ``<run_dir>/train.log`` (rank 0 only).
+
+    Where ``train.log`` exists already (an earlier run's), its new lines are held until
+    :func:`release_run_log`: a start refused before then leaves the file untouched.
 
     Idempotent per run directory, and it replaces handlers left by a previous run in the same
     process (Hydra multirun, notebooks, sweeps): ``Trainer.fit`` calls it, so each run writes only
@@ -51,7 +83,8 @@ def setup_logging(run_dir: str | Path | None, is_main: bool = True) -> logging.L
     handlers: list[logging.Handler] = [console]
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
+        handlers.append(HeldFileHandler(log_file) if Path(log_file).exists()
+                        else logging.FileHandler(log_file))
     for handler in handlers:
         handler.setFormatter(formatter)
         handler._trainkit_file = log_file  # type: ignore[attr-defined]

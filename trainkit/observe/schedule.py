@@ -41,6 +41,15 @@ class LogSchedule:
         self.logged()
         return True
 
+    def due_by_time(self) -> bool:
+        """Whether ``every_n_seconds`` passed since the last logging step; when so, the next
+        period starts now (the caller logs a step for it: under several ranks, rank 0's
+        answer, agreed in the ranks' vote)."""
+        if self._clock() < self._deadline:
+            return False
+        self.logged()
+        return True
+
     def logged(self) -> None:
         """Start the time period from now: the next time-based log is ``every_n_seconds`` away."""
         seconds = self.every_n_seconds

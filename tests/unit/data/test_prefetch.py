@@ -220,3 +220,36 @@ def test_the_cpu_stand_in_fails_without_wait_stream_or_record_stream(
     """The structure the GPU test checks, shown to catch each line's removal."""
     hazards = _stand_in(_without(removed), monkeypatch)
     assert hazards and all(hazard in line for line in hazards), hazards
+
+
+def test_the_batch_read_ahead_is_not_counted_as_handed_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Down the CUDA path (fake streams on the CPU) the prefetcher holds the next batch while
+    the caller has the current one; the loader's position counts what was handed out, and a
+    resume from it serves the very next batch: the look-ahead is no position of its own."""
+    import importlib
+
+    module = importlib.import_module(DevicePrefetcher.__module__)
+    side = _FakeStream("side", [])
+
+    def prefetcher() -> DevicePrefetcher:
+        made = module.DevicePrefetcher(_loader(), "cpu")
+        monkeypatch.setattr(made, "_stream", side)
+        return made
+
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: side)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None)
+    whole = [y for _, y in prefetcher()]
+    first = prefetcher()
+    first.set_epoch(0)
+    taken = []
+    for _, y in first:
+        taken.append(y)
+        if len(taken) == 2:
+            break
+    assert first.state_dict()["batch"] == 2  # the third, read ahead, is not counted
+    again = prefetcher()
+    again.load_state_dict(first.state_dict())
+    rest = [y for _, y in again]
+    assert all(torch.equal(a, b) for a, b in zip(taken + rest, whole, strict=True))

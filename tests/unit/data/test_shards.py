@@ -15,7 +15,7 @@ from trainkit.config import DataConfig
 from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.runtime import Runtime
 from trainkit.data.__main__ import main as data_main
-from trainkit.data.sources.webdataset import shard_loaders
+from trainkit.data.pipeline import shard_loaders
 
 CPU = Runtime(torch.device("cpu"))
 

@@ -13,7 +13,7 @@ import torch
 
 from trainkit.core.errors import ConfigError
 from trainkit.data.__main__ import main as data_main
-from trainkit.data.sources.tokens import TokenLoader
+from trainkit.data.loader.tokens import TokenLoader
 from trainkit.data.tools.tokenize import tokenize
 
 

@@ -39,8 +39,9 @@ def test_the_class_count_is_read_from_the_data_and_the_config_stays_as_given(
 
 
 def test_only_build_py_builds_a_model_in_entry() -> None:
-    """train, probe, evaluate, predict and export build the model through build.build_model."""
-    builders = {"make_model", "build_model"}
+    """train, probe, evaluate, predict and export build the model through
+    build.build_run_model."""
+    builders = {"make_model", "build_model", "build_run_model"}
     for path in sorted((REPO / "trainkit" / "entry").glob("*.py")):
         if path.name == "build.py":
             continue
@@ -50,5 +51,5 @@ def test_only_build_py_builds_a_model_in_entry() -> None:
                     for alias in node.names}
         assert not builders & imported, path.name
     assert {p.stem for p in (REPO / "trainkit" / "entry").glob("*.py")} - {
-        "__init__", "build", "errors", "cli", "train", "evaluate", "predict", "export", "probe",
-        "verify_resume", "sweep", "runs", "estimate"} == set()
+        "__init__", "build", "errors", "run_dir", "cli", "train", "evaluate", "predict", "export",
+        "probe", "verify_resume", "sweep", "runs", "estimate"} == set()

@@ -11,10 +11,27 @@ from trainkit.entry import cli
 def test_a_long_message_keeps_its_start_and_its_fix_within_the_limit() -> None:
     message = "files missing in /" + "very/long/" * 30 + "path: run `fetch --root DIR` to fix"
     *details, last = error_lines(message, ["first detail"])
-    assert len(last) == LINE_LIMIT
-    assert last.startswith("trainkit: files missing in /very/long/")
-    assert last.endswith("run `fetch --root DIR` to fix")
+    assert len(last) <= LINE_LIMIT
+    # issue 61, fault 8: cut between words, so the long path is left out whole, not cut
+    assert last == "trainkit: files missing in ... run `fetch --root DIR` to fix"
     assert details == ["  first detail", f"  {message}"]  # the whole message stays readable
+
+
+def test_a_long_message_is_printed_whole_once_and_its_last_line_cut_between_words() -> None:
+    """Issue 61, fault 8: the message whole once (not again where a detail holds it, as an
+    error's chain does), and no word of it cut in the last line."""
+    message = ("the storage cannot be reached (Could not connect to the endpoint URL: "
+               f"\"http://127.0.0.1:9/bucket/{'run/' * 20}last.json\" after 3 attempts with "
+               "a timeout of 60 s): check checkpoint.dir, your credentials and the network, "
+               "then re-run the same command to resume from the last checkpoint")
+    words = message.split(" ")
+    for details in ([], [f"TrainkitError: {message}", "ClientError: refused"]):
+        *shown, last = error_lines(message, details)
+        assert len(last) <= LINE_LIMIT
+        assert sum(message in line for line in shown) == 1, shown
+        start, end = last.removeprefix("trainkit: ").split(" ... ")
+        assert start.split(" ") == words[:len(start.split(" "))] and len(start) > 40
+        assert end.split(" ") == words[-len(end.split(" ")):]
 
 
 def test_a_short_message_is_the_last_line_as_it_is() -> None:

@@ -188,11 +188,40 @@ def test_sharding_and_replicas_change_the_share_per_rank() -> None:
     assert plan.per_rank(memory, 4, "fsdp") < plan.per_rank(memory, 2, "fsdp") < memory.peak
 
 
+def test_lm_without_a_corpus_takes_its_tokenizers_vocabulary_and_says_so(capsys) -> None:
+    """Issue 61, fault 10: ``trainkit estimate +exp=lm`` (memory.md lists lm) needs no corpus."""
+    assert estimate.main(["--device", "H100", "+exp=lm", "data.root=/nonexistent"]) == 0
+    out = capsys.readouterr().out
+    assert "note: data.num_classes=256 assumed (the tokenizer's vocabulary" in out, out
+    assert "verdict: fits" in out
+
+
+def test_the_largest_micro_batch_is_the_same_from_any_configured_batch() -> None:
+    """Issue 61, fault 10: a search for the boundary, not an extrapolation from the batch
+    asked about: the same answer for batches 64, 512 and 2048, and one sample more does not
+    fit."""
+    def plan(batch: int, target: estimate.Target) -> estimate.Plan:
+        cfg = _compose(["+exp=mnist", f"data.batch_size={batch}", "trainer.precision=32"])
+        return estimate.Plan.of(cfg, estimate._settings(cfg), target, 1)
+
+    probe = plan(64, CPU)
+    size = probe.per_rank(probe.trace(300, micro_batches=2))
+    target = estimate.Target("cpu", size + 1000, "cpu", False)
+    answers = set()
+    for batch in (64, 512, 2048):
+        p = plan(batch, target)
+        answers.add(p.largest_micro_batch())
+    assert len(answers) == 1, answers
+    largest = answers.pop()
+    assert largest >= 300
+    steps = [p.per_rank(p.trace(n, micro_batches=2)) for n in (largest, largest + 1)]
+    assert steps[0] <= target.usable < steps[1]
+
+
 @pytest.mark.parametrize("args, words", [
     (["--device", "B300", "+exp=mnist"], "--device B300: not a device this table knows; use "
                                          "one of h200, h100"),
     (["--world-size", "0", "+exp=mnist"], "--world-size must be >= 1, got 0"),
-    (["+exp=lm"], "set data.num_classes"),
     (["data=hf_text", "data.num_classes=2"], "data=hf_text: the estimate knows the built-in"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, words, capsys) -> None:

@@ -34,3 +34,23 @@ def test_failed_runs_say_why_and_best_checkpoints_show(tmp_path: Path,
     assert lines[2].split()[:3] == ["b", "9", "failed"]
     assert lines[2].endswith("RuntimeError: loss is nan")
     assert lines[3].split() == ["c", "0.01", "running?"]
+
+
+def test_csv_has_full_precision_and_one_value_per_column(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 61, fault 12: 0.6046813726425171 is not rounded, and best's step is its own column."""
+    import csv
+    import io
+
+    best = {"metric": "val/acc", "value": 0.6046813726425171, "step": 40, "path": "x"}
+    _run(tmp_path / "a", "0.1", {"status": "completed", "global_step": 60,
+                                 "metrics": {"val/acc": 0.5981234567891234, "val/loss": 1.25},
+                                 "best": best})
+    _run(tmp_path / "b", "0.01", None)
+    assert runs_main([str(tmp_path), "--csv"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert list(rows[0]) == ["run", "optim.lr", "status", "step", "val/acc", "best", "best step",
+                             "val/loss"]
+    assert rows[0]["val/acc"] == "0.5981234567891234" and rows[0]["val/loss"] == "1.25"
+    assert (rows[0]["best"], rows[0]["best step"]) == ("0.6046813726425171", "40")
+    assert (rows[1]["best"], rows[1]["best step"], rows[1]["val/acc"]) == ("", "", "")

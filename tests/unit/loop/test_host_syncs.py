@@ -44,6 +44,51 @@ def test_fp16_reads_once_per_step_for_the_grad_scaler() -> None:
     assert long["host_reads"] - short["host_reads"] == 1 * 10
 
 
+def test_fp16_with_a_fused_optimizer_reads_nothing_per_step() -> None:
+    """Issue 60.9: a fused AdamW skips an overflowed step in its kernel on GradScaler's flag;
+    trainkit counts the skip on the device instead of reading the flag every step."""
+    runs = [fit_reads(n, every, "cpu", "16-mixed", optimizer="fused_adamw")
+            for n, every in ((10, 5), (20, 10), (20, 5))]
+    assert runs[0]["host_reads"] == runs[1]["host_reads"], runs[:2]
+    assert runs[2]["host_reads"] > runs[1]["host_reads"]  # the count sees reads
+    assert runs[0]["host_syncs"] == runs[1]["host_syncs"]
+
+
+def test_fused_fp16_overflow_skips_are_counted_at_logging_steps() -> None:
+    """The skips counted on the device reach summary.json's skipped_steps (GradScaler's first
+    steps overflow at its initial scale of 65536 on this model)."""
+    from trainkit.loop.precision import Precision
+
+    precision = Precision("16-mixed", "cpu")
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    skipped = 0
+    for x, y in _batches(3, 0, 0):
+        with precision.autocast():
+            loss = nn.functional.cross_entropy(model(x), y) * 1e4  # overflows in fp16 grads
+        precision.backward(loss)
+        assert precision.step(optimizer)  # reported without a read: the kernel skipped
+        optimizer.zero_grad()
+    skipped = precision.read_skips()
+    assert skipped == 3 and precision.read_skips() == 0
+
+
+@pytest.mark.parametrize("log_every", [1, 7])
+def test_a_fused_fp16_fit_counts_the_skipped_steps_a_non_fused_one_counts(log_every: int) -> None:
+    def fit(fused: bool) -> dict:
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+        config = TrainerConfig(device="cpu", precision="16-mixed", log_every_n_steps=log_every,
+                               log_every_n_seconds=0)
+        return Trainer(config).fit(model, optimizer, _batches(12, 0, 0),
+                                   criterion=lambda out, y: nn.functional.cross_entropy(out, y)
+                                   * 1e4)
+
+    plain, fused = fit(False), fit(True)
+    assert plain["skipped_steps"] > 0
+    assert fused["skipped_steps"] == plain["skipped_steps"]
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Flatten(), nn.Linear(16, 3))

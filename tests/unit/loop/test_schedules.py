@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainkit.core.errors import ConfigError
-from trainkit.core.schedules import advance, constant, warmup_cosine
+from trainkit.core.schedules import advance, constant, warmup_cosine, wsd
 
 
 def _closed_form(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -85,3 +85,51 @@ def test_warmup_cosine_resumes_from_its_state_dict_and_advances_like_a_run(at: i
         advance(planned, at)
     assert extended.param_groups[0]["lr"] == pytest.approx(
         0.3 * _closed_form(at, 2 * total, warmup, 0.1), rel=1e-12)
+
+
+def _wsd_factor(step: int, total: int, warmup: int, fraction: float, min_ratio: float) -> float:
+    """WSD's factor at ``step``: linear warm-up, 1, then linear towards ``min_ratio``."""
+    decay = round(fraction * total)
+    if step < warmup:
+        return (step + 1) / warmup
+    if step < total - decay:
+        return 1.0
+    return 1 - (step - (total - decay)) / decay * (1 - min_ratio)
+
+
+@pytest.mark.parametrize(("total", "warmup", "fraction", "min_ratio"),
+                         [(20, 4, 0.25, 0.0), (10, 0, 0.5, 0.1), (50, 10, 0.2, 0.0),
+                          (8, 2, 0.0, 0.0), (6, 0, 1.0, 0.0)])
+def test_wsd_warms_up_holds_then_decays_over_the_last_fraction(
+        total: int, warmup: int, fraction: float, min_ratio: float) -> None:
+    optimizer = _optimizer(0.3)
+    scheduler = wsd(optimizer, total, warmup_steps=warmup, decay_fraction=fraction,
+                    min_ratio=min_ratio)
+    got = [lr for (lr,) in _lrs(optimizer, scheduler, total)]
+    want = [0.3 * _wsd_factor(s, total, warmup, fraction, min_ratio) for s in range(total)]
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+    assert min(got) >= 0
+
+
+def test_wsd_extended_keeps_the_lr_of_every_step_before_its_decay() -> None:
+    short, long = _optimizer(0.1, 0.01), _optimizer(0.1, 0.01)
+    first = _lrs(short, wsd(short, 100, warmup_steps=10, decay_fraction=0.2), 100)
+    longer = _lrs(long, wsd(long, 300, warmup_steps=10, decay_fraction=0.2), 300)
+    assert longer[:80] == first[:80]  # warm-up and the stable phase the short run had taken
+    assert first[80] == [0.1, 0.01] and first[99] < first[80]  # the short run's decay began
+    assert longer[80:240] == [[0.1, 0.01]] * 160  # the longer one stays stable to its own
+    # a checkpoint of the short run's step 60, re-planned over 300 steps (the checkpointer's
+    # advance), goes on at the LR the 300-step run has there
+    resumed = _optimizer(0.1, 0.01)
+    scheduler = wsd(resumed, 300, warmup_steps=10, decay_fraction=0.2)
+    advance(scheduler, 60)
+    assert _lrs(resumed, scheduler, 240) == longer[60:]
+
+
+def test_wsd_refuses_bad_fractions_and_a_warm_up_into_the_decay() -> None:
+    with pytest.raises(ConfigError, match=r"sched.decay_fraction=1.5 and sched.min_ratio=0.0 "
+                                          r"must each be in \[0, 1\]"):
+        wsd(_optimizer(0.1), 10, decay_fraction=1.5)
+    with pytest.raises(ConfigError, match=r"sched.warmup_steps=9 reaches into the decay, which "
+                                          r"starts at step 8 of 10"):
+        wsd(_optimizer(0.1), 10, warmup_steps=9, decay_fraction=0.2)

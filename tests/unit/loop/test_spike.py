@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from tests.conftest import assert_same_weights, last_checkpoint, preemption_signals_heard
 from tests.helpers.spikes import ListLoader, batches, net
@@ -76,21 +77,30 @@ def test_a_non_finite_streak_that_patience_would_stop_first_is_refused() -> None
 
 def fit(run_dir: Path | None = None, *, poison: tuple[int, ...] = (POISON,), spike: Any = True,
         callbacks: tuple[Any, ...] = (), forward: Any = None, nan: tuple[int, ...] = (),
-        trainer: dict[str, Any] | None = None, **checkpoint: Any
-        ) -> tuple[dict[str, Any], torch.nn.Module]:
+        trainer: dict[str, Any] | None = None, plain: bool = False, stop_at_step: int | None = None,
+        **checkpoint: Any) -> tuple[dict[str, Any], torch.nn.Module]:
     """60 batches of SGD with momentum and a one-cycle schedule over the poisoned stream, an
-    EMA; ``trainer``: more TrainerConfig settings."""
+    EMA; ``trainer``: more TrainerConfig settings; ``plain``: the batches from a plain
+    ``torch.utils.data.DataLoader`` (in the same order)."""
     model = net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.05, total_steps=60)
+    epochs = (trainer or {}).get("max_epochs") or 1
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.05, total_steps=60 * epochs)
     settings = {**SPIKE, **spike} if isinstance(spike, dict) else {**SPIKE, "enabled": spike}
     config = TrainerConfig(device="cpu", log_every_n_steps=10, log_every_n_seconds=0,
                            ema_decay=0.9, spike=settings, **(trainer or {}))
     extra = {"forward": forward} if forward is not None else {}
+    stream = batches(60, poison, nan=nan)
+    if plain:
+        inputs, targets = zip(*stream)
+        samples = TensorDataset(torch.cat(inputs), torch.cat(targets))
+        data: Any = DataLoader(samples, batch_size=8)
+    else:
+        data = ListLoader(stream)
     summary = Trainer(config, run_dir=run_dir, checkpoint=CheckpointConfig(**checkpoint),
                       callbacks=callbacks).fit(
-        model, optimizer, ListLoader(batches(60, poison, nan=nan)), scheduler=scheduler,
-        val_data=batches(8, split=1), **extra)
+        model, optimizer, data, scheduler=scheduler, val_data=batches(8, split=1),
+        stop_at_step=stop_at_step, **extra)
     return summary, model
 
 
@@ -161,6 +171,30 @@ def test_a_sigterm_then_a_resume_ends_with_the_uninterrupted_weights(
     assert_same_weights(resumed.state_dict(), rolled[1].state_dict())
     ema = last_checkpoint(tmp_path)["ema"]["weights"]
     assert_same_weights(ema, last_checkpoint(rolled[2])["ema"]["weights"])
+
+
+def test_a_plain_dataloader_goes_on_with_its_next_batch_after_the_rollback(
+        rolled: tuple[dict[str, Any], Any, Path]) -> None:
+    """A plain DataLoader cannot start a pass at a batch: after the rollback its pass goes on
+    with the batch after the spike's, as a resumable loader's new pass does -- the same run."""
+    summary, model = fit(plain=True)
+    assert summary["status"] == "completed" and summary["global_step"] == 60
+    assert summary["spike_rollbacks"] == 1 and summary["spike_skipped_batches"] == 6
+    assert_same_weights(model.state_dict(), rolled[1].state_dict())
+
+
+def test_a_plain_dataloader_with_rollbacks_resumes_bitwise_from_an_epoch_end(
+        tmp_path: Path) -> None:
+    """Two epochs, a spike in each: stopped at the first epoch's end (where a plain loader can
+    resume) and re-run, the run ends with the uninterrupted run's weights."""
+    two = {"max_epochs": 2}
+    straight, model = fit(tmp_path / "a", plain=True, trainer=two)
+    assert straight["spike_rollbacks"] == 2 and straight["global_step"] == 120
+    stopped, _ = fit(tmp_path / "b", plain=True, trainer=two, stop_at_step=60)
+    assert stopped["status"] == "preempted"
+    summary, resumed = fit(tmp_path / "b", plain=True, trainer=two)
+    assert summary["status"] == "completed" and summary["spike_rollbacks"] == 2
+    assert_same_weights(resumed.state_dict(), model.state_dict())
 
 
 def test_more_spikes_than_max_rollbacks_in_the_window_stop_the_run_as_diverged(
@@ -253,3 +287,25 @@ def test_with_accumulation_and_a_loss_scaler_the_rollback_restores_the_scaler_an
     assert_same_weights(resumed.state_dict(), model.state_dict())
     scaler = last_checkpoint(tmp_path / "b")["precision"]["scaler"]
     assert scaler == last_checkpoint(tmp_path / "a")["precision"]["scaler"]
+
+
+def test_a_rollback_in_a_fit_of_two_models_restores_both() -> None:
+    """Two copies of one net, each with its optimizer, trained alike by a step of their own:
+    the rollback must take both back (the second would keep the poisoned steps otherwise)."""
+    import torch.nn.functional as F
+
+    a, b = net(), net()
+
+    def step(ctx, batch) -> None:
+        x, y = batch
+        for name in ("a", "b"):
+            ctx.optimize(name, F.cross_entropy(ctx.models[name](x), y))
+
+    trainer = Trainer(TrainerConfig(device="cpu", log_every_n_steps=10, log_every_n_seconds=0,
+                                    spike=SPIKE))
+    trainer.fit({"a": a, "b": b},
+                {n: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+                 for n, m in (("a", a), ("b", b))},
+                ListLoader(batches(60, (POISON,))), step=step)
+    assert len(trainer.state.spike["rollbacks"]) == 1
+    assert_same_weights(a.state_dict(), b.state_dict())

@@ -140,6 +140,19 @@ def test_consecutive_non_finite_losses_stop_the_run_keeping_the_checkpoint(
     assert summary["status"] == "diverged" and summary["nonfinite_steps"] == 3
 
 
+def test_a_diverged_run_keeps_its_last_evaluation_in_its_summary(tmp_path: Path) -> None:
+    """Issue 61, fault 15: evaluated at step 3, diverged at step 6: summary.json has step 3's
+    metrics, not ``{}``."""
+    data = _batches(10, nan_at=(4, 5, 6, 7, 8, 9))
+    model = _model()
+    trainer = _trainer(tmp_path, nonfinite_patience=3, eval_every_n_steps=3)
+    with pytest.raises(NonFiniteLossError):
+        trainer.fit(model, _sgd(model), data, val_data=_batches(2))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "diverged"
+    assert set(summary["metrics"]) == {"val/loss"} and summary["metrics"]["val/loss"] > 0
+
+
 @pytest.mark.parametrize(("mode", "best_step"), [("min", 12), ("max", 4)])
 def test_best_checkpoint_is_kept_apart_from_the_rotation(tmp_path: Path, mode: str,
                                                          best_step: int) -> None:

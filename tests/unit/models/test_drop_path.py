@@ -37,11 +37,11 @@ def test_zero_is_off_for_any_model() -> None:
 
 def test_an_exported_model_node_names_the_models_own_argument() -> None:
     """model.json's node is what the model's class takes (hydra's instantiate rebuilds it)."""
-    from trainkit.models.pretrained import model_node
+    from trainkit.models.build import class_arguments
 
     node = {"_target_": "torchvision.models.convnext_tiny", "num_classes": 3, "weights": None,
             "pretrained": None, "drop_path": 0.1}
-    assert model_node(node) == {"_target_": "torchvision.models.convnext_tiny",
+    assert class_arguments(node) == {"_target_": "torchvision.models.convnext_tiny",
                                 "num_classes": 3, "weights": None,
                                 "stochastic_depth_prob": 0.1}
-    assert "drop_path" not in model_node({**node, "drop_path": 0.0})
+    assert "drop_path" not in class_arguments({**node, "drop_path": 0.0})

@@ -13,6 +13,7 @@ from torch import nn
 
 from trainkit import CheckpointConfig, Trainer, TrainerConfig, seed_everything
 from trainkit.core.errors import ConfigError
+from trainkit.core.schedules import one_cycle, schedule_words, warmup_cosine
 from trainkit.data import InMemoryLoader
 from trainkit.data.sources.tensors import TensorData
 from trainkit.models import GPT
@@ -128,3 +129,20 @@ def test_gradual_unfreezing_trains_the_frozen_from_its_epoch_and_resumes_exactly
     assert not torch.equal(straight[1].weight, first)
     for (name, p), q in zip(resumed.named_parameters(), straight.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_the_first_line_shows_the_configured_peak_lrs_and_the_schedule_in_words() -> None:
+    """Issue 61, fault 3: a warm-up's first LR (1e-3 / 20 = 5e-05) is not what the line says."""
+    model = _net()
+    groups = param_groups(model, groups=[{"params": "3.*", "lr": 1e-2, "name": "head"}])
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    scheduler = warmup_cosine(optimizer, 100, warmup_steps=20)
+    assert max(g["lr"] for g in optimizer.param_groups) == pytest.approx(5e-04)
+    text = describe(model, optimizer, schedule_words(scheduler))
+    assert text.endswith("2 groups: default lr 0.001 wd 0.01, head lr 0.01 wd 0.01; linear "
+                         "warm-up to lr over 20 steps, then cosine to 0 over 80 steps"), text
+    single = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    words = schedule_words(one_cycle(single, 100, pct_start=0.25))
+    assert describe(model, single, words) == (
+        "179 parameters; peak lr 0.002; one-cycle schedule: up from lr/25 over 25 of 100 steps, "
+        "then cosine down to lr/250000")

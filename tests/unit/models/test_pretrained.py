@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from trainkit.core.errors import ConfigError
-from trainkit.models.pretrained import load_pretrained, model_node, read_weights
+from trainkit.models.build import MODEL_KEYS, ModelKeys, class_arguments
+from trainkit.models.pretrained import load_pretrained, read_weights
 
 
 def _trained_like(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -145,8 +146,20 @@ def test_files_that_are_not_weights_are_refused_in_one_line(tmp_path: Path) -> N
 
 
 def test_the_model_node_leaves_out_what_trainkit_reads() -> None:
-    assert model_node({"_target_": "m.Net", "pretrained": "w.pt", "width": 3}) == {
-        "_target_": "m.Net", "width": 3}
+    assert class_arguments({"_target_": "m.Net", "pretrained": "w.pt", "width": 3,
+                            "lora": {"r": 8}}) == {"_target_": "m.Net", "width": 3}
+
+
+def test_trainkits_own_model_keys_are_listed_once_and_typed() -> None:
+    """Issue 59, item 3: ``model.pretrained``, ``model.lora`` (and issue 62's ``model.drop_path``)
+    in one typed place."""
+    assert MODEL_KEYS == ("pretrained", "lora", "drop_path")
+    keys, rest = ModelKeys.split({"_target_": "m.Net", "pretrained": None, "lora": {"r": 8}})
+    assert keys == ModelKeys(pretrained=None, lora={"r": 8}) and rest == {"_target_": "m.Net"}
+    with pytest.raises(ConfigError, match=r"model\.pretrained must be a weights file or folder"):
+        ModelKeys.split({"_target_": "m.Net", "pretrained": True})
+    with pytest.raises(ConfigError, match=r"model\.lora must be a mapping"):
+        ModelKeys.split({"_target_": "m.Net", "lora": 8})
 
 
 def test_a_resumed_run_may_name_other_pretrained_weights_but_not_another_model() -> None:

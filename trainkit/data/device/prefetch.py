@@ -33,9 +33,10 @@ class DevicePrefetcher:
     PCIe), then ``(x - mean) / std`` when ``mean`` and ``std`` are given. Pin the loader's
     memory (``make_loader`` does on CUDA) or the copies cannot overlap.
 
-    The position is the wrapped loader's (less a batch this holds in flight): ``len``,
-    ``set_epoch(epoch, start_batch)``, ``state_dict`` and ``load_state_dict`` pass through,
-    so the Trainer treats it as the loader itself. Its state also keeps the class names (a
+    The position is the wrapped loader's alone: ``len``, ``set_epoch(epoch, start_batch)``,
+    ``state_dict`` and ``load_state_dict`` pass through, so the Trainer treats it as the loader
+    itself, and a pass moves the loader's position as this hands each batch out (the batch
+    read ahead is inside the pass, not a second position). Its state also keeps the class names (a
     resume on other classes is refused) and the files skipped so far.
 
     Args:
@@ -75,7 +76,6 @@ class DevicePrefetcher:
             self._mean = torch.tensor(mean).view(1, -1, 1, 1).to(self.device)
             self._std = torch.tensor(std).view(1, -1, 1, 1).to(self.device)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._ahead = 0  # batches taken from the loader and not yet handed out
 
     @property
     def dataset(self) -> Any:
@@ -93,12 +93,11 @@ class DevicePrefetcher:
         set_epoch(self.loader, epoch, start_batch)
 
     def state_dict(self) -> dict[str, Any]:
-        """The loader's position (a batch in flight not counted), the class names, and the
-        files skipped so far (sorted)."""
+        """The loader's position (the batches handed out of this stage), the class names,
+        and the files skipped so far (sorted)."""
         state: dict[str, Any] = {}
         if isinstance(self.loader, ResumableData):
             state = dict(self.loader.state_dict())
-            state["batch"] -= self._ahead
         if self.classes is not None:
             state[STATE_KEY] = self.classes
         if self.skipped:
@@ -130,7 +129,10 @@ class DevicePrefetcher:
                             path, len(self.skipped))
 
     def __iter__(self) -> Iterator[Any]:
-        return self._on_device(self.loader, counted=True)
+        counted = getattr(self.loader, "counted", None)
+        if counted is not None:  # the loader's position moves as a batch leaves this stage
+            return counted(self.batches)
+        return self._on_device(self.loader)
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[Any]:
         """The batches ``start, ...`` of ``epoch`` on the device, for a caller that holds the
@@ -138,22 +140,18 @@ class DevicePrefetcher:
         source = getattr(self.loader, "batches", None)
         if source is None:  # a loader of another kind: pointed there, then iterated
             set_epoch(self.loader, epoch, start)
-            return self._on_device(self.loader, counted=False)
-        return self._on_device(source(epoch, start), counted=False)
+            return self._on_device(self.loader)
+        return self._on_device(source(epoch, start))
 
-    def _on_device(self, loader: Iterable[Any], *, counted: bool) -> Iterator[Any]:
-        """``loader``'s batches on the device; ``counted``: the batch held in flight is
-        subtracted from the position :meth:`state_dict` reports (a pass of ``__iter__``)."""
-        if counted:
-            self._ahead = 0
+    def _on_device(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """``loader``'s batches on the device (on CUDA the next one copied ahead)."""
         if self._stream is None:
             for batch in loader:
                 yield self._prepare(move_to_device(self._checked(batch), self.device))
             return
-        yield from self._iter_cuda(self._stream, loader, counted)
+        yield from self._iter_cuda(self._stream, loader)
 
-    def _iter_cuda(self, stream: torch.cuda.Stream, loader: Iterable[Any],
-                   counted: bool) -> Iterator[Any]:
+    def _iter_cuda(self, stream: torch.cuda.Stream, loader: Iterable[Any]) -> Iterator[Any]:
         batches = iter(loader)
         upcoming = self._preload(batches, stream)
         while upcoming is not None:
@@ -164,11 +162,7 @@ class DevicePrefetcher:
                 # allocator could hand the memory to the next copy while compute still reads it.
                 tensor.record_stream(current)
             batch, upcoming = upcoming, self._preload(batches, stream)
-            if counted:
-                self._ahead = 1 if upcoming is not None else 0
             yield batch
-        if counted:
-            self._ahead = 0
 
     def _preload(self, batches: Iterator[Any], stream: torch.cuda.Stream) -> Any:
         try:

@@ -166,9 +166,15 @@ class ResumableLoader:
         self.set_epoch(*saved_position(state))
 
     def __iter__(self) -> Iterator[Any]:
+        return self.counted(self._pass)
+
+    def counted(self, make: Callable[[int, int], Iterator[Any]]) -> Iterator[Any]:
+        """A pass from this loader's position through ``make(epoch, start)`` (its own pass,
+        or a later stage's over :meth:`batches`), the position moved as each batch is handed
+        out: a stage that reads ahead keeps no position of its own."""
         start, self._start = self._start, 0
         self.batch = start
-        for batch in self._pass(self.epoch, start):
+        for batch in make(self.epoch, start):
             self.batch += 1
             yield batch
 

@@ -23,10 +23,9 @@ from trainkit.config import DatasetConfig
 from trainkit.core.errors import ConfigError, TrainkitError
 from trainkit.core.runtime import Runtime
 from trainkit.data.batches import BadFile
-from trainkit.data.device.prefetch import DevicePrefetcher
-from trainkit.data.sources.image_folder import image_loader
-from trainkit.data.sources.source import Options, Source
-from trainkit.data.sources.tensors import TensorData, tensor_loaders
+from trainkit.data.sources.image_folder import image_samples
+from trainkit.data.sources.source import Loaded, MapStyle, Options, Source
+from trainkit.data.sources.tensors import TensorData, tensor_splits
 from trainkit.data.transforms import (
     UnreadableImage,
     decode_image,
@@ -35,35 +34,35 @@ from trainkit.data.transforms import (
 )
 
 
-def load(cfg: DatasetConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
-    """Loaders over the two splits your reader returns (``reader(root=data.root, train=...)``):
+def load(cfg: DatasetConfig, runtime: Runtime, options: Options) -> Loaded:
+    """The two splits your reader returns (``reader(root=data.root, train=...)``):
     a :class:`TensorData` as the built-in datasets are served, any other map-style dataset
     through :class:`Samples` (the evaluation split may be None)."""
     assert options.reader is not None  # load_data picks this source for a reader only
     train = options.reader(root=cfg.root, train=True)
     val = options.reader(root=cfg.root, train=False)
     if isinstance(train, TensorData):
-        return tensor_loaders(train, val, cfg, runtime, options)
+        return tensor_splits(train, val, cfg, options)
     classes = class_names(train, cfg.image_column, cfg.label_column)
     num_classes = cfg.num_classes or (len(classes) if classes else
                                       getattr(train, "num_classes", None))
     if not num_classes:
         raise ConfigError(f"cannot tell the number of classes of {type(train).__name__}: set "
                           "data.num_classes (or give the dataset a `classes` list)")
-    loaders = [_loader(split, cfg, runtime, options, classes, training=training)
-               if split is not None else None for split, training in ((train, True), (val, False))]
-    return loaders[0], loaders[1], int(num_classes)
+    splits = [_split(split, cfg, options, classes, training=training)
+              if split is not None else None for split, training in ((train, True), (val, False))]
+    return splits[0], splits[1], int(num_classes)
 
 
-def _loader(split: Any, cfg: DatasetConfig, runtime: Runtime, options: Options,
-            classes: Sequence[str] | None, *, training: bool) -> DevicePrefetcher:
-    """One split's samples (decoded, transformed) through the loader into the device stage."""
+def _split(split: Any, cfg: DatasetConfig, options: Options,
+           classes: Sequence[str] | None, *, training: bool) -> MapStyle:
+    """One split's samples (decoded, transformed), for the loader and the device stage."""
     custom = options.train_transforms if training else options.eval_transforms
     samples = Samples(split, transform_for(cfg, training=training, custom=custom),
                       channels=cfg.channels, image_column=cfg.image_column,
                       label_column=cfg.label_column, transform_all=bool(custom),
                       skip_corrupt=cfg.skip_corrupt)
-    return image_loader(samples, cfg, runtime, options, classes, training=training)
+    return image_samples(samples, cfg, options, classes, training=training)
 
 
 def class_names(dataset: Any, image_column: str = "image",

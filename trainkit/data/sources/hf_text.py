@@ -29,9 +29,7 @@ from trainkit.config import HFTextConfig
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
 from trainkit.core.library_logs import quiet_libraries
 from trainkit.core.runtime import Runtime
-from trainkit.data.device.prefetch import DevicePrefetcher
-from trainkit.data.loader.resumable import make_loader
-from trainkit.data.sources.source import Options, Source
+from trainkit.data.sources.source import Loaded, MapStyle, Options, Source
 
 EVAL_SPLITS = ("validation", "val", "test")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
@@ -91,10 +89,8 @@ class PadBatch:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def hf_text_loaders(cfg: HFTextConfig, runtime: Runtime, *, seed: int = 0,
-                    eval_max_batches: int | None = None
-                    ) -> tuple[DevicePrefetcher, DevicePrefetcher | None, int]:
-    """Training and evaluation loaders of ``data.root``'s text, and the class count (the
+def hf_text_splits(cfg: HFTextConfig, *, eval_max_batches: int | None = None) -> Loaded:
+    """The training and evaluation samples of ``data.root``'s text, and the class count (the
     tokenizer's vocabulary for causal language modelling); ``eval_max_batches`` bounds the
     evaluation to samples spread evenly over its split."""
     if not cfg.tokenizer:
@@ -113,15 +109,12 @@ def hf_text_loaders(cfg: HFTextConfig, runtime: Runtime, *, seed: int = 0,
     common = {"tokenizer": tokenizer, "seq_len": seq_len, "text_column": cfg.text_column,
               "label_column": label, "classes": classes}
 
-    def load(split: Any, training: bool) -> DevicePrefetcher:
-        samples = TextSamples(split, **common)
-        loader = make_loader(
-            samples, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
-            device=runtime.device, seed=seed, rank=runtime.rank, world_size=runtime.world_size,
-            num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
+    def load(split: Any, training: bool) -> MapStyle:
+        return MapStyle(
+            TextSamples(split, **common), cfg.batch_size if training else cfg.eval_batch_size,
+            shuffle=training, num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
             drop_last=cfg.drop_last and training, collate_fn=PadBatch(pad_id(tokenizer)),
-            max_batches=None if training else eval_max_batches)
-        return DevicePrefetcher(loader, runtime.device, classes=classes)
+            max_batches=None if training else eval_max_batches, classes=classes)
 
     count = len(classes) if classes else len(tokenizer)
     return load(train, True), (load(val, False) if val is not None else None), count
@@ -221,10 +214,9 @@ def pad_id(tokenizer: Any) -> int:
     return int(pad)
 
 
-def load(cfg: HFTextConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
-    """:func:`hf_text_loaders` as :data:`trainkit.data.sources.SOURCES` calls it."""
-    return hf_text_loaders(cfg, runtime, seed=options.seed,
-                           eval_max_batches=options.eval_max_batches)
+def load(cfg: HFTextConfig, runtime: Runtime, options: Options) -> Loaded:
+    """:func:`hf_text_splits` as :data:`trainkit.data.sources.SOURCES` calls it."""
+    return hf_text_splits(cfg, eval_max_batches=options.eval_max_batches)
 
 
 SOURCE = Source("hf_text", HFTextConfig, load, takes="text", reader_replaces=False)

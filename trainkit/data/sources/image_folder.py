@@ -24,12 +24,10 @@ from trainkit.config import DatasetConfig, ImageFolderConfig
 from trainkit.core.errors import TrainkitError
 from trainkit.core.location import fetched
 from trainkit.core.runtime import Runtime
-from trainkit.data.device.prefetch import DevicePrefetcher
-from trainkit.data.loader.resumable import make_loader
 from trainkit.data.remote import fetch_tree
 from trainkit.data.sources.image_files import ImageFiles, Transform, collate_images
 from trainkit.data.sources.jpeg_files import JpegFiles, collate_encoded
-from trainkit.data.sources.source import Options, Source
+from trainkit.data.sources.source import GpuDecode, Loaded, MapStyle, Options, Source
 from trainkit.data.transforms import (
     IMAGE_SUFFIXES,
     stats_for,
@@ -146,10 +144,10 @@ def _few(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" (+{len(names) - 5})" if len(names) > 5 else "") or "none"
 
 
-def load(cfg: ImageFolderConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
-    """Training and validation loaders of the image folder at ``cfg.root``, and its class count.
+def load(cfg: ImageFolderConfig, runtime: Runtime, options: Options) -> Loaded:
+    """Training and validation splits of the image folder at ``cfg.root``, and its class count.
 
-    The loaders' ``classes`` attribute names the classes by index. Validation is None when the
+    The built loaders' ``classes`` attribute names the classes by index. Validation is None when the
     folder has no ``val/`` and ``cfg.val_fraction`` is 0; ``options.eval_max_batches`` bounds
     it to files spread evenly over it (every class, not the first ones).
     """
@@ -158,43 +156,37 @@ def load(cfg: ImageFolderConfig, runtime: Runtime, options: Options) -> tuple[An
     if cfg.decode == "gpu":  # JPEGs decoded on the device (trainkit.data.device.gpu_decode)
         files_kind = JpegFiles
 
-    def split_loader(split: Split, training: bool) -> DevicePrefetcher:
+    def split_loader(split: Split, training: bool) -> MapStyle:
         custom = options.train_transforms if training else options.eval_transforms
         transform = transform_for(cfg, training=training, custom=custom)
         files = files_kind(split.files, split.labels, transform, channels=cfg.channels,
                            skip_corrupt=cfg.skip_corrupt)
-        return image_loader(files, cfg, runtime, options, folder.classes, training=training,
-                            transform=transform)
+        return image_samples(files, cfg, options, folder.classes, training=training,
+                             transform=transform)
 
     train = split_loader(folder.train, True)
     val = split_loader(folder.val, False) if folder.val is not None else None
     return train, val, len(folder.classes)
 
 
-def image_loader(dataset: Dataset, cfg: ImageFolderConfig | DatasetConfig, runtime: Runtime,
-                 options: Options,
-                 classes: Sequence[str] | None, *, training: bool,
-                 transform: Transform | None = None) -> DevicePrefetcher:
-    """A split of image samples through the resumable loader (workers, a rank's shard, pinned
-    memory) into the device stage; with ``data.decode=gpu`` its JPEGs are decoded there."""
+def image_samples(dataset: Dataset, cfg: ImageFolderConfig | DatasetConfig, options: Options,
+                  classes: Sequence[str] | None, *, training: bool,
+                  transform: Transform | None = None) -> MapStyle:
+    """A split of image samples as the pipeline serves it: the resumable loader (workers, a
+    rank's shard, pinned memory) into the device stage; with ``data.decode=gpu`` its JPEGs are
+    decoded there."""
     collate: Callable[[list[Any]], Any] = collate_images
-    decoder = None
+    decode = None
     if cfg.decode == "gpu" and options.reader is None:
-        from trainkit.data.device.gpu_decode import JpegDecoder
-
         collate = collate_encoded
-        decoder = JpegDecoder(runtime.device, channels=cfg.channels, transform=transform,
-                              skip_corrupt=cfg.skip_corrupt)
+        decode = GpuDecode(cfg.channels, transform, cfg.skip_corrupt)
     mean, std = stats_for(cfg)
-    loader = make_loader(
+    return MapStyle(
         dataset, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
-        device=runtime.device, seed=options.seed, rank=runtime.rank,
-        world_size=runtime.world_size, num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
+        num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
         drop_last=cfg.drop_last and training, collate_fn=collate,
-        max_batches=None if training else options.eval_max_batches)
-    return DevicePrefetcher(loader, runtime.device, mean=mean, std=std, classes=classes,
-                            channels_last=options.channels_last, normalize_float=False,
-                            decoder=decoder)
+        max_batches=None if training else options.eval_max_batches, mean=mean, std=std,
+        classes=classes, normalize_float=False, decode=decode)
 
 
 def _classes_on_disk(root: Path) -> int | None:

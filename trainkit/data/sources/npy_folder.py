@@ -22,7 +22,7 @@ from trainkit.core.errors import TrainkitError
 from trainkit.core.runtime import Runtime
 from trainkit.data.batches import TensorData
 from trainkit.data.sources.source import Loaded, Options, Source
-from trainkit.data.sources.tensors import tensor_loaders
+from trainkit.data.sources.tensors import tensor_splits
 
 
 def _arrays(root: Path, split: str, *, mmap: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -68,9 +68,9 @@ def _shape(data: Any) -> tuple[int, int, int]:
 
 
 def load(cfg: TensorDataConfig, runtime: Runtime, options: Options) -> Loaded:
-    """The two splits' loaders (as ``data.loader`` picks them) and the class count."""
+    """The two splits (served as ``data.loader`` picks) and the class count."""
     train, val = read_split(cfg, train=True), read_split(cfg, train=False)
-    return tensor_loaders(train, val, cfg, runtime, options)
+    return tensor_splits(train, val, cfg, options)
 
 
 SOURCE = Source("npy_folder", TensorDataConfig, load, shape=_shape, classes_on_disk=_classes,

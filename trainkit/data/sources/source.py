@@ -6,6 +6,11 @@ ask it what they used to decide by name: what its model takes (:attr:`Source.tak
 of the shape training gives the step (:meth:`Source.example_batch`, for estimate and probe),
 the bytes ``data.loader=memory`` keeps on the device (:attr:`Source.resident_bytes`), a whole
 split (:attr:`Source.read_split`, for predict and export), and its typed config.
+
+A source builds no loader: its ``load`` describes each split (:class:`InMemory`,
+:class:`MapStyle`, :class:`TokenWindows`, :class:`Shards`: the datasets and the kind of loader
+they need), and :mod:`trainkit.data.pipeline` builds the loader and the device stage from the
+description, so that no source imports a later stage.
 """
 
 from __future__ import annotations
@@ -22,7 +27,79 @@ from trainkit.core.runtime import Runtime
 
 # A user's own dataset: called as ``reader(root=data.root, train=True/False)``, returns one split:
 Reader = Callable[..., Any]  # TensorData, a torch Dataset or a datasets.Dataset
-Loaded = tuple[Any, Any, int]  # the training loader, the evaluation loader (or None), classes
+
+
+@dataclass(frozen=True)
+class InMemory:
+    """A split held as uint8 tensors, gathered and augmented on the device (``InMemoryLoader``)."""
+
+    data: Any  # TensorData
+    batch_size: int
+    shuffle: bool
+    drop_last: bool = False
+    padding: int = 0
+    flip: bool = False
+    pad_mode: str = "constant"
+    max_batches: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuDecode:
+    """``data.decode=gpu``: the collated JPEG bytes decoded on the device, then ``transform``."""
+
+    channels: int
+    transform: Callable[..., Any] | None
+    skip_corrupt: bool
+
+
+@dataclass(frozen=True)
+class MapStyle:
+    """A map-style dataset through the resumable DataLoader (workers, a rank's shard, pinned
+    memory) into the device stage (copy, bad-file check, normalisation with ``mean``/``std``)."""
+
+    dataset: Any
+    batch_size: int
+    shuffle: bool
+    num_workers: int | None = None
+    pin_memory: bool | None = None
+    drop_last: bool = False
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    max_batches: int | None = None
+    mean: Sequence[float] | None = None
+    std: Sequence[float] | None = None
+    classes: Sequence[str] | None = None
+    normalize_float: bool = True
+    decode: GpuDecode | None = None
+
+
+@dataclass(frozen=True)
+class TokenWindows:
+    """Windows of ``seq_len + 1`` tokens of a memory-mapped token file (``TokenLoader``)."""
+
+    path: Path
+    seq_len: int
+    batch_size: int
+    shuffle: bool
+    dtype: str = "uint16"
+    max_batches: int | None = None
+
+
+@dataclass(frozen=True)
+class Shards:
+    """A stream of tar shards read by ``num_workers`` persistent workers (``ShardLoader``)
+    into the device stage; ``batches`` per pass (None: unknown)."""
+
+    stream: Any  # the source's IterableDataset, with settable ``epoch`` and ``start``
+    num_workers: int
+    batches: int | None
+    mean: Sequence[float] | None = None
+    std: Sequence[float] | None = None
+    classes: Sequence[str] | None = None
+
+
+SplitPlan = InMemory | MapStyle | TokenWindows | Shards  # one split's description
+# the training split, the evaluation split (or None), the class count
+Loaded = tuple[SplitPlan, SplitPlan | None, int]
 
 
 @dataclass(frozen=True)
@@ -45,13 +122,13 @@ def config_shape(data: Any) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class Source:
-    """A kind of data: its typed config, its loaders, and its answers to the other commands.
+    """A kind of data: its typed config, its splits, and its answers to the other commands.
 
     Args:
         name: its ``data.name`` (the YAML in ``configs/data/`` of that name selects it).
         config: its typed config (the shared fields and its own, :mod:`trainkit.config`).
-        load: ``load(config, runtime, options)`` -> training loader, evaluation loader (or
-            None), class count.
+        load: ``load(config, runtime, options)`` -> the training split's description, the
+            evaluation split's (or None), the class count (:data:`Loaded`).
         takes: what its model takes: ``images`` (a classifier), ``tokens`` (a language model
             from token ids), ``text`` (a Hugging Face model with the run's tokenizer).
         shape: ``shape(data)``, an image sample's ``(C, H, W)`` without reading the data.

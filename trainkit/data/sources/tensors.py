@@ -24,11 +24,8 @@ from trainkit.config import DatasetConfig, TensorDataConfig
 from trainkit.core.errors import TrainkitError, chain_lines
 from trainkit.core.runtime import Runtime
 from trainkit.data.batches import TensorData
-from trainkit.data.device.prefetch import DevicePrefetcher
-from trainkit.data.loader.memory import InMemoryLoader
-from trainkit.data.loader.resumable import make_loader
 from trainkit.data.sources.safe_pickle import load_restricted
-from trainkit.data.sources.source import Options, Source
+from trainkit.data.sources.source import InMemory, Loaded, MapStyle, Options, Source
 from trainkit.data.tools.checksums import check_md5
 from trainkit.data.tools.download import (
     CIFAR10_FOLDER,
@@ -221,31 +218,26 @@ def _read_cifar_batch(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndar
     return data, targets
 
 
-def load(cfg: TensorDataConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
-    """The loaders of ``data.name`` (MNIST or CIFAR-10): in memory on the device
+def load(cfg: TensorDataConfig, runtime: Runtime, options: Options) -> Loaded:
+    """The splits of ``data.name`` (MNIST or CIFAR-10): in memory on the device
     (``data.loader=memory``, the default; batches augmented there) or through the DataLoader
     path (workers, pinned memory, the prefetcher)."""
     read = READERS[cfg.name]
     train = read(cfg.root, train=True, verify=cfg.verify, download=cfg.download)
     test = read(cfg.root, train=False, verify=cfg.verify, download=cfg.download)
-    return tensor_loaders(train, test, cfg, runtime, options)
+    return tensor_splits(train, test, cfg, options)
 
 
-def tensor_loaders(train: TensorData, test: TensorData, cfg: TensorDataConfig | DatasetConfig,
-                   runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
-    """The two splits' loaders, as ``data.loader`` picks them, and the class count."""
+def tensor_splits(train: TensorData, test: TensorData, cfg: TensorDataConfig | DatasetConfig,
+                  options: Options) -> Loaded:
+    """The two splits, served as ``data.loader`` picks, and the class count."""
     if cfg.loader == "dataloader":
-        return (_dataloader(train, cfg, runtime, options, training=True),
-                _dataloader(test, cfg, runtime, options, training=False),
-                train.num_classes)
-    common = {"device": runtime.device, "rank": runtime.rank, "world_size": runtime.world_size,
-              "channels_last": options.channels_last}
+        return (_samples(train, cfg, options, training=True),
+                _samples(test, cfg, options, training=False), train.num_classes)
     return (
-        InMemoryLoader(train, cfg.batch_size, shuffle=True, seed=options.seed,
-                       drop_last=cfg.drop_last, padding=cfg.random_crop_padding,
-                       flip=cfg.random_flip, pad_mode=cfg.pad_mode, **common),
-        InMemoryLoader(test, cfg.eval_batch_size, shuffle=False,
-                       max_batches=options.eval_max_batches, **common),
+        InMemory(train, cfg.batch_size, shuffle=True, drop_last=cfg.drop_last,
+                 padding=cfg.random_crop_padding, flip=cfg.random_flip, pad_mode=cfg.pad_mode),
+        InMemory(test, cfg.eval_batch_size, shuffle=False, max_batches=options.eval_max_batches),
         train.num_classes,
     )
 
@@ -294,16 +286,12 @@ class ImageSamples(Dataset):
         return (self.transform(image) if self.transform else image), self.labels[i]
 
 
-def _dataloader(data: TensorData, cfg: TensorDataConfig | DatasetConfig, runtime: Runtime,
-                options: Options, *, training: bool) -> DevicePrefetcher:
+def _samples(data: TensorData, cfg: TensorDataConfig | DatasetConfig, options: Options, *,
+             training: bool) -> MapStyle:
     samples = ImageSamples(data, padding=cfg.random_crop_padding, flip=cfg.random_flip,
                            pad_mode=cfg.pad_mode) if training else ImageSamples(data)
-    loader = make_loader(
+    return MapStyle(
         samples, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
-        device=runtime.device, seed=options.seed, rank=runtime.rank,
-        world_size=runtime.world_size,
         num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
         drop_last=cfg.drop_last and training,
-        max_batches=None if training else options.eval_max_batches)
-    return DevicePrefetcher(loader, runtime.device, mean=data.mean, std=data.std,
-                            channels_last=options.channels_last)
+        max_batches=None if training else options.eval_max_batches, mean=data.mean, std=data.std)

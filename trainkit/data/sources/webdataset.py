@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from trainkit.config import WebDatasetConfig
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
@@ -33,11 +33,8 @@ from trainkit.core.location import child, locate, on_store
 from trainkit.core.objectstore import filesystem, join, store_error
 from trainkit.core.rng import mix_seed
 from trainkit.core.runtime import Runtime
-from trainkit.core.signals import shielded_worker_init
-from trainkit.data.device.prefetch import DevicePrefetcher
-from trainkit.data.loader.resumable import ResumableLoader
 from trainkit.data.remote import is_store_url, open_shard
-from trainkit.data.sources.source import Options, Source
+from trainkit.data.sources.source import Loaded, Options, Shards, Source
 from trainkit.data.transforms import IMAGE_SUFFIXES, decode_image, stats_for, transform_for
 
 IMAGE_KEYS = tuple(suffix[1:] for suffix in IMAGE_SUFFIXES)
@@ -174,28 +171,6 @@ def _label(sample: Mapping[str, Any]) -> int:
     return int(sample["cls"])
 
 
-class ShardLoader(ResumableLoader):
-    """One rank's :class:`ShardBatch` es; the resume protocol of every trainkit loader."""
-
-    def __init__(self, stream: ShardStream, *, num_workers: int, batches: int | None) -> None:
-        self.stream, self.num_workers, self._batches = stream, num_workers, batches
-        self.batch_size = stream.batch_size
-        # persistent workers: started once, each pass's epoch and start read from shared memory
-        self.loader = DataLoader(stream, batch_size=None, num_workers=num_workers,
-                                 persistent_workers=num_workers > 0,
-                                 worker_init_fn=shielded_worker_init(None) if num_workers
-                                 else None)
-
-    def __len__(self) -> int:
-        if self._batches is None:
-            raise TypeError("the batch count of these shards is unknown (no shards.json)")
-        return self._batches
-
-    def _pass(self, epoch: int, start: int) -> Iterator[ShardBatch]:
-        self.stream.start, self.stream.epoch = start, epoch
-        return iter(self.loader)
-
-
 def _opened(shards: Iterator[dict[str, Any]], cache_bytes: int) -> Iterator[dict[str, Any]]:
     """webdataset's ``url_opener`` for fsspec URLs: each shard as a stream, through the cache."""
     wds = _webdataset()
@@ -237,11 +212,12 @@ def shard_list(spec: str | Sequence[str] | None, index: Mapping[str, Any], split
     return [url for s in specs for url in wds.shardlists.expand_urls(s)], None
 
 
-def shard_loaders(cfg: WebDatasetConfig, runtime: Runtime, *, seed: int = 0,
-                  channels_last: bool = False, train_transforms: Transforms = None,
-                  eval_transforms: Transforms = None) -> tuple[DevicePrefetcher, Any, int]:
-    """Training and validation loaders of ``data=webdataset``, and the class count;
-    ``train_transforms`` / ``eval_transforms`` replace the default transforms when given."""
+def shard_splits(cfg: WebDatasetConfig, runtime: Runtime, *, seed: int = 0,
+                 train_transforms: Transforms = None, eval_transforms: Transforms = None
+                 ) -> Loaded:
+    """The training and validation shards of ``data=webdataset`` (:class:`Shards`), and the
+    class count; ``train_transforms`` / ``eval_transforms`` replace the default transforms
+    when given."""
     # Imported here, once: the forked workers have them instead of importing them each (a slow
     # import); and a missing extra is said before anything starts.
     _webdataset()
@@ -254,19 +230,19 @@ def shard_loaders(cfg: WebDatasetConfig, runtime: Runtime, *, seed: int = 0,
     if not num_classes:
         raise ConfigError(f"no {INDEX} in {root} to tell the classes: set data.num_classes")
     mean, std = stats_for(cfg)
-    train = _loader(cfg, runtime, seed, index, train_transforms, training=True)
-    val = (_loader(cfg, runtime, seed, index, eval_transforms, training=False)
-           if cfg.val_shards is not None or index.get("val") else None)
+    train = _stream(cfg, runtime, seed, index, train_transforms, training=True)
+    val = (_stream(cfg, runtime, seed, index, eval_transforms, training=False)
+           if cfg.val_shards is not None or index.get("val") else (None, 0, None))
     # as for an image folder: the class names go to classes.json and into every checkpoint,
     # and a resume on shards of other classes is refused
-    loaders = [DevicePrefetcher(loader, runtime.device, mean=mean, std=std, classes=classes,
-                                channels_last=channels_last, normalize_float=False)
-               for loader in (train, val) if loader is not None]
-    return loaders[0], loaders[1] if val is not None else None, int(num_classes)
+    described = [Shards(stream, workers, batches, mean=mean, std=std, classes=classes)
+                 if stream is not None else None for stream, workers, batches in (train, val)]
+    return described[0], described[1], int(num_classes)
 
 
-def _loader(cfg: WebDatasetConfig, runtime: Runtime, seed: int, index: Mapping[str, Any],
-            custom: Transforms, *, training: bool) -> ShardLoader:
+def _stream(cfg: WebDatasetConfig, runtime: Runtime, seed: int, index: Mapping[str, Any],
+            custom: Transforms, *, training: bool) -> tuple[ShardStream, int, int | None]:
+    """One split's stream, its worker count and its batches per pass (None: unknown)."""
     shards, samples = shard_list(cfg.shards if training else cfg.val_shards, index,
                                  "train" if training else "val",
                                  locate(cfg.root))
@@ -296,7 +272,7 @@ def _loader(cfg: WebDatasetConfig, runtime: Runtime, seed: int, index: Mapping[s
                          channels=cfg.channels, seed=seed, rank=runtime.rank,
                          world_size=world, shuffle_buffer=cfg.shuffle_buffer,
                          cache_bytes=int(cfg.cache_gb * 2**30))
-    return ShardLoader(stream, num_workers=workers, batches=batches)
+    return stream, workers, batches
 
 
 def _eval_batches(entries: Sequence[Mapping[str, Any]], runtime: Runtime, workers: int,
@@ -307,11 +283,11 @@ def _eval_batches(entries: Sequence[Mapping[str, Any]], runtime: Runtime, worker
                for w in range(max(workers, 1)))
 
 
-def load(cfg: WebDatasetConfig, runtime: Runtime, options: Options) -> tuple[Any, Any, int]:
-    """:func:`shard_loaders` as :data:`trainkit.data.sources.SOURCES` calls it."""
-    return shard_loaders(cfg, runtime, seed=options.seed, channels_last=options.channels_last,
-                         train_transforms=options.train_transforms,
-                         eval_transforms=options.eval_transforms)
+def load(cfg: WebDatasetConfig, runtime: Runtime, options: Options) -> Loaded:
+    """:func:`shard_splits` as :data:`trainkit.data.sources.SOURCES` calls it."""
+    return shard_splits(cfg, runtime, seed=options.seed,
+                        train_transforms=options.train_transforms,
+                        eval_transforms=options.eval_transforms)
 
 
 SOURCE = Source("webdataset", WebDatasetConfig, load, reader_replaces=False)
