@@ -17,6 +17,10 @@ normalised float32:
 * ceiling: one process doing the same work with no loader -- reading, decoding and cropping the
   files with trainkit's transform, stacking batches, and on a CPU normalising them (on a GPU the
   GPU does that): the per-core rate no loader of that work can beat;
+* trainkit+aug / hand+aug: both loaders with torchvision's ``RandAugment`` and
+  ``RandomErasing(p=0.25)`` after the crop and flip (``data.auto_augment=randaugment
+  data.random_erasing=0.25``; by hand in the v2 list, erasing after normalising): what the
+  regularisation costs the loader;
 * webdataset: ``data=webdataset``'s loader on the same files written as shards (``python -m
   trainkit.data shards``; the same transforms), reported beside trainkit's (no goal: streaming
   tars trades the random access of files for sequential reads a network store serves well).
@@ -69,31 +73,37 @@ class Stream:
         return images / (time.perf_counter() - start)
 
 
-def hand_loader(root: Path, workers: int, batch_size: int) -> Any:
-    """What users write: ImageFolder, v2 transforms on PIL images, a pinned DataLoader."""
+def hand_loader(root: Path, workers: int, batch_size: int, augment: bool = False) -> Any:
+    """What users write: ImageFolder, v2 transforms on PIL images, a pinned DataLoader;
+    ``augment``: RandAugment after the flip, RandomErasing(p=0.25) after normalising."""
     from torch.utils.data import DataLoader
     from torchvision.datasets import ImageFolder
     from torchvision.transforms import v2
 
     from trainkit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
-    transform = v2.Compose([v2.RandomResizedCrop(224), v2.RandomHorizontalFlip(), v2.ToImage(),
+    transform = v2.Compose([v2.RandomResizedCrop(224), v2.RandomHorizontalFlip(),
+                            *([v2.RandAugment()] if augment else []), v2.ToImage(),
                             v2.ToDtype(torch.float32, scale=True),
-                            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+                            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+                            *([v2.RandomErasing(p=0.25)] if augment else [])])
     return DataLoader(ImageFolder(str(root), transform=transform), batch_size=batch_size,
                       shuffle=True, num_workers=workers, pin_memory=torch.cuda.is_available(),
                       persistent_workers=workers > 0, drop_last=True)
 
 
-def trainkit_loader(root: Path, workers: int, batch_size: int) -> Any:
-    """The training loader of ``data=image_folder data.root=<root>``, on this machine's device."""
+def trainkit_loader(root: Path, workers: int, batch_size: int, augment: bool = False) -> Any:
+    """The training loader of ``data=image_folder data.root=<root>``, on this machine's device;
+    ``augment``: with ``data.auto_augment=randaugment data.random_erasing=0.25``."""
     from trainkit.config import DataConfig
     from trainkit.core.runtime import Runtime
     from trainkit.data import load_data
 
     cfg = DataConfig(name="image_folder", root=str(root), batch_size=batch_size,
                      num_workers=workers, random_flip=True,
-                     val_fraction=0.0, drop_last=True)
+                     val_fraction=0.0, drop_last=True,
+                     auto_augment="randaugment" if augment else None,
+                     random_erasing=0.25 if augment else 0.0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return load_data(cfg, Runtime.from_env(device))[0]
 
@@ -156,7 +166,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     files = sorted(str(p) for p in root.glob("*/*.jpg"))
     streams = {"hand": Stream(hand_loader(root, args.workers, args.batch_size)),
                "trainkit": Stream(trainkit_loader(root, args.workers, args.batch_size)),
-               "webdataset": Stream(webdataset_loader(root, args.workers, args.batch_size))}
+               "webdataset": Stream(webdataset_loader(root, args.workers, args.batch_size)),
+               "hand+aug": Stream(hand_loader(root, args.workers, args.batch_size, True)),
+               "trainkit+aug": Stream(trainkit_loader(root, args.workers, args.batch_size,
+                                                      True))}
     ready = max(1, args.workers) * 2  # what the workers' prefetch holds when a turn starts
     for stream in streams.values():  # workers started and warm before any clock runs
         stream.rate(1, ready)
@@ -167,7 +180,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "trainkit": lambda: streams["trainkit"].rate(args.batches, ready),
         "ceiling": lambda: per_core(args.batches // 2 * args.batch_size),
         "webdataset": lambda: streams["webdataset"].rate(args.batches, ready),
+        "hand+aug": lambda: streams["hand+aug"].rate(args.batches, ready),
+        "trainkit+aug": lambda: streams["trainkit+aug"].rate(args.batches, ready),
     }, args.rounds)
+    augmented = ratio(samples, "trainkit+aug", "hand+aug")
+    aug_cost = ratio(samples, "trainkit+aug", "trainkit")
     shards_vs_files = ratio(samples, "webdataset", "trainkit")
     speedup = ratio(samples, "trainkit", "hand")
     # workers x ceiling: the rate of `workers` cores doing nothing but the work itself
@@ -176,14 +193,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"images/s, {args.workers} workers, batch {args.batch_size}: hand "
           f"{rates['hand']:.0f}, trainkit {rates['trainkit']:.0f} ({speedup:.2f}x); one-process "
           f"ceiling {rates['ceiling']:.0f}/core, trainkit = {of_ceiling:.2f} x workers x "
-          f"ceiling; webdataset {rates['webdataset']:.0f} ({shards_vs_files:.2f}x trainkit's) "
+          f"ceiling; webdataset {rates['webdataset']:.0f} ({shards_vs_files:.2f}x trainkit's); "
+          f"RandAugment + erasing: hand {rates['hand+aug']:.0f}, trainkit "
+          f"{rates['trainkit+aug']:.0f} ({augmented:.2f}x; {aug_cost:.2f}x plain trainkit) "
           f"(machine: {os.cpu_count()} logical cores, shared)", flush=True)
     return {
         "benchmark": "image_folder",
         "files": len(files), "workers": args.workers, "batch_size": args.batch_size,
         "images_per_s": rates, "samples": samples, "rounds": args.rounds,
         "ratios": {"trainkit/hand": speedup, "trainkit/(workers x ceiling)": of_ceiling,
-                   "webdataset/trainkit": shards_vs_files},
+                   "webdataset/trainkit": shards_vs_files,
+                   "trainkit+aug/hand+aug": augmented, "trainkit+aug/trainkit": aug_cost},
         "goal": "trainkit >= 1.5x the hand-written loader's images/s at 2 workers; >= 0.85x "
                 "workers x the one-process ceiling",
         "rows": [
@@ -191,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 None if args.quick else speedup >= 1.5),
             row("image_folder: trainkit/(workers x ceiling)", of_ceiling, ">= 0.85x",
                 None if args.quick else of_ceiling >= 0.85),
+            row("image_folder + RandAugment + erasing: trainkit/hand", augmented, ">= 1x",
+                None if args.quick else augmented >= 1.0),
         ],
     }
 

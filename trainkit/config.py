@@ -23,6 +23,7 @@ HANG_ACTIONS = ("report", "abort")
 STRATEGIES = ("auto", "ddp", "fsdp")
 DECODERS = ("cpu", "gpu")  # image folders' JPEGs: in the loader's workers, or nvJPEG on CUDA
 LOADERS = ("memory", "dataloader")
+AUTO_AUGMENTS = ("randaugment", "trivialaugment")  # data.auto_augment: torchvision's
 MONITOR_MODES = ("max", "min")
 # trainer.activation_checkpointing's policies (trainkit.loop.activations): full recomputes a
 # block's whole forward in backward; selective keeps its matmul/attention outputs
@@ -332,6 +333,10 @@ class ImageFields:
     # dataset._target_ returning a Hugging Face datasets.Dataset: its image and label columns
     image_column: str = "image"
     label_column: str = "label"
+    # Training only, after the crop and flip (torchvision.transforms.v2): randaugment or
+    # trivialaugment (null: none); random erasing with this probability (0: off).
+    auto_augment: str | None = None
+    random_erasing: float = 0.0
 
     def _check(self) -> None:
         _check_int("data.image_size", self.image_size, minimum=1)
@@ -357,6 +362,31 @@ class ImageFields:
         _check_bool("data.skip_corrupt", self.skip_corrupt)
         if self.decode not in DECODERS:
             raise ConfigError(f"data.decode={self.decode!r}: use 'cpu' or 'gpu' (CUDA)")
+        if self.auto_augment is not None:
+            _check_choice("data.auto_augment", self.auto_augment, AUTO_AUGMENTS)
+        if (isinstance(self.random_erasing, bool)
+                or not isinstance(self.random_erasing, (int, float))
+                or not 0 <= self.random_erasing <= 1):
+            raise ConfigError(f"data.random_erasing is a probability in [0, 1], got "
+                              f"{self.random_erasing!r}")
+        if self.decode == "gpu" and (self.auto_augment or self.random_erasing):
+            raise ConfigError("data.auto_augment and data.random_erasing run in the loader's "
+                              "workers: use them with data.decode=cpu")
+
+
+@dataclass
+class MixFields:
+    """Image classification's batch mixing in training (trainkit.data.mixing): MixUp and
+    CutMix with these Beta alphas (0: off; both set: one of them per batch), on the device."""
+
+    mixup: float = 0.0
+    cutmix: float = 0.0
+
+    def _check(self) -> None:
+        for key in ("mixup", "cutmix"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"data.{key} is a Beta alpha >= 0 (0: off), got {value!r}")
 
 
 @dataclass
@@ -415,22 +445,22 @@ class ShardFields:
 # Each source's typed config: the shared fields and its own (trainkit.data.sources.SOURCES);
 # the shared part is the last base, so that its fields come first.
 @dataclass
-class TensorDataConfig(TensorFields, SharedDataConfig):
+class TensorDataConfig(MixFields, TensorFields, SharedDataConfig):
     """``data=mnist`` and ``data=cifar10``."""
 
 
 @dataclass
-class ImageFolderConfig(ImageFields, SharedDataConfig):
+class ImageFolderConfig(MixFields, ImageFields, SharedDataConfig):
     """``data=image_folder``."""
 
 
 @dataclass
-class DatasetConfig(ImageFields, TensorFields, SharedDataConfig):
+class DatasetConfig(MixFields, ImageFields, TensorFields, SharedDataConfig):
     """Your own dataset (``dataset._target_``): image samples, or a ``TensorData``."""
 
 
 @dataclass
-class WebDatasetConfig(ShardFields, ImageFields, SharedDataConfig):
+class WebDatasetConfig(MixFields, ShardFields, ImageFields, SharedDataConfig):
     """``data=webdataset``."""
 
 
@@ -445,7 +475,7 @@ class HFTextConfig(TextFields, SharedDataConfig):
 
 
 @dataclass
-class DataConfig(ShardFields, TextFields, TokenFields, ImageFields, TensorFields,
+class DataConfig(MixFields, ShardFields, TextFields, TokenFields, ImageFields, TensorFields,
                  SharedDataConfig):
     """The ``data`` node users type (every source's keys, ``data.name`` picks the source);
     :func:`trainkit.data.load_data` hands the source its own typed config of these."""

@@ -8,6 +8,7 @@ and export), so training, evaluation and serving see the same pixels:
   libjpeg-turbo (``torchvision.io.decode_jpeg``), everything else through Pillow.
 * :func:`train_transform` -- torchvision's ``RandomResizedCrop`` distribution and a horizontal
   flip, on uint8 tensors (the crop is a view; one antialiased resize of the cropped pixels).
+  Optionally torchvision's RandAugment / TrivialAugmentWide and RandomErasing after them.
 * :func:`eval_transform` -- resize the short side to ``image_size / crop_pct``, centre crop.
 
 Samples stay uint8 through workers, pinned memory and the copy; the device stage normalises
@@ -27,7 +28,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from trainkit.config import ImageFields
-from trainkit.core.errors import TrainkitError, one_line
+from trainkit.core.errors import ConfigError, TrainkitError, one_line
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -218,17 +219,60 @@ def resize(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 
 
 def train_transform(image_size: int = 224, *, scale: Sequence[float] = (0.08, 1.0),
-                    ratio: Sequence[float] = (3 / 4, 4 / 3), flip: bool = True) -> Transform:
-    """The default training transform: random-resized crop to ``image_size``, random flip.
+                    ratio: Sequence[float] = (3 / 4, 4 / 3), flip: bool = True,
+                    auto_augment: str | None = None, random_erasing: float = 0.0,
+                    fill: Sequence[float] = IMAGENET_MEAN) -> Transform:
+    """The default training transform: random-resized crop to ``image_size``, random flip;
+    then, where asked, torchvision's ``RandAugment`` / ``TrivialAugmentWide``
+    (``auto_augment``: ``randaugment`` / ``trivialaugment``) and ``RandomErasing`` with
+    probability ``random_erasing``, erased to ``fill`` (0-1 scale: the mean, which normalises
+    to 0, as torchvision's reference recipe erases after normalising).
 
-    Takes and returns uint8 ``[C, H, W]`` tensors; draws from Python's ``random``.
+    Takes and returns uint8 ``[C, H, W]`` tensors; draws from Python's ``random`` and torch's
+    CPU generator (the loader seeds both per batch).
 
     Example:
         >>> t = train_transform(224)
         >>> t(torch.zeros(3, 375, 500, dtype=torch.uint8)).shape
         torch.Size([3, 224, 224])
     """
-    return RandomResizedCropFlip(image_size, scale=scale, ratio=ratio, flip=flip)
+    crop = RandomResizedCropFlip(image_size, scale=scale, ratio=ratio, flip=flip)
+    if auto_augment is None and not random_erasing:
+        return crop
+    from torchvision.transforms import v2
+
+    steps: list[Callable[..., torch.Tensor]] = [crop]
+    if auto_augment is not None:
+        if auto_augment not in AUTO_AUGMENTS:
+            raise ValueError(f"auto_augment={auto_augment!r}: use one of "
+                             f"{', '.join(AUTO_AUGMENTS)}")
+        # torchvision's ops run faster on a dense [C, H, W] image than on the crop's
+        # channels-last one (collate_images stacks either layout)
+        steps += [_contiguous, AUTO_AUGMENTS[auto_augment]()]
+    if random_erasing:
+        steps.append(v2.RandomErasing(p=random_erasing, value=[round(255 * v) for v in fill]))
+    return v2.Compose(steps)
+
+
+def _contiguous(image: torch.Tensor) -> torch.Tensor:
+    return image.contiguous()
+
+
+def _randaugment() -> Transform:
+    from torchvision.transforms import v2
+
+    return v2.RandAugment()
+
+
+def _trivialaugment() -> Transform:
+    from torchvision.transforms import v2
+
+    return v2.TrivialAugmentWide()
+
+
+# data.auto_augment's policies: torchvision's, with their default magnitudes
+AUTO_AUGMENTS: dict[str, Callable[[], Transform]] = {"randaugment": _randaugment,
+                                                      "trivialaugment": _trivialaugment}
 
 
 def eval_transform(image_size: int = 224, *, crop_pct: float = 0.875) -> Transform:
@@ -256,10 +300,15 @@ def transform_for(cfg: ImageFields, *, training: bool,
     :func:`train_transform` (``image_size``, ``scale``, ``ratio``, ``random_flip``) or
     :func:`eval_transform` (``image_size``, ``crop_pct``)."""
     if custom:
+        if training and (cfg.auto_augment or cfg.random_erasing):
+            raise ConfigError("data.auto_augment and data.random_erasing extend the default "
+                              "training transform: with data.train_transforms add torchvision's "
+                              "v2.RandAugment / v2.RandomErasing to your list instead")
         return compose(custom)
     if training:
         return train_transform(cfg.image_size, scale=cfg.scale, ratio=cfg.ratio,
-                               flip=cfg.random_flip)
+                               flip=cfg.random_flip, auto_augment=cfg.auto_augment,
+                               random_erasing=cfg.random_erasing, fill=stats_for(cfg)[0])
     return eval_transform(cfg.image_size, crop_pct=cfg.crop_pct)
 
 

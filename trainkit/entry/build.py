@@ -41,6 +41,7 @@ from trainkit.data import (
     transform_for,
     write_classes,
 )
+from trainkit.data.mixing import MixedBatches, batch_mixing
 from trainkit.loop.step import default_forward
 from trainkit.models import muon, param_groups
 from trainkit.models.build import ModelKeys, make_model
@@ -75,6 +76,9 @@ def build_parts(cfg: DictConfig, settings: TrainConfig, runtime: Runtime) -> Run
     """Data, model, optimizer, criterion and forward of a new run, in that order (seed first:
     the model's initial weights). ``train`` and ``probe`` both build a run this way."""
     train_data, val_data, num_classes = build_data(cfg, settings, runtime)
+    mix = batch_mixing(num_classes, mixup=settings.data.mixup, cutmix=settings.data.cutmix)
+    if mix is not None:  # data.mixup / data.cutmix: training batches only
+        train_data = MixedBatches(train_data, mix, seed=settings.trainer.seed, rank=runtime.rank)
     model = build_run_model(cfg, num_classes, channels=settings.data.channels, pretrained=True)
     if settings.checkpoint.adapters_only:  # refused now, not once the run has begun
         check_adapters_only(model, sharded=settings.trainer.strategy == "fsdp")

@@ -35,6 +35,7 @@ from trainkit.data.sources.hf_text import load_tokenizer
 from trainkit.entry.build import Rebuilt, model_inputs, rebuild, run_classes
 from trainkit.entry.cli import split_args
 from trainkit.entry.errors import errors_as_one_line
+from trainkit.models.build import with_drop_path_argument
 
 USAGE = ("RUN_DIR [ckpt=best|last|step_N|PATH] [--format F] [--dtype D] [--weights W] "
          "[--out DIR] [--adapters]")
@@ -75,6 +76,7 @@ def export_run(args: list[str], *, fmt: str = "safetensors", dtype: str = "fp32"
     inputs = model_inputs(run)  # mean/std, image size, classes: as the run recorded
     node = OmegaConf.to_container(run.cfg.model, resolve=True)
     node.pop("pretrained", None)  # where the run's weights started: the export's are its own
+    node = with_drop_path_argument(node)  # model.drop_path: as the model's own argument
     info = {"model": node,
             "weights": run.weights,
             "checkpoint": {"ckpt": run.name, "path": run.state["_path"], "step": run.step},

@@ -9,6 +9,7 @@ node a checkpoint stores, so a LoRA run's checkpoints load into the same wrappin
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -29,13 +30,15 @@ class ModelKeys:
 
     Example:
         >>> ModelKeys.split({"_target_": "m.Net", "width": 3, "pretrained": "w.pt"})
-        (ModelKeys(pretrained='w.pt', lora=None), {'_target_': 'm.Net', 'width': 3})
+        (ModelKeys(pretrained='w.pt', lora=None, drop_path=0.0), {'_target_': 'm.Net', 'width': 3})
     """
 
     # weights to start a new run from: a file or a Hugging Face folder (models/pretrained.py)
     pretrained: str | None = None
     # PEFT's LoraConfig arguments ({r, alpha, dropout, target_modules}: models/lora.py)
     lora: dict[str, Any] | None = None
+    # stochastic depth, given to the model's own argument (:func:`drop_path_argument`); 0: off
+    drop_path: float = 0.0
 
     @classmethod
     def split(cls, node: Mapping[str, Any]) -> tuple[ModelKeys, dict[str, Any]]:
@@ -56,11 +59,59 @@ class ModelKeys:
         if lora is not None and not isinstance(lora, Mapping):
             raise ConfigError(f"model.lora must be a mapping of PEFT's LoraConfig arguments, "
                               f"e.g. '{{r: 8, alpha: 16}}' (or null), got {lora!r}")
+        drop_path = node.get("drop_path") or 0.0
+        if isinstance(drop_path, bool) or not isinstance(drop_path, (int, float)) or not (
+                0 <= drop_path < 1):
+            raise ConfigError(f"model.drop_path must be in [0, 1), got {drop_path!r}")
+        if drop_path:  # the model's own stochastic-depth argument, or one line
+            rest[drop_path_argument(rest)] = float(drop_path)
         return cls(None if pretrained is None else str(pretrained),
-                   None if lora is None else dict(lora)), rest
+                   None if lora is None else dict(lora), float(drop_path)), rest
 
 
 MODEL_KEYS = tuple(f.name for f in fields(ModelKeys))
+# stochastic depth's argument: timm's, torchvision's
+DROP_PATH_ARGUMENTS = ("drop_path_rate", "stochastic_depth_prob")
+
+
+def with_drop_path_argument(node: Mapping[str, Any]) -> dict[str, Any]:
+    """``node`` with ``drop_path`` given as the model's own argument (:func:`drop_path_argument`),
+    or left out when 0: a node ``hydra.utils.instantiate`` builds (an export's model.json)."""
+    rest = {key: value for key, value in node.items() if key != "drop_path"}
+    if node.get("drop_path"):
+        rest[drop_path_argument(rest)] = node["drop_path"]
+    return rest
+
+
+def drop_path_argument(node: Mapping[str, Any]) -> str:
+    """The argument of ``node``'s model that takes ``model.drop_path``: ``drop_path_rate``
+    (timm's models) or ``stochastic_depth_prob`` (torchvision's convnext, efficientnet, swin,
+    ...), read from the signature of the class the target builds.
+
+    Raises:
+        ConfigError: the model has neither (resnet, vit_b_16, your own without one).
+    """
+    from hydra.utils import get_object
+
+    target = str(node.get("_target_", ""))
+    if target.startswith("timm."):
+        return "drop_path_rate"  # timm.create_model passes it to every model of timm's
+    built: Any = get_object(target) if target else None
+    if target == "trainkit.models.vision.torchvision_classifier":
+        import torchvision
+
+        built = torchvision.models.get_model_builder(str(node.get("name")))
+    returns = inspect.signature(built).return_annotation if callable(built) else None
+    cls = returns if isinstance(returns, type) else built
+    try:
+        params = inspect.signature(cls).parameters if cls is not None else {}
+    except (TypeError, ValueError):
+        params = {}
+    for name in DROP_PATH_ARGUMENTS:
+        if name in params:
+            return name
+    raise ConfigError(f"model.drop_path: {target or 'this model'} takes no drop_path_rate or "
+                      "stochastic_depth_prob (stochastic depth); remove model.drop_path")
 
 
 def class_arguments(node: Mapping[str, Any]) -> dict[str, Any]:

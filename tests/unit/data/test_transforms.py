@@ -115,3 +115,36 @@ def test_normalize_is_the_usual_formula_in_the_layout_asked() -> None:
                         memory_format=layout)
         assert got.is_contiguous(memory_format=layout) and got.dtype == torch.float32
         assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_auto_augment_and_random_erasing_follow_the_seeded_generators() -> None:
+    from trainkit.data.transforms import train_transform
+
+    image = torch.randint(0, 256, (3, 40, 50), dtype=torch.uint8)
+    plain = train_transform(24)
+    for policy in ("randaugment", "trivialaugment"):
+        augmented = train_transform(24, auto_augment=policy, random_erasing=0.5)
+        outs = []
+        for _ in range(2):
+            random.seed(3)
+            torch.manual_seed(3)
+            outs.append(augmented(image))
+        assert torch.equal(outs[0], outs[1]) and outs[0].dtype == torch.uint8
+        random.seed(3)
+        assert outs[0].shape == plain(image).shape == (3, 24, 24)
+    erase = train_transform(24, random_erasing=1.0, fill=(0.5, 0.25, 0.0))
+    out = erase(torch.full((3, 40, 50), 255, dtype=torch.uint8))
+    erased = (out != 255).all(0)
+    assert erased.any()
+    assert out[:, erased].unique(dim=1).tolist() == [[128], [64], [0]]  # the fill colour
+
+
+def test_auto_augment_with_own_transforms_is_refused() -> None:
+    from trainkit.config import ImageFolderConfig
+    from trainkit.core.errors import ConfigError
+    from trainkit.data.transforms import transform_for
+
+    cfg = ImageFolderConfig(auto_augment="randaugment")
+    with pytest.raises(ConfigError, match=r"data\.train_transforms"):
+        transform_for(cfg, training=True, custom=[lambda x: x])
+    transform_for(cfg, training=False, custom=[lambda x: x])  # evaluation: not augmented

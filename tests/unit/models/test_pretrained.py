@@ -151,8 +151,9 @@ def test_the_model_node_leaves_out_what_trainkit_reads() -> None:
 
 
 def test_trainkits_own_model_keys_are_listed_once_and_typed() -> None:
-    """Issue 59, item 3: ``model.pretrained`` and ``model.lora`` in one typed place."""
-    assert MODEL_KEYS == ("pretrained", "lora")
+    """Issue 59, item 3: ``model.pretrained``, ``model.lora`` (and issue 62's ``model.drop_path``)
+    in one typed place."""
+    assert MODEL_KEYS == ("pretrained", "lora", "drop_path")
     keys, rest = ModelKeys.split({"_target_": "m.Net", "pretrained": None, "lora": {"r": 8}})
     assert keys == ModelKeys(pretrained=None, lora={"r": 8}) and rest == {"_target_": "m.Net"}
     with pytest.raises(ConfigError, match=r"model\.pretrained must be a weights file or folder"):
