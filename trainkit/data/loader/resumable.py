@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -70,6 +70,20 @@ def set_epoch(data: Any, epoch: int, start_batch: int) -> None:
             f"cannot resume inside an epoch with a {type(data).__name__}: it cannot start at "
             f"batch {start_batch}; use trainkit's loaders or checkpoint at epoch ends"
         )
+
+
+def pass_of(data: Iterable[Any], epoch: int, start_batch: int = 0) -> Iterator[Any]:
+    """The batches ``start_batch, ...`` of ``epoch``, for a caller that holds the position.
+
+    A loader with ``batches(epoch, start)`` (trainkit's) serves them without loading the ones
+    before; any other is pointed there with :func:`set_epoch` (``start_batch > 0`` is an error
+    for it) and iterated.
+    """
+    batches = getattr(data, "batches", None)
+    if callable(batches):
+        return iter(batches(epoch, start_batch))
+    set_epoch(data, epoch, start_batch)
+    return iter(data)
 
 
 def default_num_workers(procs_per_node: int | None = None) -> int:
