@@ -181,6 +181,18 @@ def position_holders(loader: Any) -> list[str]:
     return held
 
 
+def saved_positions(loader: Any) -> list[str]:
+    """The objects along a loader's chain whose ``state_dict`` (what a checkpoint keeps of the
+    data) holds a position, by class name: the position's holders besides the loop's state."""
+    held, obj = [], loader
+    while obj is not None:
+        state = obj.state_dict() if hasattr(obj, "state_dict") else {}
+        if {"epoch", "batch"} & set(state):
+            held.append(type(obj).__name__)
+        obj = getattr(obj, "loader", None)
+    return held
+
+
 def figures() -> list[str]:
     """One line per figure."""
     graph = data_graph()
@@ -195,15 +207,17 @@ def figures() -> list[str]:
 
         cfg = ImageFolderConfig(name="image_folder", root=str(Path(tmp) / "images"),
                                 batch_size=4, image_size=16, num_workers=0)
-        holders = position_holders(load_data(cfg, Runtime.from_env("cpu")).train)
+        train = load_data(cfg, Runtime.from_env("cpu")).train
+        holders, saved = position_holders(train), saved_positions(train)
     step = ["trainkit.loop.step", "trainkit.loop.precision"]  # then optimizer.step (torch)
     return [
         f"image-folder batch, source to device: {len(image)} modules ({', '.join(image)}); "
         f"then {', '.join(step)}",
         f"token batch, corpus to device: {len(tokens)} modules ({', '.join(tokens)}); then "
         f"{', '.join(step)}",
-        f"position holders on the data side: {len(holders)} ({', '.join(holders)}); plus the "
-        "loop's TrainState and the checkpoint that stores it",
+        f"position holders: the loop's TrainState (the fit asks for batches(epoch, start)); "
+        f"on the data side {len(saved)} saved {saved or ''}, and {len(holders)} keeping where a "
+        f"plain set_epoch + iter pass goes ({', '.join(holders)}), never saved",
         f"import circles in trainkit/data: {len(circles(graph))} {circles(graph) or ''}",
         f"imports against the stage order (shared -> sources -> loader -> device): "
         f"{len(against_order(graph))}",

@@ -46,19 +46,19 @@ def main() -> int:
     counts = []
     with open(args.out / f"keys{rank}.jsonl", "a") as keys:
         for e in range(epoch, 2):
-            loader.set_epoch(e, start if e == epoch else 0)
+            first = start if e == epoch else 0  # this script holds the position, as fit does
             n = 0
-            for batch in loader:
+            for batch in loader.batches(e, first):
                 keys.write(json.dumps({"epoch": e, "keys": batch.keys}) + "\n")
                 keys.flush()
                 n += 1
-                if args.pause_at == [e, loader.state_dict()["batch"] - 1]:
+                if args.pause_at == [e, first + n - 1]:
                     (args.out / f"paused{rank}").write_text(str(os.getpid()))
                     stop.wait(60)
                 asked = torch.tensor(float(stop.is_set()))
                 dist.all_reduce(asked, op=dist.ReduceOp.MAX)  # DDP's step: equal counts or hang
                 if asked.item():
-                    state.write_text(json.dumps(loader.state_dict()))
+                    state.write_text(json.dumps({"epoch": e, "batch": first + n}))
                     dist.destroy_process_group()
                     return 75
             counts.append(n)

@@ -162,17 +162,31 @@ def read_whole(path: str | Path) -> dict[str, Any]:
     return state
 
 
-def model_weights(state: Mapping[str, Any], weights: str = "auto"
+def model_weights(state: Mapping[str, Any], weights: str = "auto", model_name: str | None = None
                   ) -> tuple[dict[str, torch.Tensor], str]:
     """The model weights of a checkpoint and which they are (``"ema"`` or ``"raw"``).
 
     ``auto``: the EMA's when the run kept one (those its evaluations used), else the raw ones.
+    ``model_name``: one model of a fit of several (the checkpoint's ``models``) by name; None
+    (or the first name) is the first model, the ``model`` key, whose EMA it is.
 
     Raises:
-        TrainkitError: ``weights=ema`` for a run without an EMA, or an unknown choice.
+        TrainkitError: ``weights=ema`` for a run without an EMA (or for another than the first
+            model), an unknown choice, or a ``model_name`` the checkpoint does not hold.
     """
     if weights not in WEIGHTS:
         raise TrainkitError(f"weights={weights}: use one of {', '.join(WEIGHTS)}")
+    names = list(state.get("models") or {})
+    if model_name is not None and model_name != (names[0] if names else None):
+        if model_name not in names:
+            held = (f"its models are {', '.join(names)}" if names else
+                    "it holds one model (a fit of one): leave model_name out")
+            raise TrainkitError(f"model_name={model_name}: no such model in this checkpoint; "
+                                f"{held}")
+        if weights == "ema":
+            raise TrainkitError(f"weights=ema: the EMA is the first model's ({names[0]}); use "
+                                f"weights=raw for model_name={model_name}")
+        return dict(state["models"][model_name]), "raw"
     ema = (state.get("ema") or {}).get("weights")
     if weights == "ema" and ema is None:
         raise TrainkitError("weights=ema: this run kept no EMA (trainer.ema_decay was null); "

@@ -19,7 +19,7 @@ import torch
 
 from trainkit.core.device import GIB, move_to_device
 from trainkit.core.errors import TrainkitError
-from trainkit.data.loader.resumable import set_epoch
+from trainkit.data.loader.resumable import pass_of
 from trainkit.distributed import group
 from trainkit.loop.step import WindowStep, batch_size, windows
 from trainkit.observe.metrics import StepMeter
@@ -53,9 +53,8 @@ def cycle(data: Iterable[Any]) -> Iterator[Any]:
     """``data``'s batches epoch after epoch (each pass told its epoch, as fit does)."""
     epoch = 0
     while True:
-        set_epoch(data, epoch, 0)
         empty = True
-        for batch in data:
+        for batch in pass_of(data, epoch, 0):
             empty = False
             yield batch
         if empty:

@@ -32,7 +32,7 @@ from trainkit.core.errors import TrainkitError
 from trainkit.core.runtime import Runtime
 from trainkit.core.schedules import schedule_words
 from trainkit.core.signals import Preemption
-from trainkit.data.loader.resumable import set_epoch
+from trainkit.data.loader.resumable import pass_of
 from trainkit.distributed import ddp, group, strategy
 from trainkit.distributed.watchdog import Watchdog, watched
 from trainkit.loop import evaluation
@@ -340,7 +340,7 @@ class Trainer:
         Checkpointer: a checkpoint holds what the step's evaluation and callbacks made of it.
         """
         state, checkpointer, vote, guard = self.state, self.checkpointer, run.vote, run.guard
-        set_epoch(run.data, state.epoch, state.batch_in_epoch)
+        epoch_batches = pass_of(run.data, state.epoch, state.batch_in_epoch)
         apply_freeze(ddp.unwrap(run.model), self.config, state.epoch)  # unfreeze_at_epoch
         clock, fire, batches = time.perf_counter, self.callbacks.fire, len(run.data)
         run.train_mode()
@@ -350,7 +350,7 @@ class Trainer:
         # a callback may ask to stop after the step's own vote (its NaN check): vote again
         vote_again = bool(step_end or self.callbacks.handlers["on_evaluation_end"])
         fetched = clock()
-        for window in windows(run.data, self.config.accumulate_grad_batches):
+        for window in windows(epoch_batches, self.config.accumulate_grad_batches):
             run.meter.data_wait += clock() - fetched  # blocked on the data since the last step
             logs = run.should_log(state.global_step + 1)
             self._step(run, window, batches, logs)

@@ -46,3 +46,21 @@ def test_a_batch_runs_through_no_more_modules_than_today(tmp_path: Path) -> None
           f"modules {tokens}")
     assert "trainkit.data.sources.image_files" in image and len(image) <= 7
     assert "trainkit.data.loader.tokens" in tokens and len(tokens) <= 3
+
+
+def test_the_data_side_saves_no_position() -> None:
+    """The position has one holder, the loop's state: no loader or device stage saves one, and
+    the measure sees one that does."""
+    import torch
+
+    from trainkit.data import DevicePrefetcher, make_loader
+
+    dataset = torch.utils.data.TensorDataset(torch.zeros(8, 1), torch.zeros(8))
+    loader = DevicePrefetcher(make_loader(dataset, 2, shuffle=True, num_workers=0), "cpu")
+    assert plan.saved_positions(loader) == []
+
+    class Saving:
+        def state_dict(self) -> dict:
+            return {"epoch": 1, "batch": 2}
+
+    assert plan.saved_positions(Saving()) == ["Saving"]

@@ -428,6 +428,25 @@ def test_init_from_a_two_model_checkpoint_loads_each_model_by_name(tmp_path: Pat
         assert torch.equal(p, q)
 
 
+def test_the_checkpoint_reader_picks_a_model_of_a_two_model_fit_by_name(tmp_path: Path) -> None:
+    """``model_weights(state, model_name=)``: the named model's weights; none, the first's; an
+    unknown name is one line naming the models the checkpoint holds."""
+    from trainkit.checkpoint.select import model_weights
+
+    _, g, d = _fit(tmp_path)
+    state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    picked, which = model_weights(state, model_name="d")
+    assert which == "raw" and set(picked) == set(d.state_dict())
+    assert all(torch.equal(picked[k], v) for k, v in d.state_dict().items())
+    first, _ = model_weights(state)
+    assert first.keys() == model_weights(state, model_name="g")[0].keys() == g.state_dict().keys()
+    assert all(torch.equal(first[k], v) for k, v in g.state_dict().items())
+    with pytest.raises(TrainkitError, match=r"model_name=h: .*its models are g, d"):
+        model_weights(state, model_name="h")
+    with pytest.raises(TrainkitError, match="weights=ema: the EMA is the first model's"):
+        model_weights(state, "ema", model_name="d")
+
+
 def test_a_two_optimizer_fit_under_16_mixed_updates_the_loss_scale_once_per_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     updates = []

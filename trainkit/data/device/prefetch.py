@@ -17,7 +17,7 @@ from trainkit.core.device import move_to_device
 from trainkit.core.errors import TrainkitError
 from trainkit.core.tree import tensors
 from trainkit.data.classes import STATE_KEY, check_same_classes
-from trainkit.data.loader.resumable import ResumableData, saved_position, set_epoch
+from trainkit.data.loader.resumable import ResumableData, set_epoch
 from trainkit.data.transforms import Normalize
 
 log = logging.getLogger("trainkit")
@@ -33,11 +33,10 @@ class DevicePrefetcher:
     PCIe), then ``(x - mean) / std`` when ``mean`` and ``std`` are given. Pin the loader's
     memory (``make_loader`` does on CUDA) or the copies cannot overlap.
 
-    The position is the wrapped loader's alone: ``len``, ``set_epoch(epoch, start_batch)``,
-    ``state_dict`` and ``load_state_dict`` pass through, so the Trainer treats it as the loader
-    itself, and a pass moves the loader's position as this hands each batch out (the batch
-    read ahead is inside the pass, not a second position). Its state also keeps the class names (a
-    resume on other classes is refused) and the files skipped so far.
+    It holds no position, nor does the loader: the caller asks for ``batches(epoch, start)``
+    (the Trainer, from its state); ``len``, ``set_epoch`` and the loader's settings pass
+    through. Its state keeps the class names (a resume on other classes is refused) and the
+    files skipped so far.
 
     Args:
         loader: any iterable of batches.
@@ -93,8 +92,7 @@ class DevicePrefetcher:
         set_epoch(self.loader, epoch, start_batch)
 
     def state_dict(self) -> dict[str, Any]:
-        """The loader's position (the batches handed out of this stage), the class names,
-        and the files skipped so far (sorted)."""
+        """The loader's settings, the class names, and the files skipped so far (sorted)."""
         state: dict[str, Any] = {}
         if isinstance(self.loader, ResumableData):
             state = dict(self.loader.state_dict())
@@ -105,9 +103,10 @@ class DevicePrefetcher:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s position (and its count of skipped files)."""
+        """Check :meth:`state_dict`'s classes and settings; count its skipped files on."""
         self.resume_check(state)
-        self.set_epoch(*saved_position(state))
+        if isinstance(self.loader, ResumableData):
+            self.loader.load_state_dict(state)
 
     def resume_check(self, saved: Mapping[str, Any]) -> None:
         """A checkpoint's loader state against this loader: the same classes (else one line),
@@ -129,14 +128,11 @@ class DevicePrefetcher:
                             path, len(self.skipped))
 
     def __iter__(self) -> Iterator[Any]:
-        counted = getattr(self.loader, "counted", None)
-        if counted is not None:  # the loader's position moves as a batch leaves this stage
-            return counted(self.batches)
         return self._on_device(self.loader)
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[Any]:
         """The batches ``start, ...`` of ``epoch`` on the device, for a caller that holds the
-        position itself (the look-ahead stays inside this pass: nothing to subtract)."""
+        position (the look-ahead stays inside this pass: nothing to subtract)."""
         source = getattr(self.loader, "batches", None)
         if source is None:  # a loader of another kind: pointed there, then iterated
             set_epoch(self.loader, epoch, start)

@@ -1,1 +1,1 @@
-"""The loader stage: one resumable loader that owns the position (order, workers, seeds)."""
+"""The loader stage: one resumable loader, any pass from a caller's position (order, workers)."""

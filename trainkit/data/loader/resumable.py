@@ -1,18 +1,19 @@
-"""The one resumable loader: it owns the position (epoch, batches handed out, the next start).
+"""The one resumable loader: any batch of any epoch, served to a caller that holds the position.
 
 :class:`ResumableLoader` serves a pass of any epoch from any batch without loading the batches
-before it, and reports where it is (``state_dict``). Its default variant wraps torch's
+before it (``batches(epoch, start)``). Its default variant wraps torch's
 DataLoader (:func:`make_loader`: workers, pinning, a rank's shard, random transforms seeded per
 batch from ``(seed, epoch, rank, batch)``); the in-memory, token and shard loaders are variants
-that only say how a pass is served (:meth:`ResumableLoader._pass`). The Trainer keeps its own
-copy of the position in its state and points the loader there at the start of every epoch.
+that only say how a pass is served (:meth:`ResumableLoader._pass`). The position has one
+holder, the Trainer's state: it asks for ``batches(epoch, batch_in_epoch)`` every epoch, and the
+loader's ``state_dict`` keeps only the settings a resume must match.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -37,18 +38,13 @@ class ResumableData(Protocol):
     def __iter__(self) -> Iterator[Any]: ...
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """The next pass serves ``epoch`` from batch ``start_batch`` on."""
+        """The next pass (``iter``) serves ``epoch`` from batch ``start_batch`` on."""
 
     def state_dict(self) -> dict[str, Any]:
-        """At least ``{"epoch": e, "batch": b}``: b batches of epoch e were handed out."""
+        """The settings a resume must match; the position is the caller's, not in here."""
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s position with the next pass."""
-
-
-def saved_position(state: Mapping[str, Any]) -> tuple[int, int]:
-    """``(epoch, batch)`` from a loader's :meth:`~ResumableData.state_dict`."""
-    return int(state["epoch"]), int(state["batch"])
+        """Check :meth:`state_dict`'s settings (a saved position, from older runs, is ignored)."""
 
 
 def set_epoch(data: Any, epoch: int, start_batch: int) -> None:
@@ -70,6 +66,20 @@ def set_epoch(data: Any, epoch: int, start_batch: int) -> None:
             f"cannot resume inside an epoch with a {type(data).__name__}: it cannot start at "
             f"batch {start_batch}; use trainkit's loaders or checkpoint at epoch ends"
         )
+
+
+def pass_of(data: Iterable[Any], epoch: int, start_batch: int = 0) -> Iterator[Any]:
+    """The batches ``start_batch, ...`` of ``epoch``, for a caller that holds the position.
+
+    A loader with ``batches(epoch, start)`` (trainkit's) serves them without loading the ones
+    before; any other is pointed there with :func:`set_epoch` (``start_batch > 0`` is an error
+    for it) and iterated.
+    """
+    batches = getattr(data, "batches", None)
+    if callable(batches):
+        return iter(batches(epoch, start_batch))
+    set_epoch(data, epoch, start_batch)
+    return iter(data)
 
 
 def default_num_workers(procs_per_node: int | None = None) -> int:
@@ -117,18 +127,17 @@ class SeededSamples(Dataset):
 
 
 class ResumableLoader:
-    """A loader the Trainer can point at any batch of any epoch: ``set_epoch(e, b)``.
+    """A loader that serves any batch of any epoch: ``batches(e, b)``, or ``set_epoch(e, b)``
+    then ``iter`` (the offset applies to that one pass only).
 
-    It owns the position: ``epoch``, ``batch`` (batches of it handed out) and where the next
-    pass starts (a resume offset applies to one pass only). Build the DataLoader variant with
-    :func:`make_loader`; a variant of another kind (:class:`~trainkit.data.InMemoryLoader`,
-    :class:`~trainkit.data.TokenLoader`) overrides ``__len__`` and :meth:`_pass` only.
-    ``len()`` is always the whole epoch's batch count, also right after a mid-epoch
-    ``set_epoch``.
+    It holds no position: the caller (the Trainer's state) knows where it is. Build the
+    DataLoader variant with :func:`make_loader`; a variant of another kind
+    (:class:`~trainkit.data.InMemoryLoader`, :class:`~trainkit.data.TokenLoader`)
+    overrides ``__len__`` and :meth:`_pass` only. ``len()`` is always the whole epoch's batch
+    count, also right after a mid-epoch ``set_epoch``.
     """
 
-    epoch: int = 0
-    batch: int = 0
+    epoch: int = 0  # what the next iter() serves (set_epoch), not a saved position
     _start: int = 0
     seed: int = 0
     saved_settings: tuple[str, ...] = ()  # settings in the state a resume must match
@@ -148,39 +157,30 @@ class ResumableLoader:
         return self.sampler.num_batches
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Serve ``epoch`` from batch ``start_batch`` on; the batches before are never loaded."""
-        self.epoch, self.batch, self._start = epoch, start_batch, start_batch
+        """The next ``iter`` serves ``epoch`` from batch ``start_batch`` on; the batches before
+        are never loaded."""
+        self.epoch, self._start = epoch, start_batch
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and the batches of it already handed out (and :attr:`saved_settings`)."""
-        return {"epoch": self.epoch, "batch": self.batch,
-                **{key: getattr(self, key) for key in self.saved_settings}}
+        """The :attr:`saved_settings` a resume must match (no position: the caller holds it)."""
+        return {key: getattr(self, key) for key in self.saved_settings}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s position with the next pass."""
+        """Refuse settings other than :meth:`state_dict`'s; a position in ``state`` (older
+        checkpoints saved one) is ignored: the caller resumes with :meth:`batches`."""
         for key in self.saved_settings:
             if state.get(key, getattr(self, key)) != getattr(self, key):
                 raise ConfigError(f"loader state has {key} {state[key]}, this loader "
                                   f"{getattr(self, key)}: the order would differ; resume with "
                                   f"the same {key}")
-        self.set_epoch(*saved_position(state))
 
     def __iter__(self) -> Iterator[Any]:
-        return self.counted(self._pass)
-
-    def counted(self, make: Callable[[int, int], Iterator[Any]]) -> Iterator[Any]:
-        """A pass from this loader's position through ``make(epoch, start)`` (its own pass,
-        or a later stage's over :meth:`batches`), the position moved as each batch is handed
-        out: a stage that reads ahead keeps no position of its own."""
-        start, self._start = self._start, 0
-        self.batch = start
-        for batch in make(self.epoch, start):
-            self.batch += 1
-            yield batch
+        start, self._start = self._start, 0  # a set_epoch offset applies to one pass
+        return self._pass(self.epoch, start)
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[Any]:
         """The batches ``start, start + 1, ...`` of ``epoch``, for a caller that holds the
-        position itself: this loader's own (``state_dict``) is neither read nor moved."""
+        position (the Trainer); what ``iter`` serves next is left alone."""
         return self._pass(epoch, start)
 
     def _pass(self, epoch: int, start: int) -> Iterator[Any]:
