@@ -109,10 +109,12 @@ class Checkpointer:
 
     def register(self, state: LoopState, *, model: nn.Module, optimizer: Any,
                  precision: Any, scheduler: Any = None, ema: Any = None,
-                 data: Any = None, callbacks: Any = None) -> None:
+                 data: Any = None, callbacks: Any = None,
+                 named: Mapping[str, Any] | None = None) -> None:
         """The objects a checkpoint holds; None for a part this run has not.
 
-        ``callbacks``: the stateful callbacks (a :class:`~trainkit.loop.callbacks.Callbacks`).
+        ``callbacks``: the stateful callbacks (a :class:`~trainkit.loop.callbacks.Callbacks`);
+        ``named``: more parts by key (a fit of several models: ``models``, ``optimizers``, ...).
 
         The model chooses the storage (:func:`~trainkit.checkpoint.storages.storages_for`): one
         sharded by ``fully_shard`` (FSDP2) gets directories every rank writes its part of. A
@@ -124,7 +126,7 @@ class Checkpointer:
                       "optimizer": optimizer,
                       "scheduler": scheduler, "precision": precision, "ema": ema,
                       "data": data if isinstance(data, ResumableData) else None,
-                      "callbacks": callbacks}
+                      "callbacks": callbacks, **(named or {})}
         self.storages = storages_for(model, self.where, self.config, self.runtime)
 
     @property

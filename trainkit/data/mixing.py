@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from trainkit.core.rng import mix_seed
-from trainkit.data.loader.resumable import saved_position, set_epoch
+from trainkit.data.loader.resumable import pass_of
 
 
 def batch_mixing(num_classes: int, *, mixup: float = 0.0,
@@ -37,8 +37,9 @@ def batch_mixing(num_classes: int, *, mixup: float = 0.0,
 class MixedBatches:
     """The training loader ``data`` whose ``(images, labels)`` batches are mixed by ``mix``.
 
-    Keeps the loader's protocol: ``len``, ``set_epoch`` (which also places the mixing's
-    counter), ``state_dict`` / ``load_state_dict``; its other attributes are the loader's.
+    Keeps the loader's protocol: ``len``, ``batches(epoch, start)`` (what the fit asks for),
+    ``set_epoch`` + ``iter``, ``state_dict`` / ``load_state_dict``; its other attributes are the
+    loader's.
     """
 
     def __init__(self, data: Any, mix: Any, *, seed: int, rank: int = 0) -> None:
@@ -54,24 +55,26 @@ class MixedBatches:
         return getattr(self.data, name)
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """The loader's next pass serves ``epoch`` from ``start_batch``; mixing follows it."""
+        """The next ``iter`` serves ``epoch`` from ``start_batch``, mixed by position."""
         self._epoch, self._batch = epoch, start_batch
-        set_epoch(self.data, epoch, start_batch)
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's state."""
         return self.data.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """The loader's state, and the mixing placed at its position."""
+        """The loader's state (it holds no position: the fit asks for :meth:`batches`)."""
         self.data.load_state_dict(state)
-        self._epoch, self._batch = saved_position(state)
+
+    def batches(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
+        """Batches ``start_batch, ...`` of ``epoch``, each mixed by its own position."""
+        for index, batch in enumerate(pass_of(self.data, epoch, start_batch), start_batch):
+            yield self.mixed(batch, epoch, index)
 
     def __iter__(self) -> Iterator[Any]:
-        for batch in self.data:
-            yield self.mixed(batch, self._epoch, self._batch)
-            self._batch += 1
-        self._epoch, self._batch = self._epoch + 1, 0
+        epoch, start = self._epoch, self._batch
+        self._epoch, self._batch = epoch + 1, 0
+        yield from self.batches(epoch, start)
 
     def mixed(self, batch: Any, epoch: int, index: int) -> Any:
         """``batch`` (``(images, labels)``) mixed with the draws of batch ``index`` of

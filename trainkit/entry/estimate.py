@@ -190,9 +190,12 @@ def _tokenizer_vocabulary(cfg: DictConfig, source: Any) -> int | None:
 
 def _assumed_vocabulary(cfg: DictConfig) -> list[str]:
     """The note for a vocabulary taken from the tokenizer's name, not the corpus."""
-    source = SOURCES.get(cfg.data.name)
-    if cfg.get("dataset") is not None or source is None:
+    if cfg.get("dataset") is not None:
         return []  # refused by _settings, in its words
+    try:
+        source = source_of(cfg.data.name)
+    except ConfigError:
+        return []  # an unknown data.name: refused by _settings, in its words
     if (cfg.data.get("num_classes") is not None
             or source.known_classes(str(cfg.data.get("root") or ".")) is not None
             or (vocab := _tokenizer_vocabulary(cfg, source)) is None):

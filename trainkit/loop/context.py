@@ -120,14 +120,17 @@ class NamedFit:
     @classmethod
     def of(cls, model: Any, optimizer: Any, criterion: Criterion | None, step: StepFn | None,
            forward: Forward, schedulers: Any, scheduler: Any,
-           evaluate: Any) -> tuple[NamedFit | None, Criterion | None]:
-        """From ``fit``'s arguments: None for today's form (one model, one optimizer, no
-        ``step``), and the criterion (default cross-entropy; with ``step=``, none unless given:
-        it then only gives ``val/loss``). A lone model or optimizer is named ``"model"`` (so
-        ``ctx.optimize("model", loss)``)."""
+           evaluate: Any) -> tuple[NamedFit | None, nn.Module, Any, Any, Criterion | None]:
+        """From ``fit``'s arguments: ``(named, model, optimizer, scheduler, criterion)``.
+
+        ``named`` is None for today's form (one model, one optimizer, no ``step``), which keeps
+        its parts; else the model and optimizer are the first-named ones and the scheduler None
+        (the context steps each optimizer's). The criterion: default cross-entropy; with
+        ``step=``, none unless given (it then only gives ``val/loss``). A lone model or
+        optimizer is named ``"model"`` (so ``ctx.optimize("model", loss)``)."""
         if step is None and not isinstance(model, Mapping) and not isinstance(optimizer,
                                                                                 Mapping):
-            return None, criterion or F.cross_entropy
+            return None, model, optimizer, scheduler, criterion or F.cross_entropy
         models = dict(model) if isinstance(model, Mapping) else {"model": model}
         optimizers = dict(optimizer) if isinstance(optimizer, Mapping) else {"model": optimizer}
         if not models or not optimizers:
@@ -149,7 +152,8 @@ class NamedFit:
             criterion = criterion or F.cross_entropy
             step = supervised_step(next(iter(models)), next(iter(optimizers)), forward,
                                    criterion)
-        return cls(models, optimizers, step, schedulers, evaluate), criterion
+        named = cls(models, optimizers, step, schedulers, evaluate)
+        return named, named.first_model, named.first_optimizer, None, criterion
 
     @property
     def first_model(self) -> nn.Module:
@@ -218,19 +222,17 @@ class NamedFit:
         return {f"train/lr_{name}": opt.param_groups[0]["lr"]
                 for name, opt in self.optimizers.items()}
 
-    def register(self, checkpointer: Any) -> None:
-        """Several models or optimizers: each by name in every checkpoint (``models``,
-        ``optimizers``, ``schedulers``), beside ``model``/``optimizer`` (the first-named's);
-        one of each: the checkpoint of a plain fit, the scheduler as ``scheduler``."""
+    def checkpoint_parts(self) -> dict[str, Any]:
+        """What a checkpoint holds besides a plain fit's parts. Several models or optimizers:
+        each by name (``models``, ``optimizers``, ``schedulers``), beside ``model``/``optimizer``
+        (the first-named's); one of each: the checkpoint of a plain fit, the scheduler as
+        ``scheduler``."""
         from trainkit.distributed import ddp
 
         if len(self.models) == 1 and len(self.optimizers) == 1:
-            checkpointer.parts["scheduler"] = next(iter(self.schedulers.values()), None)
-            return
-        checkpointer.parts["models"] = Named({name: ddp.unwrap(m)
-                                              for name, m in self.models.items()})
-        checkpointer.parts["optimizers"] = Named(self.optimizers)
-        checkpointer.parts["schedulers"] = Named(self.schedulers)
+            return {"scheduler": next(iter(self.schedulers.values()), None)}
+        return {"models": Named({name: ddp.unwrap(m) for name, m in self.models.items()}),
+                "optimizers": Named(self.optimizers), "schedulers": Named(self.schedulers)}
 
     def eval_forward(self, precision: Precision) -> Forward:
         """The evaluation's ``forward(model, batch)``: ``evaluate(ctx, batch)`` over an

@@ -42,6 +42,13 @@ def own_stream(seed: int | None, runtime: Any) -> Iterator[None]:
 
 
 @torch.no_grad()
+def evaluate_apart(seed: int, runtime: Any, model: nn.Module, data: Iterable[Any],
+                   **options: Any) -> dict[str, float]:
+    """:func:`evaluate` on the evaluation's own random stream (:func:`own_stream`)."""
+    with own_stream(seed, runtime):
+        return evaluate(model, data, **options)
+
+
 def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
              device: torch.device, criterion: Criterion | None,
              metrics: Mapping[str, Any] | None,

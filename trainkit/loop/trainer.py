@@ -145,10 +145,9 @@ class Trainer:
             TrainkitError: a checkpoint could not be written or does not fit this run, or the
                 device ran out of memory (``status: "oom"``).
         """
-        named, criterion = NamedFit.of(model, optimizer, criterion, step, forward, schedulers,
-                                       scheduler, evaluate)
-        if named is not None:  # the step's context steps each optimizer's scheduler
-            model, optimizer, scheduler = named.first_model, named.first_optimizer, None
+        # several models or a step of your own: named parts (the context steps the schedulers)
+        named, model, optimizer, scheduler, criterion = NamedFit.of(
+            model, optimizer, criterion, step, forward, schedulers, scheduler, evaluate)
         advisor = Advisor(self.runtime.device, train_data) if self.config.advice else None
         report = RunReport(self.runtime, self.run_dir, self.state, advisor, self._profilers)
         with report:  # its sinks and profilers closed however the fit ends, after the summary
@@ -157,9 +156,7 @@ class Trainer:
                                   scheduler=scheduler, val_data=val_data, metrics=metrics,
                                   forward=forward, preemption=preemption or Preemption(),
                                   stop_at_step=stop_at_step, named=named)
-                summary = run if isinstance(run, dict) else self._run(run)  # dict: it had ended
-                exit_if_preempted(summary)  # inside trainkit.preemptible(): exit 75 now
-                return summary
+                return run if isinstance(run, dict) else self._run(run)  # dict: it had ended
             except torch.cuda.OutOfMemoryError as err:  # moving the model, resuming, a step, eval
                 error = report.out_of_memory(
                     err, optimizer, batch=getattr(train_data, "batch_size", "?"),
@@ -191,17 +188,16 @@ class Trainer:
             raise TrainkitError("trainer.log(...) logs during fit (from a callback hook)")
         self._report.log_now(scalars, self.state.global_step)
 
-    def evaluate(self, model: nn.Module, data: Iterable[Any], *,
-                 criterion: Criterion = F.cross_entropy, metrics: Mapping[str, Any] | None = None,
-                 forward: Forward = default_forward) -> dict[str, float]:
-        """Mean loss and each metric over ``data`` as ``{"val/loss": ..., "val/<name>": ...}``,
-        in eval mode under ``no_grad``, on the evaluation's random stream (the training stream
-        does not move)."""
-        with evaluation.own_stream(self.config.seed, self.runtime):
-            return evaluation.evaluate(model, data, precision=self.precision,
-                                       criterion=criterion, device=self.runtime.device,
-                                       metrics=metrics, forward=forward,
-                                       max_batches=self.config.eval_max_batches)
+    def evaluate(self, model: nn.Module, data: Iterable[Any], *, forward: Forward = default_forward,
+                 criterion: Criterion | None = F.cross_entropy,
+                 metrics: Mapping[str, Any] | None = None) -> dict[str, float]:
+        """Mean loss (``criterion=None``: none) and each metric over ``data`` as
+        ``{"val/loss": ..., "val/<name>": ...}``, in eval mode under ``no_grad``, on the
+        evaluation's random stream (the training stream does not move)."""
+        return evaluation.evaluate_apart(
+            self.config.seed, self.runtime, model, data, precision=self.precision,
+            criterion=criterion, device=self.runtime.device, metrics=metrics, forward=forward,
+            max_batches=self.config.eval_max_batches)
 
     def planned_steps(self, batches_per_epoch: int) -> int:
         """Optimizer steps this run will take: the smaller of the epoch and step limits."""
@@ -240,9 +236,8 @@ class Trainer:
         self.checkpointer.register(self.state, model=model, optimizer=optimizer,
                                    precision=self.precision, scheduler=parts["scheduler"], ema=ema,
                                    data=train_data,
-                                   callbacks=callbacks if callbacks.stateful else None)
-        if named is not None:
-            named.register(self.checkpointer)
+                                   callbacks=callbacks if callbacks.stateful else None,
+                                   named=named.checkpoint_parts() if named else None)
         if callbacks.handlers["on_checkpoint"]:
             self.checkpointer.on_saved = functools.partial(callbacks.fire, "on_checkpoint", self)
         self.checkpointer.start(total_steps)
@@ -304,6 +299,7 @@ class Trainer:
                                     **self.flops.summary())
         run.report.hparams(self.run_config or asdict(self.config), run.results or {})
         self.callbacks.fire("on_fit_end", self, summary)
+        exit_if_preempted(summary)  # inside trainkit.preemptible(): exit 75 now
         return summary
 
     def _start_training(self, run: Run) -> None:
@@ -415,12 +411,11 @@ class Trainer:
         Checkpointer keep the best (last: its checkpoint holds the callbacks' new state)."""
         ema, step = run.ema, self.state.global_step
         forward, models = run.evaluation_parts(self.precision)
-        with (ema.applied() if ema is not None else contextlib.nullcontext(), models,
-              evaluation.own_stream(self.config.seed, self.runtime)):
-            results = evaluation.evaluate(  # as self.evaluate does
-                run.model, run.val_data, precision=self.precision, criterion=run.criterion,
-                device=self.runtime.device, metrics=run.metrics, forward=forward,
-                max_batches=self.config.eval_max_batches)
+        with ema.applied() if ema is not None else contextlib.nullcontext(), models:
+            results = evaluation.evaluate_apart(  # as self.evaluate does
+                self.config.seed, self.runtime, run.model, run.val_data, precision=self.precision,
+                criterion=run.criterion, device=self.runtime.device, metrics=run.metrics,
+                forward=forward, max_batches=self.config.eval_max_batches)
         run.report.sinks.log(results, step)
         log.info("epoch %d step %d %s", self.state.epoch_number, step,
                  " ".join(f"{k} {v:.4f}" for k, v in results.items()))
