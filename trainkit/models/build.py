@@ -9,6 +9,7 @@ node a checkpoint stores, so a LoRA run's checkpoints load into the same wrappin
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 from collections.abc import Mapping
@@ -127,7 +128,23 @@ def make_model(node: Mapping[str, Any], *, pretrained: bool = False) -> nn.Modul
     from hydra.utils import instantiate  # the config's own way to build it; only when called
 
     keys, arguments = ModelKeys.split(node)
-    model = instantiate(arguments, _convert_="all")
+    model = instantiate(_in_place(node, arguments), _convert_="all")
     if pretrained and keys.pretrained:
         load_pretrained(model, keys.pretrained)
     return apply_lora(model, keys.lora) if keys.lora else model
+
+
+def _in_place(node: Mapping[str, Any], arguments: dict[str, Any]) -> Any:
+    """``arguments`` as a copy of the config ``node`` where it is one, so that it keeps its
+    place and Hydra's errors name ``model.<key>``; as they are otherwise."""
+    from omegaconf import DictConfig, open_dict
+
+    if not isinstance(node, DictConfig):
+        return arguments
+    placed = copy.deepcopy(node)
+    with open_dict(placed):
+        for key in MODEL_KEYS:
+            placed.pop(key, None)
+        for key in arguments.keys() - placed.keys():  # the model's own drop-path argument
+            placed[key] = arguments[key]
+    return placed
