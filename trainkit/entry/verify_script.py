@@ -109,7 +109,7 @@ def _stop_half_way(proc: subprocess.Popen, run_dir: Path, work: Path, pattern: s
         time.sleep(_POLL_S)
     if found:
         os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler does: the whole job
-        # several may have appeared at once (step_N.pt and its last.pt): name the step's
+        # where step_N.pt and last.pt both match and are both there, name the step's
         found.sort(key=lambda path: (Path(path).name == "last.pt", path))
     status = _wait(proc)
     log = _tail(work / "stopped.log")
