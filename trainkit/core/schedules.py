@@ -96,19 +96,22 @@ def wsd(optimizer: torch.optim.Optimizer, total_steps: int, *, warmup_steps: int
                           f"starts at step {decay_start} of {total_steps} (sched.decay_fraction="
                           f"{decay_fraction}): lower sched.warmup_steps or raise "
                           "trainer.max_steps")
-    # step i of the warm-up has lr (i + 1) / warmup_steps x lr, as warmup_cosine's
-    phases: list[LRScheduler] = [LinearLR(optimizer, start_factor=1 / warmup_steps,
-                                          end_factor=1.0, total_iters=max(1, warmup_steps - 1))
-                                 ] if warmup_steps else []
-    phases.append(ConstantLR(optimizer, factor=1.0, total_iters=0))
+    # (first step, schedule) of each phase that has steps: an empty one is left out, as torch
+    # 2.11's SequentialLR starts a schedule at milestone 0 a step late
+    phases: list[tuple[int, LRScheduler]] = []
+    if warmup_steps:  # step i of the warm-up has lr (i + 1) / warmup_steps x lr, as warmup_cosine's
+        phases.append((0, LinearLR(optimizer, start_factor=1 / warmup_steps, end_factor=1.0,
+                                   total_iters=max(1, warmup_steps - 1))))
+    if decay_start > warmup_steps:
+        phases.append((warmup_steps, ConstantLR(optimizer, factor=1.0, total_iters=0)))
     # step decay_start + j of the decay: lr x (1 - j / decay_steps x (1 - min_ratio)), the
     # floor reached as the run ends (the last step a decay step above it, never below zero)
-    phases.append(LinearLR(optimizer, start_factor=1.0, end_factor=min_ratio,
-                           total_iters=max(1, decay_steps)))
-    milestones = ([warmup_steps] if warmup_steps else []) + [decay_start]
+    phases.append((decay_start, LinearLR(optimizer, start_factor=1.0, end_factor=min_ratio,
+                                         total_iters=max(1, decay_steps))))
+    schedule = phases[0][1] if len(phases) == 1 else SequentialLR(
+        optimizer, [phase for _, phase in phases], milestones=[start for start, _ in phases[1:]])
     warm = f"linear warm-up to lr over {warmup_steps} steps, " if warmup_steps else ""
-    return described(SequentialLR(optimizer, phases, milestones=milestones),
-                     f"{warm}lr held to step {decay_start}, then linear decay to "
+    return described(schedule, f"{warm}lr held to step {decay_start}, then linear decay to "
                      f"{min_ratio:g} x lr over the last {decay_steps} steps")
 
 
