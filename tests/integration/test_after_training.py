@@ -130,6 +130,24 @@ def test_evaluate_best_reproduces_the_value_the_run_recorded_bitwise(run: Path) 
     assert result.stdout.strip().splitlines()[-1].startswith(f"best (step {best_step}, ema ")
 
 
+def test_the_readmes_evaluate_line_takes_best_where_kept_else_last(run: Path,
+                                                                  tmp_path: Path) -> None:
+    """``trainkit evaluate runs/a`` as the README gives it (no ``ckpt=``): the best checkpoint
+    where the run kept one; the last where it kept none (the README's ``+exp=mnist`` run
+    monitors nothing)."""
+    kept, none = tmp_path / "kept", tmp_path / "none"
+    for copy in (kept, none):
+        shutil.copytree(run, copy)
+    (none / "checkpoints" / "best.pt").unlink()
+    for copy in (kept, none):
+        cli.main(["evaluate", str(copy)])
+    best = json.loads((kept / "eval_best.json").read_text())
+    assert best["step"] == json.loads((run / "summary.json").read_text())["best"]["step"]
+    last = json.loads((none / "eval_last.json").read_text())
+    assert last["metrics"] == json.loads((run / "summary.json").read_text())["metrics"]
+    assert not (none / "eval_best.json").exists()
+
+
 def test_summary_records_the_best_checkpoint_that_evaluate_best_reproduces(run: Path) -> None:
     best = json.loads((run / "summary.json").read_text())["best"]
     evaluated = evaluate_run(run, "best")

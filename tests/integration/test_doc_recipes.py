@@ -216,9 +216,9 @@ README_RUN_BY = {
         "tests/integration/test_shards_entry.py::test_shards_then_the_entry_point_trains_on_them",
         '"data=webdataset"'),
     # after training (tests/integration/test_after_training.py's tiny run)
-    "trainkit evaluate runs/a ckpt=best": (
-        _AFTER + "test_evaluate_best_reproduces_the_value_the_run_recorded_bitwise",
-        '"evaluate", str(run), "ckpt=best"'),
+    "trainkit evaluate runs/a": (
+        _AFTER + "test_the_readmes_evaluate_line_takes_best_where_kept_else_last",
+        '["evaluate", str(copy)]'),
     "trainkit predict runs/a inputs=my_images out=predictions.jsonl": (
         _AFTER + "test_predict_over_a_folder_of_50_images_writes_50_rows_in_order",
         '"predict", str(run), f"inputs={folder}", f"out={out}"'),

@@ -77,11 +77,15 @@ def find_checkpoint(run_dir: str | Path, ckpt: str | None = "best") -> Path | st
 
 def checkpoints_of(run_dir: str | Path) -> Folder:
     """Where a run wrote its checkpoints: the ``checkpoint.dir`` its config records (a folder or
-    a store's URL), else the one its summary's best checkpoint lies in, else
-    ``<run_dir>/checkpoints``."""
+    a store's URL), else ``<run_dir>/checkpoints`` where it holds any (a run folder copied or
+    moved reads its own files, not the ones its summary names at the old place), else the
+    folder its summary's best checkpoint lies in (a library run's own ``checkpoint.dir``)."""
     run_dir = Path(run_dir)
     if configured := recorded_dir(run_dir):
         return checkpoint_folder(configured)
+    own = LocalFolder(run_dir / "checkpoints")
+    if _listed(own):
+        return own
     if best := _summary_best(run_dir):  # best.pt, best/ or best.json: its folder
         folder = checkpoint_path(best.rstrip("/").rsplit("/", 1)[0])
         if isinstance(folder, str) or (folder.is_absolute() and folder.is_dir()):
