@@ -31,6 +31,7 @@ from trainkit import (
     load_mnist,
     seed_everything,
 )
+from trainkit.data.mixing import MixedBatches, batch_mixing
 from trainkit.distributed import ddp, group
 from trainkit.loop.step import default_forward
 from trainkit.models import CifarNet, MnistNet
@@ -80,6 +81,9 @@ def fit(row: dict[str, Any], root: str, run_dir: Path, runtime: Runtime,
     loaders = [InMemoryLoader(load(root, train=train, verify=False, download=False), batch,
                               shuffle=train, rank=runtime.rank, world_size=world,
                               channels_last=row["channels_last"]) for train in (True, False)]
+    if row["mixup"]:  # data.mixup=0.8 data.cutmix=1.0: soft targets, which cross_entropy takes
+        loaders[0] = MixedBatches(loaders[0], batch_mixing(10, mixup=0.8, cutmix=1.0), seed=0,
+                                  rank=runtime.rank)
     config = TrainerConfig(
         device="cpu", max_epochs=2, precision=row["precision"],
         strategy=STRATEGIES[row["strategy"]], accumulate_grad_batches=row["accumulate"],

@@ -55,6 +55,7 @@ FACTORS: dict[str, list[Any]] = {
     # trainer.spike on: a snapshot every step (never a spike: taking them must change nothing)
     "spike": [False, True],
     "freeze": [False, True],  # trainer.freeze; in one process unfrozen from the second epoch
+    "mixup": [False, True],  # data.mixup + data.cutmix: the training batches mixed on the device
 }
 # (option, value) -> (absolute tolerance, why not bitwise); empty: every row is bitwise on CPU.
 TOLERANCES: dict[tuple[str, Any], tuple[float, str]] = {}
