@@ -83,15 +83,17 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     # a mixture's evaluation (data.mix): each corpus apart, its loss as val/loss/<name> too
     parts = getattr(data, "parts", None)
     streams = list(parts.items()) if isinstance(parts, Mapping) else [(None, data)]
+    apart: dict[str, MeanMetric] = {}  # each part's loss
     for name, stream in streams:
         part_loss = None
         if name is not None and criterion is not None:
-            part_loss = means[f"loss/{name}"] = MeanMetric(nan_strategy="disable").to(device)
+            part_loss = apart[f"loss/{name}"] = MeanMetric(nan_strategy="disable").to(device)
         _evaluate_stream(model, stream, precision=precision, device=device,
                          criterion=criterion, metrics=metrics, forward=forward,
                          max_batches=max_batches, losses=(loss, part_loss), means=means)
     # torchmetrics syncs its states across ranks in compute() when a process group is up
     results = {"val/loss": float(loss.compute())} if criterion is not None else {}
+    results.update({f"val/{name}": float(m.compute()) for name, m in apart.items()})
     results.update({f"val/{name}": float(m.compute()) for name, m in means.items()})
     results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
     model.train(was_training)

@@ -179,3 +179,34 @@ def test_a_mixture_of_kinds_or_of_one_name_twice_is_refused(corpora: tuple[Path,
             load_data(cfg, CPU)
     with pytest.raises(ConfigError, match=r"^data.mix=.* is not read by data=mnist"):
         load_data(DataConfig(name="mnist", mix=[{"root": str(web), "weight": 1}]), CPU)
+
+
+def test_two_text_corpora_mix_through_hf_text_the_same_at_any_workers(
+        tmp_path: Path) -> None:
+    pytest.importorskip("datasets")
+    from tests.helpers.causal_lm import write_tokenizer
+
+    write_tokenizer(tmp_path / "tok", vocab_size=300)
+    roots = []
+    for name, texts in (("short", [f"a{i}" for i in range(60)]),
+                        ("long", [f"b{i} " * 8 for i in range(30)])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.txt").write_text("\n".join(texts) + "\n")
+        (tmp_path / name / "test.txt").write_text("\n".join(texts[:8]) + "\n")
+        roots.append(str(tmp_path / name))
+
+    def loaders(workers: int) -> tuple[object, object]:
+        cfg = DataConfig(name="hf_text", tokenizer=str(tmp_path / "tok"), batch_size=6,
+                         eval_batch_size=4, seq_len=32, num_workers=workers,
+                         mix=[{"root": roots[0], "weight": 1}, {"root": roots[1], "weight": 1}])
+        train, val, _ = load_data(cfg, CPU, seed=2)
+        return train, val
+
+    (train, val), (two, _) = loaders(0), loaders(2)
+    batches = list(train.batches(1))
+    assert len(batches) == 90 // 6 and all(
+        torch.equal(a["input_ids"], b["input_ids"])
+        for a, b in zip(batches, two.batches(1), strict=True))
+    lengths = torch.cat([batch["attention_mask"].sum(1) for batch in batches])
+    assert len(lengths) == 90 and (lengths > 8).sum() == 45  # each corpus half the stream
+    assert list(val.parts) == ["short", "long"] and len(val) == 2 + 2
