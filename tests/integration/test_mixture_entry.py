@@ -1,6 +1,6 @@
 """``data.mix`` through the real entry point: two token corpora mixed 3:1 under ``+exp=lm``; the
-first line states the mixture, each corpus's validation loss is logged as ``val/loss/<name>``,
-and a SIGTERM mid-epoch then a re-run ends bitwise where the uninterrupted run ends."""
+first line states the mixture, each corpus's validation loss is logged as ``val/loss/<name>``
+(metrics.jsonl, TensorBoard), and a SIGTERM mid-epoch then a re-run ends bitwise where the uninterrupted run ends."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import assert_same_weights, last_checkpoint, run_train
 
@@ -61,6 +62,9 @@ def test_a_mixture_logs_each_corpus_and_resumes_bitwise_after_sigterm(tmp_path: 
     assert [e["step"] for e in evals] == [10, 20, 30]
     assert all({"val/loss/prose", "val/loss/py"} <= set(e) for e in evals)
     assert evals[-1]["val/loss/prose"] != evals[-1]["val/loss/py"]
+    events = EventAccumulator(str(whole / "tb"))
+    events.Reload()
+    assert {"val/loss/prose", "val/loss/py"} <= set(events.Tags()["scalars"])
     # the preempted run, re-run, ends where the uninterrupted one does, bit for bit
     assert_same_weights(last_checkpoint(whole)["model"], last_checkpoint(cut)["model"])
     assert evaluations(cut) == evals
