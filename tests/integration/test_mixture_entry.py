@@ -1,6 +1,7 @@
 """``data.mix`` through the real entry point: two token corpora mixed 3:1 under ``+exp=lm``; the
 first line states the mixture, each corpus's validation loss is logged as ``val/loss/<name>``
-(metrics.jsonl, TensorBoard), and a SIGTERM mid-epoch then a re-run ends bitwise where the uninterrupted run ends."""
+(metrics.jsonl, TensorBoard), and a SIGTERM mid-epoch then a re-run ends bitwise where the
+uninterrupted run ends."""
 
 from __future__ import annotations
 
