@@ -419,6 +419,39 @@ class TextFields:
         _check_int("data.seq_len", self.seq_len, minimum=1)
 
 
+MIX_KEYS = ("root", "weight", "name", "source")  # what a data.mix entry may say
+
+
+@dataclass
+class MixtureFields:
+    """``data.mix`` (``data=tokens``, ``data=hf_text``; trainkit.data.sources.mixture): a list
+    of ``{root, weight}`` (and optionally ``name``, ``source``): each training sample drawn
+    from one of these corpora by weight, each corpus evaluated apart (``val/loss/<name>``).
+    null: ``data.root`` alone."""
+
+    mix: list[Any] | None = None
+
+    def _check(self) -> None:
+        if self.mix is None:
+            return
+        if not isinstance(self.mix, (list, tuple)) or not self.mix:
+            raise ConfigError(f"data.mix must be a non-empty list of {{root, weight}} entries, "
+                              f"got {self.mix!r}")
+        for i, entry in enumerate(self.mix):
+            if not isinstance(entry, Mapping):
+                raise ConfigError(f"data.mix[{i}]={entry!r} is not a {{root, weight}} entry")
+            unknown = [key for key in entry if key not in MIX_KEYS]
+            if unknown:
+                raise ConfigError(f"data.mix[{i}].{unknown[0]} is not read: an entry takes "
+                                  f"{', '.join(MIX_KEYS)}")
+            if not isinstance(entry.get("root"), str) or not entry["root"]:
+                raise ConfigError(f"data.mix[{i}] needs a root (the corpus's folder or URL)")
+            weight = entry.get("weight")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+                    0 < weight < float("inf")):
+                raise ConfigError(f"data.mix[{i}].weight must be a number > 0, got {weight!r}")
+
+
 @dataclass
 class ShardFields:
     """``data=webdataset`` (trainkit.data.sources.webdataset): training and validation shards, a
@@ -465,18 +498,18 @@ class WebDatasetConfig(MixFields, ShardFields, ImageFields, SharedDataConfig):
 
 
 @dataclass
-class TokensConfig(TokenFields, SharedDataConfig):
+class TokensConfig(MixtureFields, TokenFields, SharedDataConfig):
     """``data=tokens``."""
 
 
 @dataclass
-class HFTextConfig(TextFields, SharedDataConfig):
+class HFTextConfig(MixtureFields, TextFields, SharedDataConfig):
     """``data=hf_text``."""
 
 
 @dataclass
-class DataConfig(MixFields, ShardFields, TextFields, TokenFields, ImageFields, TensorFields,
-                 SharedDataConfig):
+class DataConfig(MixtureFields, MixFields, ShardFields, TextFields, TokenFields, ImageFields,
+                 TensorFields, SharedDataConfig):
     """The ``data`` node users type (every source's keys, ``data.name`` picks the source);
     :func:`trainkit.data.load_data` hands the source its own typed config of these."""
 

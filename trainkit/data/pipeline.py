@@ -11,6 +11,7 @@ and device stage it needs, so no source imports a later stage.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from trainkit.config import SharedDataConfig, TokensConfig, WebDatasetConfig
@@ -19,14 +20,22 @@ from trainkit.core.runtime import Runtime
 from trainkit.data.device.gpu_decode import check_gpu_decode
 from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.memory import InMemoryLoader
+from trainkit.data.loader.mixture import (
+    EachSource,
+    MixedTokenLoader,
+    MixtureSampler,
+    MixtureSamples,
+)
 from trainkit.data.loader.resumable import make_loader
 from trainkit.data.loader.shards import ShardLoader
 from trainkit.data.loader.tokens import TokenLoader
 from trainkit.data.sources import OWN, own_config, refuse_unread, source_of
+from trainkit.data.sources.mixture import mixture_splits
 from trainkit.data.sources.source import (
     InMemory,
     Loaded,
     MapStyle,
+    Mixture,
     Options,
     Reader,
     Shards,
@@ -76,8 +85,10 @@ def load_data(cfg: SharedDataConfig, runtime: Runtime, *, seed: int = 0,
                   else f"data={cfg.name}")
     options = Options(seed, channels_last, reader, train_transforms, eval_transforms,
                       eval_max_batches)
-    data = loaders_of(source.load(own_config(cfg, source.config), runtime, options), runtime,
-                 options)
+    own = own_config(cfg, source.config)
+    loaded = (mixture_splits(own, source, runtime, options) if getattr(own, "mix", None)
+              else source.load(own, runtime, options))
+    data = loaders_of(loaded, runtime, options)
     if cfg.num_classes is not None and cfg.num_classes != data.num_classes:
         raise ConfigError(f"data.num_classes={cfg.num_classes} but the data has "
                           f"{data.num_classes} classes: leave data.num_classes unset (null), "
@@ -108,6 +119,8 @@ def loader_of(plan: SplitPlan, runtime: Runtime, options: Options) -> Any:
         return TokenLoader(plan.path, plan.seq_len, plan.batch_size, shuffle=plan.shuffle,
                            dtype=plan.dtype, seed=options.seed, max_batches=plan.max_batches,
                            **where)
+    if isinstance(plan, Mixture):
+        return mixture_loader(plan, runtime, options)
     if isinstance(plan, Shards):
         loader: Any = ShardLoader(plan.stream, num_workers=plan.num_workers,
                                   batches=plan.batches)
@@ -116,6 +129,14 @@ def loader_of(plan: SplitPlan, runtime: Runtime, options: Options) -> Any:
                                 normalize_float=False)
     if not isinstance(plan, MapStyle):
         raise TypeError(f"not a split's description: {type(plan).__name__}")
+    return map_style_loader(plan, runtime, options)
+
+
+def map_style_loader(plan: MapStyle, runtime: Runtime, options: Options,
+                     sampler: Any = None) -> DevicePrefetcher:
+    """A map-style split's resumable DataLoader (in ``sampler``'s order when given) and device
+    stage."""
+    where = {"device": runtime.device, "rank": runtime.rank, "world_size": runtime.world_size}
     decoder = None
     if plan.decode is not None:
         from trainkit.data.device.gpu_decode import JpegDecoder
@@ -126,10 +147,28 @@ def loader_of(plan: SplitPlan, runtime: Runtime, options: Options) -> Any:
     loader = make_loader(plan.dataset, plan.batch_size, shuffle=plan.shuffle,
                          seed=options.seed, num_workers=plan.num_workers,
                          pin_memory=plan.pin_memory, drop_last=plan.drop_last,
-                         collate_fn=plan.collate_fn, max_batches=plan.max_batches, **where)
+                         collate_fn=plan.collate_fn, max_batches=plan.max_batches,
+                         sampler=sampler, **where)
     return DevicePrefetcher(loader, runtime.device, mean=plan.mean, std=plan.std,
                             classes=plan.classes, channels_last=options.channels_last,
                             normalize_float=plan.normalize_float, decoder=decoder)
+
+
+def mixture_loader(plan: Mixture, runtime: Runtime, options: Options) -> Any:
+    """A mixture's loader: a training split's samples drawn by weight from its parts, or an
+    evaluation split's parts apart (:class:`EachSource`)."""
+    first = plan.parts[0]
+    if not first.shuffle:
+        return EachSource({name: loader_of(part, runtime, options)
+                           for name, part in zip(plan.names, plan.parts)})
+    if isinstance(first, TokenWindows):
+        return MixedTokenLoader([loader_of(part, runtime, options) for part in plan.parts],
+                                plan.weights, seed=options.seed)
+    dataset = MixtureSamples([part.dataset for part in plan.parts])
+    sampler = MixtureSampler(dataset.sizes, plan.weights, first.batch_size,
+                             drop_last=first.drop_last, seed=options.seed, rank=runtime.rank,
+                             world_size=runtime.world_size)
+    return map_style_loader(replace(first, dataset=dataset), runtime, options, sampler)
 
 
 def token_loaders(cfg: TokensConfig, runtime: Runtime, *, seed: int = 0,

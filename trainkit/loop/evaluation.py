@@ -57,7 +57,9 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     ``{"val/loss": ..., "val/<name>": ...}``, in eval mode under ``no_grad``.
 
     A criterion's parts (``(loss, {name: part})``) and a forward's own scalars (a third item)
-    are averaged over the samples as ``val/<name>``; ``criterion`` None computes no loss.
+    are averaged over the samples as ``val/<name>``; ``criterion`` None computes no loss. A
+    ``data`` with ``parts`` (a mixture's, ``{name: loader}``) adds each part's loss as
+    ``val/loss/<name>`` (``max_batches`` bounds each part); ``val/loss`` is over all of them.
 
     The sample itself is the data layer's: trainkit's evaluation loaders built with the same
     bound serve ``max_batches`` batches spread evenly over the split
@@ -78,6 +80,32 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     # reads every batch's NaN check on the host and leaves NaN losses out of the mean.)
     loss = MeanMetric(nan_strategy="disable").to(device)
     means: dict[str, MeanMetric] = {}  # parts and scalars by name
+    # a mixture's evaluation (data.mix): each corpus apart, its loss as val/loss/<name> too
+    parts = getattr(data, "parts", None)
+    streams = list(parts.items()) if isinstance(parts, Mapping) else [(None, data)]
+    apart: dict[str, MeanMetric] = {}  # each part's loss
+    for name, stream in streams:
+        part_loss = None
+        if name is not None and criterion is not None:
+            part_loss = apart[f"loss/{name}"] = MeanMetric(nan_strategy="disable").to(device)
+        _evaluate_stream(model, stream, precision=precision, device=device,
+                         criterion=criterion, metrics=metrics, forward=forward,
+                         max_batches=max_batches, losses=(loss, part_loss), means=means)
+    # torchmetrics syncs its states across ranks in compute() when a process group is up
+    results = {"val/loss": float(loss.compute())} if criterion is not None else {}
+    results.update({f"val/{name}": float(m.compute()) for name, m in apart.items()})
+    results.update({f"val/{name}": float(m.compute()) for name, m in means.items()})
+    results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
+    model.train(was_training)
+    return results
+
+
+def _evaluate_stream(model: nn.Module, data: Iterable[Any], *, precision: Precision,
+                     device: torch.device, criterion: Criterion | None,
+                     metrics: Mapping[str, Any], forward: Forward, max_batches: int | None,
+                     losses: tuple[MeanMetric, MeanMetric | None],
+                     means: dict[str, MeanMetric]) -> None:
+    """One loader's batches into the loss (and a part's own loss), the parts and the metrics."""
     # FSDP: each forward all-gathers weights, so every rank runs as many (agreed before any)
     extra = _missing_forwards(data, max_batches) if fsdp.is_sharded(model) else None
     batch = None
@@ -92,19 +120,15 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
                 if type(value) is tuple:  # (loss, {name: part})
                     value, parts = value
                     _add_means(means, parts, n, device)
-                loss.update(value.detach().float().expand(n))
+                for loss in losses:
+                    if loss is not None:
+                        loss.update(value.detach().float().expand(n))
         if len(result) == 3:  # the forward's own scalars
             _add_means(means, result[2], n, device)
         for metric in metrics.values():
             metric.update(outputs, targets)
     if extra is not None:
         _match_forwards(model, extra, batch, precision, forward)
-    # torchmetrics syncs its states across ranks in compute() when a process group is up
-    results = {"val/loss": float(loss.compute())} if criterion is not None else {}
-    results.update({f"val/{name}": float(m.compute()) for name, m in means.items()})
-    results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
-    model.train(was_training)
-    return results
 
 
 def _add_means(means: dict[str, MeanMetric], scalars: Any, n: int,

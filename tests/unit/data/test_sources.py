@@ -27,7 +27,7 @@ def test_every_source_config_holds_the_shared_fields_and_no_other_kinds() -> Non
     image_folder = _fields(SOURCES["image_folder"].config)
     tokens = _fields(SOURCES["tokens"].config)
     assert "image_size" in image_folder and "seq_len" not in image_folder
-    assert tokens == SHARED | {"seq_len", "token_dtype"}
+    assert tokens == SHARED | {"seq_len", "token_dtype", "mix"}
     assert "shards" in _fields(SOURCES["webdataset"].config)
     assert "shards" not in image_folder | tokens
     # the node users type keeps every key of every source

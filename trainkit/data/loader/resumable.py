@@ -210,6 +210,7 @@ def make_loader(
     worker_init_fn: Callable[[int], None] | None = None,
     procs_per_node: int | None = None,
     max_batches: int | None = None,
+    sampler: ResumableBatchSampler | None = None,
 ) -> ResumableLoader:
     """A DataLoader over a map-style ``dataset`` with the settings a careful user would pick.
 
@@ -233,6 +234,8 @@ def make_loader(
         max_batches: evaluation (``shuffle=False``) only: at most this many batches per rank,
             of samples spread evenly over the dataset, the same every pass
             (``trainer.eval_max_batches``); None: the whole dataset.
+        sampler: the batches' order when not the dataset's shuffled shard (a mixture's,
+            :mod:`trainkit.data.loader.mixture`); its batch size is ``batch_size``.
 
     Raises:
         ConfigError: settings no loader can honour (negative workers, a prefetch factor or
@@ -249,9 +252,10 @@ def make_loader(
                   world_size=world_size, sample=sample)
     num_workers, prefetch_factor, persistent_workers = _workers(
         dataset, batch_size, num_workers, prefetch_factor, persistent_workers, procs_per_node)
-    sampler = ResumableBatchSampler(len(dataset), batch_size, shuffle=shuffle,
-                                    drop_last=drop_last, seed=seed, rank=rank,
-                                    world_size=world_size, sample=sample)
+    if sampler is None:
+        sampler = ResumableBatchSampler(len(dataset), batch_size, shuffle=shuffle,
+                                        drop_last=drop_last, seed=seed, rank=rank,
+                                        world_size=world_size, sample=sample)
     generator = torch.Generator()
     loader = DataLoader(
         SeededSamples(dataset), batch_sampler=sampler, num_workers=num_workers,

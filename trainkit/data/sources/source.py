@@ -8,9 +8,9 @@ the bytes ``data.loader=memory`` keeps on the device (:attr:`Source.resident_byt
 split (:attr:`Source.read_split`, for predict and export), and its typed config.
 
 A source builds no loader: its ``load`` describes each split (:class:`InMemory`,
-:class:`MapStyle`, :class:`TokenWindows`, :class:`Shards`: the datasets and the kind of loader
-they need), and :mod:`trainkit.data.pipeline` builds the loader and the device stage from the
-description, so that no source imports a later stage.
+:class:`MapStyle`, :class:`TokenWindows`, :class:`Shards`, a :class:`Mixture` of them: the
+datasets and the kind of loader they need), and :mod:`trainkit.data.pipeline` builds the loader
+and the device stage from the description, so that no source imports a later stage.
 """
 
 from __future__ import annotations
@@ -97,7 +97,18 @@ class Shards:
     classes: Sequence[str] | None = None
 
 
-SplitPlan = InMemory | MapStyle | TokenWindows | Shards  # one split's description
+@dataclass(frozen=True)
+class Mixture:
+    """Several corpora's splits of one kind (``data.mix``): a training split draws each sample
+    from one of ``parts`` by ``weights`` (:mod:`trainkit.data.loader.mixture`); an evaluation
+    split evaluates each part apart, as ``val/loss/<name>``."""
+
+    names: tuple[str, ...]
+    parts: tuple[MapStyle | TokenWindows, ...]
+    weights: tuple[float, ...]  # summing to 1
+
+
+SplitPlan = InMemory | MapStyle | TokenWindows | Shards | Mixture  # one split's description
 # the training split, the evaluation split (or None), the class count
 Loaded = tuple[SplitPlan, SplitPlan | None, int]
 
