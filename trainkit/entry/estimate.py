@@ -133,7 +133,7 @@ def estimate(cfg: DictConfig, target: Target, world: int) -> dict[str, Any]:
     """The run's memory per rank on ``target`` over ``world`` ranks, and what fits."""
     assumed = _assumed_vocabulary(cfg)  # before _settings sets it
     settings = _settings(cfg)
-    plan = Plan.of(cfg, settings, target, world)
+    plan = MemoryPlan.of(cfg, settings, target, world)
     memory = plan.trace(plan.micro_batch)
     peak = plan.per_rank(memory)
     strategy = plan.strategy if world > 1 or plan.strategy == "fsdp" else "one process"
@@ -211,7 +211,7 @@ def sample_batch(settings: TrainConfig, size: int, device: str = "meta") -> Call
         settings.data, size, channels_last=settings.trainer.channels_last, device=device)
 
 
-class Plan:
+class MemoryPlan:
     """A run's config turned into what the trace needs, and the sums over ranks."""
 
     def __init__(self, cfg: DictConfig, settings: TrainConfig, target: Target, world: int,
@@ -236,7 +236,7 @@ class Plan:
         return accumulate * math.ceil(self.batch / min(size, self.batch))
 
     @classmethod
-    def of(cls, cfg: DictConfig, settings: TrainConfig, target: Target, world: int) -> Plan:
+    def of(cls, cfg: DictConfig, settings: TrainConfig, target: Target, world: int) -> MemoryPlan:
         precision = settings.trainer.precision
         if precision == "auto":
             precision = (("bf16-mixed" if target.bf16 else "16-mixed") if target.device_type
@@ -378,7 +378,7 @@ class Plan:
                 found.append(f"trainer.activation_checkpointing=[{block}]")
         if self.precision == "32" and self.target.device_type == "cuda":
             mixed = "bf16-mixed" if self.target.bf16 else "16-mixed"
-            lower = Plan(self.cfg, self.settings, self.target, self.world, mixed)
+            lower = MemoryPlan(self.cfg, self.settings, self.target, self.world, mixed)
             if lower.per_rank(lower.trace(self.micro_batch)) <= usable:
                 found.append(f"trainer.precision={mixed}")
         for ranks in (r for r in (2, 4, 8, 16, 32, 64) if r > self.world):
