@@ -38,12 +38,15 @@ from trainkit.entry.build import build_criterion, build_forward, build_run_model
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.train import CONFIG_DIR
 from trainkit.loop.activations import split_policy
-from trainkit.loop.precision import Hardware, choose_precision
+from trainkit.loop.precision import Hardware, Precision, choose_precision
+from trainkit.loop.step import WindowStep
 from trainkit.models.param_groups import apply_freeze, build_optimizer
 from trainkit.observe.memory_estimate import (
     GIB,
+    RunStep,
     StepMemory,
     StepSpec,
+    casts_for,
     checkpoint_blocks,
     measure_step,
 )
@@ -211,6 +214,46 @@ def sample_batch(settings: TrainConfig, size: int, device: str = "meta") -> Call
         settings.data, size, channels_last=settings.trainer.channels_last, device=device)
 
 
+def traced_step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: StepSpec) -> RunStep:
+    """trainkit's own step (:class:`~trainkit.loop.step.WindowStep`, the loop's) as the trace
+    runs it on meta tensors, where autocast does nothing: the forward and the loss run under
+    autocast's casts (:func:`~trainkit.observe.memory_estimate.casts_for`), the rest as fp32's
+    step (a loss scaler holds a few scalars). ``update`` False: the optimizer's update left
+    out (:class:`_NoUpdate`)."""
+
+    def forward(model: nn.Module, batch: Any) -> Any:
+        with casts_for(spec):
+            return spec.forward(model, batch)
+
+    def criterion(outputs: Any, targets: Any) -> Any:
+        with casts_for(spec):
+            return spec.criterion(outputs, targets)
+
+    def step(opt: Any) -> WindowStep:
+        return WindowStep(model, optimizer=opt, precision=Precision("32"), criterion=criterion,
+                          forward=forward, device=torch.device("meta"),
+                          clip_val=1.0 if spec.clip else None)
+
+    steps = {True: step(optimizer), False: step(_NoUpdate(optimizer))}
+    return lambda window, update: steps[update](window)
+
+
+class _NoUpdate:
+    """An optimizer whose step updates nothing, for a fused kernel's (it allocates nothing; on
+    meta tensors the per-tensor loop would): gradients still dropped after it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.param_groups = optimizer.param_groups
+
+    def step(self) -> None:
+        """Nothing: the update is left out of the trace."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+
 class MemoryPlan:
     """A run's config turned into what the trace needs, and the sums over ranks."""
 
@@ -284,7 +327,7 @@ class MemoryPlan:
                         clip=self.settings.trainer.gradient_clip_val is not None, extra=extra,
                         fused=self.fused)
         memory = measure_step(model, optimizer, sample_batch(self.settings, micro_batch),
-                              spec, casts=True)
+                              spec, traced_step(model, optimizer, spec))
         memory.blocks = _block_bytes(model)
         return memory
 
