@@ -19,9 +19,9 @@ from trainkit.core.errors import TrainkitError, command_name, help_text
 # command -> (module whose main() runs it, what it does)
 COMMANDS = {
     "train": ("trainkit.train", "train with the Hydra entry point: trainkit train +exp=mnist"),
-    "launch": ("trainkit.entry.launch", "torchrun with one process per GPU, then train"),
+    "launch": ("trainkit.launch", "torchrun with one process per GPU, then train"),
     "data": ("trainkit.data.__main__", "download or verify datasets: trainkit data download mnist"),
-    "env": ("trainkit.entry.env", "report devices, versions and the distributed environment"),
+    "env": ("trainkit.env", "report devices, versions and the distributed environment"),
     "checkpoint": ("trainkit.checkpoint.__main__",
                    "consolidate a sharded checkpoint directory into one file"),
     "evaluate": ("trainkit.entry.evaluate",
