@@ -7,13 +7,12 @@ file with its size. Each rank writes its part with DCP's public ``FileSystemWrit
 staging folder (torch exports no fsspec writer: DCP's writer, planner and metadata stay as on a
 disk, at the price of one local copy) and uploads it; after a barrier rank 0 writes
 ``best.json`` (when best), ``last.json`` -- the commit -- and ``step_<N>.json``, then removes
-what no record names.
-Reading downloads every file of a checkpoint (a resharded load may need any) and reads locally.
-With ``async_save`` the same steps run in the background: on trainkit's one background writer
-each rank's thread writes the staging folder (``dcp.save`` of a copy DCP's stager made), uploads
-its files and joins a vote on the checkpoint's own gloo group (every rank uploaded whole) before
-rank 0 writes the records. The loop waits only for the copy; a kill at any moment still leaves
-the last commit whole.
+what no record names. Reading downloads every file of a checkpoint (a resharded load may need
+any) and reads locally. With ``async_save`` the same steps run on trainkit's one background
+writer: each rank's thread writes the staging folder (``dcp.save`` of a copy DCP's stager made),
+uploads its files and joins a vote on the checkpoint's own gloo group (every rank uploaded
+whole) before rank 0 writes the records. The loop waits only for the copy; a kill at any moment
+still leaves the last commit whole.
 """
 
 from __future__ import annotations
