@@ -1,9 +1,9 @@
 """``python -m trainkit.env``, kept at its documented path: the report is
-:mod:`trainkit.observe.env`."""
+:mod:`trainkit.entry.env`."""
 
 import sys
 
-from trainkit.observe.env import main
+from trainkit.entry.env import main
 
 __all__ = ["main"]
 

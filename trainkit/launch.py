@@ -1,9 +1,10 @@
 """``python -m trainkit.launch`` and ``trainkit.launch.launch``, kept at their documented path:
-the launcher is :mod:`trainkit.distributed.launch`."""
+the command is :mod:`trainkit.entry.launch`, the launcher :mod:`trainkit.distributed.torchrun`."""
 
 import sys
 
-from trainkit.distributed.launch import launch, main, torchrun_command
+from trainkit.distributed.torchrun import launch, torchrun_command
+from trainkit.entry.launch import main
 
 __all__ = ["launch", "main", "torchrun_command"]
 

@@ -15,7 +15,7 @@ import torch
 from tests.conftest import REPO, offline_env
 from tests.dist.nets import rank_sum
 from tests.helpers.fakes import write_fake_mnist
-from trainkit.distributed.launch import launch, torchrun_command
+from trainkit.distributed.torchrun import launch, torchrun_command
 
 
 @pytest.mark.dist

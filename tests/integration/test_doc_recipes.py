@@ -193,10 +193,10 @@ README_RUN_BY = {
         "tests/dist/test_launch.py::test_launch_module_starts_torchrun_with_one_process_on_cpu",
         '"trainkit.launch"'),
     "python -m trainkit.env": (
-        "tests/unit/observe/test_env.py::test_report_lists_versions_and_passes_sanity_check",
+        "tests/unit/entry/test_env.py::test_report_lists_versions_and_passes_sanity_check",
         '"trainkit.env"'),
     "python -m trainkit.env --device cuda": (
-        "tests/unit/observe/test_env.py::test_unavailable_device_is_one_line_and_nonzero",
+        "tests/unit/entry/test_env.py::test_unavailable_device_is_one_line_and_nonzero",
         '"cuda"'),
     "python -m trainkit.train +exp=folder data.root=/data/pets": (
         "tests/integration/test_image_folder.py::test_folder_experiment_and_resnet18_train_with_"

@@ -4,11 +4,10 @@ A save copies every tensor to CPU memory of its own (the loop may change the wei
 it goes on), then a thread writes the copy with the same atomic steps as a synchronous save
 (:class:`~trainkit.checkpoint.files.CheckpointFiles` or
 :class:`~trainkit.checkpoint.remote.RemoteCheckpoints`), one write in flight at a time. Its
-:class:`Background` thread is the one background writer: the sharded store's uploads run on it
-too. A failed
-write is raised by the next :meth:`~AsyncCheckpointWriter.save` or
-:meth:`~AsyncCheckpointWriter.wait` and leaves every earlier checkpoint as it was. The price:
-host memory for one more copy.
+:class:`Background` thread is the one background writer: the sharded saves (DCP's, local or to
+a store, with their uploads) run on it too. A failed write is raised by the next
+:meth:`~AsyncCheckpointWriter.save` or :meth:`~AsyncCheckpointWriter.wait` and leaves every
+earlier checkpoint as it was. The price: host memory for one more copy.
 """
 
 from __future__ import annotations
@@ -128,6 +127,11 @@ class Background:
             work()
         except BaseException as err:  # handed to the training thread by wait()
             self._error = err
+
+    @property
+    def done(self) -> bool:
+        """Whether no work is running (ended or none started): :meth:`wait` would not block."""
+        return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> None:
         """Block until the work in flight (if any) is done; raise its error if it failed."""

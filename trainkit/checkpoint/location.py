@@ -120,7 +120,7 @@ def checkpoint_path(name: str | Path) -> Path | str:
     return locate(name)
 
 
-def is_sharded(checkpoint: Path | str) -> bool:
+def is_sharded_checkpoint(checkpoint: Path | str) -> bool:
     """Whether ``checkpoint`` (a :func:`checkpoint_path`) is a sharded one: a directory, or a
     record of a sharded checkpoint in a store (False where none reads)."""
     if isinstance(checkpoint, str):

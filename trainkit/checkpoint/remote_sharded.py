@@ -7,12 +7,12 @@ file with its size. Each rank writes its part with DCP's public ``FileSystemWrit
 staging folder (torch exports no fsspec writer: DCP's writer, planner and metadata stay as on a
 disk, at the price of one local copy) and uploads it; after a barrier rank 0 writes
 ``best.json`` (when best), ``last.json`` -- the commit -- and ``step_<N>.json``, then removes
-what no record names.
-Reading downloads every file of a checkpoint (a resharded load may need any) and reads locally.
-With ``async_save`` the same steps run in the background: DCP's ``async_save`` writes the staging
-folder on its thread, then a thread of each rank uploads its files and joins a vote on the
-checkpoint's own gloo group (every rank uploaded whole) before rank 0 writes the records. The
-loop waits only for the copy; a kill at any moment still leaves the last commit whole.
+what no record names. Reading downloads every file of a checkpoint (a resharded load may need
+any) and reads locally. With ``async_save`` the same steps run on trainkit's one background
+writer: each rank's thread writes the staging folder (``dcp.save`` of a copy DCP's stager made),
+uploads its files and joins a vote on the checkpoint's own gloo group (every rank uploaded
+whole) before rank 0 writes the records. The loop waits only for the copy; a kill at any moment
+still leaves the last commit whole.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,7 @@ class RemoteShardedCheckpoints(Named):
              best: bool = False) -> None:
         """Write this rank's part of step ``step``; rank 0 commits it once every rank's part
         and DCP's metadata are uploaded (every rank calls this; ``meta`` matters on rank 0).
-        With ``async_save`` it returns once DCP has copied the tensors.
+        With ``async_save`` it returns once the tensors are copied.
 
         Raises:
             TrainkitError: this (or the previous background) save failed; every committed
@@ -92,12 +93,12 @@ class RemoteShardedCheckpoints(Named):
                 save_atomic(meta or {}, staging / sharded.META_FILE)
             kwargs = {"storage_writer": sharded._writer(staging, step),
                       "process_group": self.group}
+            if self.async_save:
+                write = sharded.staged_save(tensors, **kwargs)
+                self._background.start(lambda: self._in_background(
+                    write, staging, name, step, best), step)
+                return
             with sharded._quiet_single_process():
-                if self.async_save:
-                    future = dcp.async_save(tensors, **kwargs)
-                    self._background.start(lambda: self._in_background(
-                        future, staging, name, step, best), step)
-                    return
                 dcp.save(tensors, no_dist=not self.distributed, **kwargs)
             self._publish(staging, name, step, best)
         except (OSError, dcp.CheckpointException) as err:
@@ -107,13 +108,13 @@ class RemoteShardedCheckpoints(Named):
             shutil.rmtree(staging, ignore_errors=True)
             raise
 
-    def _in_background(self, future: Any, staging: Path, name: str, step: int,
+    def _in_background(self, write: Callable[[], None], staging: Path, name: str, step: int,
                        best: bool) -> None:
-        """The rest of an async save, on its thread: DCP's write, then the upload and the
-        commit; an error is raised by :meth:`wait`."""
+        """An async save on the background writer: DCP's write of the staged copy, then the
+        upload and the commit; an error is raised by :meth:`wait`."""
         try:
             try:
-                future.result()
+                write()
             except Exception as err:
                 raise write_failed(err, self.url) from None
             self._publish(staging, name, step, best)

@@ -23,15 +23,15 @@ from trainkit.checkpoint.location import (
     LocalFolder,
     checkpoint_folder,
     checkpoint_path,
-    is_sharded,
+    is_sharded_checkpoint,
     read_file,
 )
 from trainkit.core.errors import TrainkitError, one_line
+from trainkit.core.location import recorded_dir
 from trainkit.core.objectstore import store_error
 
 _STEP = re.compile(r"^step_(\d+)(\.pt|\.json)?$")
 WEIGHTS = ("auto", "ema", "raw")
-RUN_CONFIG = Path(".hydra") / "config.yaml"  # the entry point's record of a run's settings
 
 
 def find_checkpoint(run_dir: str | Path, ckpt: str | None = "best") -> Path | str:
@@ -93,22 +93,6 @@ def checkpoints_of(run_dir: str | Path) -> Folder:
     return LocalFolder(run_dir / "checkpoints")
 
 
-def recorded_dir(run_dir: Path) -> str | None:
-    """``checkpoint.dir`` as the run's ``.hydra/config.yaml`` records it (resolved); None where
-    it is unset, not recorded or does not resolve outside the run."""
-    file = run_dir / RUN_CONFIG
-    if not file.is_file():
-        return None
-    from omegaconf import OmegaConf
-
-    try:
-        value = OmegaConf.select(OmegaConf.load(file), "checkpoint.dir", default=None,
-                                 throw_on_resolution_failure=False)
-    except Exception:  # an unreadable record: the run's own folder is looked in
-        return None
-    return str(value) if value not in (None, "") else None
-
-
 def _summary_best(run_dir: Path) -> str | None:
     """``summary.json``'s ``best.path`` (a library run records no config, but its summary)."""
     try:
@@ -156,7 +140,7 @@ def read_whole(path: str | Path) -> dict[str, Any]:
     saved, a sharded directory consolidated in this process, a commit record's URL (either
     format) read from its store."""
     path = checkpoint_path(path) if isinstance(path, str) else path
-    if is_sharded(path):
+    if is_sharded_checkpoint(path):
         from trainkit.checkpoint.consolidate import load_full  # torch.distributed: only here
 
         state = load_full(path, key="ckpt")

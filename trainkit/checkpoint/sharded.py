@@ -7,7 +7,9 @@ replaced atomically; the names and rotation are :mod:`~trainkit.checkpoint.layou
 visible only when whole: the ranks write fsynced files into ``.step_<N>.tmp/`` (never resumed
 from; the next save removes it), DCP writes ``.metadata`` once every part is in, then rank 0
 renames it to ``step_<N>``, fsyncs the folder, points ``last`` at it and rotates (layout:
-docs/distributed.md, "What a checkpoint directory holds").
+docs/distributed.md, "What a checkpoint directory holds"). With ``async_save`` the tensors are
+copied by DCP's public stager and ``dcp.save`` runs on trainkit's one background writer
+(:class:`~trainkit.checkpoint.async_writer.Background`), as every other save in the background.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from trainkit.checkpoint.async_writer import Background
 from trainkit.checkpoint.files import save_atomic
 from trainkit.checkpoint.layout import (
     Layout,
@@ -82,7 +84,8 @@ class ShardedCheckpoints(Named):
         self.distributed = _distributed()
         self.is_main = not self.distributed or dist.get_rank() == 0
         self.group = _group(self.distributed, async_save)
-        self._pending: tuple[Future, int, bool] | None = None
+        self._background = Background()  # the one background writer (async_writer.py)
+        self._pending: tuple[int, bool] | None = None  # an async save's step and best
         self.written_step = -1  # the step this process last wrote its part of (not a file test)
 
     # -- saving -------------------------------------------------------------------------------
@@ -91,9 +94,9 @@ class ShardedCheckpoints(Named):
              best: bool = False) -> None:
         """Write ``step_<step>/`` (every rank calls this; ``meta`` matters on rank 0 only).
 
-        With ``async_save`` this returns once DCP has copied the tensors; the directory gets its
-        name, ``last`` and the rotation when the write has ended on every rank (at the next
-        save, :meth:`wait` or :meth:`poll`).
+        With ``async_save`` this returns once the tensors are copied (:func:`staged_save`); the
+        directory gets its name, ``last`` and the rotation when the write has ended on every
+        rank (at the next save, :meth:`wait` or :meth:`poll`).
 
         Raises:
             TrainkitError: this or the previous write failed; earlier checkpoints are intact.
@@ -107,11 +110,12 @@ class ShardedCheckpoints(Named):
             self._guard(lambda: save_atomic(meta or {}, tmp / META_FILE))
         self._barrier()  # the folder exists, empty of a dead save's files, before anyone writes
         kwargs = {"storage_writer": _writer(tmp, step), "process_group": self.group}
+        if self.async_save and self.distributed:
+            write = self._guard(lambda: staged_save(tensors, **kwargs))
+            self._background.start(write, step)
+            self._pending = (step, best)
+            return
         with _quiet_single_process():
-            if self.async_save and self.distributed:
-                self._pending = (self._guard(lambda: dcp.async_save(tensors, **kwargs)), step,
-                                 best)
-                return
             self._guard(lambda: dcp.save(tensors, no_dist=not self.distributed, **kwargs))
         self._publish(step, best)
 
@@ -131,17 +135,17 @@ class ShardedCheckpoints(Named):
         return self._pending is not None
 
     def poll(self) -> None:
-        """Publish an async save that has ended (cheap when none has: checks a future)."""
-        if self._pending is not None and self._pending[0].done():
+        """Publish an async save that has ended (cheap when none has: asks its thread)."""
+        if self._pending is not None and self._background.done:
             self.wait()
 
     def wait(self) -> None:
         """Block until an async save in flight is on disk and published; raise its error."""
         if self._pending is None:
             return
-        future, step, best = self._pending
+        step, best = self._pending
         self._pending = None
-        self._guard(future.result)
+        self._guard(self._background.wait)
         self._publish(step, best)
 
     def close(self) -> None:
@@ -202,6 +206,30 @@ class ShardedCheckpoints(Named):
             raise write_failed(err, self.directory) from None
 
 # -- finding one to resume from -------------------------------------------------------------
+
+
+def staged_save(tensors: dict[str, Any], **kwargs: Any) -> Callable[[], None]:
+    """A copy of ``tensors`` on the CPU (DCP's public stager, as ``dcp.async_save`` makes it:
+    DTensors stay DTensors), and the ``dcp.save`` of that copy (``kwargs``: its arguments) to
+    run on the background writer. The loop may change the tensors once this returns."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    try:
+        copy = stager.stage(tensors)
+    except BaseException:
+        stager.close()
+        raise
+
+    def write() -> None:
+        try:  # in a process group (async saves are): no single-process warning to quiet
+            dcp.save(copy, **kwargs)
+        finally:
+            stager.close()  # its copies' memory
+
+    return write
 
 
 def latest_meta(directory: str | Path) -> dict[str, Any] | None:

@@ -160,7 +160,7 @@ class FileStorage:
 
     def holds(self, checkpoint: Path | str | Mapping[str, Any]) -> bool:
         if isinstance(checkpoint, (Path, str)):  # a missing path too: its message says so
-            return not location.is_sharded(checkpoint)
+            return not location.is_sharded_checkpoint(checkpoint)
         return "format" not in checkpoint
 
     def read(self, path: Path | str, key: str) -> dict[str, Any]:
@@ -262,7 +262,7 @@ class ShardedStorage:
 
     def holds(self, checkpoint: Path | str | Mapping[str, Any]) -> bool:
         if isinstance(checkpoint, (Path, str)):
-            return location.is_sharded(checkpoint)
+            return location.is_sharded_checkpoint(checkpoint)
         return checkpoint.get("format") == sharded.FORMAT
 
     def read(self, path: Path | str, key: str) -> dict[str, Any]:

@@ -11,9 +11,21 @@ then their settings are left alone. Nothing changes at ``import trainkit``.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from types import ModuleType
+
+# library: its own verbosity variable, its logging module, and where its progress-bar switches
+# are with their names (is enabled, disable, enable): each library's public API
+_LIBRARIES = {
+    "transformers": ("TRANSFORMERS_VERBOSITY", "transformers.utils.logging",
+                     "transformers.utils.logging",
+                     ("is_progress_bar_enabled", "disable_progress_bar", "enable_progress_bar")),
+    "datasets": ("DATASETS_VERBOSITY", "datasets.utils.logging", "datasets",
+                 ("is_progress_bar_enabled", "disable_progress_bars", "enable_progress_bars")),
+}
 
 
 @contextlib.contextmanager
@@ -21,27 +33,24 @@ def quiet_libraries() -> Iterator[None]:
     """Inside: transformers and datasets (those imported) log errors only and show no
     progress bars; after: their verbosity and bars as they were."""
     undo: list[Callable[[], None]] = []
-    if "transformers" in sys.modules and "TRANSFORMERS_VERBOSITY" not in os.environ:
-        from transformers.utils import logging as hf_logging
-
-        level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        undo.append(lambda: hf_logging.set_verbosity(level))
-        if bars:
-            undo.append(hf_logging.enable_progress_bar)
-    if "datasets" in sys.modules and "DATASETS_VERBOSITY" not in os.environ:
-        import datasets
-        from datasets.utils import logging as ds_logging
-
-        level, bars = ds_logging.get_verbosity(), datasets.is_progress_bar_enabled()
-        ds_logging.set_verbosity_error()
-        datasets.disable_progress_bars()
-        undo.append(lambda: ds_logging.set_verbosity(level))
-        if bars:
-            undo.append(datasets.enable_progress_bars)
+    for name, (variable, logs, bars, switches) in _LIBRARIES.items():
+        if name in sys.modules and variable not in os.environ:
+            undo += _quiet(importlib.import_module(logs), importlib.import_module(bars),
+                           *switches)
     try:
         yield
     finally:
         for step in reversed(undo):
             step()
+
+
+def _quiet(logs: ModuleType, bars: ModuleType, shown: str, hide: str,
+           show: str) -> list[Callable[[], None]]:
+    """One library's errors only and bars off; what puts them back as they were."""
+    level, were_shown = logs.get_verbosity(), getattr(bars, shown)()
+    logs.set_verbosity_error()
+    getattr(bars, hide)()
+    undo: list[Callable[[], None]] = [lambda: logs.set_verbosity(level)]
+    if were_shown:
+        undo.append(getattr(bars, show))
+    return undo

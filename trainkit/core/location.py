@@ -15,6 +15,7 @@ from pathlib import Path
 from trainkit.core.objectstore import join
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+RUN_CONFIG = Path(".hydra") / "config.yaml"  # the entry point's record of a run's settings
 
 
 def is_url(location: object) -> bool:
@@ -41,3 +42,20 @@ def fetched(name: str | Path, fetch: Callable[[str], Path]) -> Path:
 def child(root: str | Path, name: str) -> str:
     """``root/name`` spelled as ``root`` is: a URL's child as a URL, a path's as a path."""
     return join(str(root), name) if is_url(root) else str(Path(root) / name)
+
+
+def recorded_dir(run_dir: Path) -> str | None:
+    """``checkpoint.dir`` as the run's ``.hydra/config.yaml`` records it (resolved): where the
+    run put its checkpoints (a folder or a store's URL); None where it is unset, not recorded or
+    does not resolve outside the run (its checkpoints are then in ``<run_dir>/checkpoints``)."""
+    file = run_dir / RUN_CONFIG
+    if not file.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    try:
+        value = OmegaConf.select(OmegaConf.load(file), "checkpoint.dir", default=None,
+                                 throw_on_resolution_failure=False)
+    except Exception:  # an unreadable record: the run's own folder is looked in
+        return None
+    return str(value) if value not in (None, "") else None

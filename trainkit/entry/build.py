@@ -352,7 +352,7 @@ def read_split(cfg: DictConfig, settings: TrainConfig, *, train: bool) -> Any:
     return source.read_split(data, train=train)
 
 
-def eval_transform(run: Rebuilt) -> tuple[Inputs, Any, bool]:
+def run_eval_transform(run: Rebuilt) -> tuple[Inputs, Any, bool]:
     """For a run that decoded images: what its model takes, the transform its evaluation gave a
     decoded uint8 image, and whether that is the run's own ``data.eval_transforms``."""
     custom = build_transforms(run.cfg.data.get("eval_transforms"), "data.eval_transforms")

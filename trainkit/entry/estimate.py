@@ -38,12 +38,15 @@ from trainkit.entry.build import build_criterion, build_forward, build_run_model
 from trainkit.entry.errors import errors_as_one_line
 from trainkit.entry.train import CONFIG_DIR
 from trainkit.loop.activations import split_policy
-from trainkit.loop.precision import Hardware, choose_precision
+from trainkit.loop.precision import Hardware, Precision, choose_precision
+from trainkit.loop.step import WindowStep
 from trainkit.models.param_groups import apply_freeze, build_optimizer
 from trainkit.observe.memory_estimate import (
     GIB,
+    RunStep,
     StepMemory,
     StepSpec,
+    casts_for,
     checkpoint_blocks,
     measure_step,
 )
@@ -133,7 +136,7 @@ def estimate(cfg: DictConfig, target: Target, world: int) -> dict[str, Any]:
     """The run's memory per rank on ``target`` over ``world`` ranks, and what fits."""
     assumed = _assumed_vocabulary(cfg)  # before _settings sets it
     settings = _settings(cfg)
-    plan = Plan.of(cfg, settings, target, world)
+    plan = MemoryPlan.of(cfg, settings, target, world)
     memory = plan.trace(plan.micro_batch)
     peak = plan.per_rank(memory)
     strategy = plan.strategy if world > 1 or plan.strategy == "fsdp" else "one process"
@@ -211,7 +214,47 @@ def sample_batch(settings: TrainConfig, size: int, device: str = "meta") -> Call
         settings.data, size, channels_last=settings.trainer.channels_last, device=device)
 
 
-class Plan:
+def traced_step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: StepSpec) -> RunStep:
+    """trainkit's own step (:class:`~trainkit.loop.step.WindowStep`, the loop's) as the trace
+    runs it on meta tensors, where autocast does nothing: the forward and the loss run under
+    autocast's casts (:func:`~trainkit.observe.memory_estimate.casts_for`), the rest as fp32's
+    step (a loss scaler holds a few scalars). ``update`` False: the optimizer's update left
+    out (:class:`_NoUpdate`)."""
+
+    def forward(model: nn.Module, batch: Any) -> Any:
+        with casts_for(spec):
+            return spec.forward(model, batch)
+
+    def criterion(outputs: Any, targets: Any) -> Any:
+        with casts_for(spec):
+            return spec.criterion(outputs, targets)
+
+    def step(opt: Any) -> WindowStep:
+        return WindowStep(model, optimizer=opt, precision=Precision("32"), criterion=criterion,
+                          forward=forward, device=torch.device("meta"),
+                          clip_val=1.0 if spec.clip else None)
+
+    steps = {True: step(optimizer), False: step(_NoUpdate(optimizer))}
+    return lambda window, update: steps[update](window)
+
+
+class _NoUpdate:
+    """An optimizer whose step updates nothing, for a fused kernel's (it allocates nothing; on
+    meta tensors the per-tensor loop would): gradients still dropped after it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.param_groups = optimizer.param_groups
+
+    def step(self) -> None:
+        """Nothing: the update is left out of the trace."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+
+class MemoryPlan:
     """A run's config turned into what the trace needs, and the sums over ranks."""
 
     def __init__(self, cfg: DictConfig, settings: TrainConfig, target: Target, world: int,
@@ -236,7 +279,7 @@ class Plan:
         return accumulate * math.ceil(self.batch / min(size, self.batch))
 
     @classmethod
-    def of(cls, cfg: DictConfig, settings: TrainConfig, target: Target, world: int) -> Plan:
+    def of(cls, cfg: DictConfig, settings: TrainConfig, target: Target, world: int) -> MemoryPlan:
         precision = settings.trainer.precision
         if precision == "auto":
             precision = (("bf16-mixed" if target.bf16 else "16-mixed") if target.device_type
@@ -284,7 +327,7 @@ class Plan:
                         clip=self.settings.trainer.gradient_clip_val is not None, extra=extra,
                         fused=self.fused)
         memory = measure_step(model, optimizer, sample_batch(self.settings, micro_batch),
-                              spec, casts=True)
+                              spec, traced_step(model, optimizer, spec))
         memory.blocks = _block_bytes(model)
         return memory
 
@@ -378,7 +421,7 @@ class Plan:
                 found.append(f"trainer.activation_checkpointing=[{block}]")
         if self.precision == "32" and self.target.device_type == "cuda":
             mixed = "bf16-mixed" if self.target.bf16 else "16-mixed"
-            lower = Plan(self.cfg, self.settings, self.target, self.world, mixed)
+            lower = MemoryPlan(self.cfg, self.settings, self.target, self.world, mixed)
             if lower.per_rank(lower.trace(self.micro_batch)) <= usable:
                 found.append(f"trainer.precision={mixed}")
         for ranks in (r for r in (2, 4, 8, 16, 32, 64) if r > self.world):

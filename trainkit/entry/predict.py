@@ -50,11 +50,11 @@ from trainkit.data import (
 from trainkit.distributed import group
 from trainkit.entry.build import (
     Rebuilt,
-    eval_transform,
     inputs_of,
     model_inputs,
     read_split,
     rebuild,
+    run_eval_transform,
 )
 from trainkit.entry.cli import split_args, usage_status
 from trainkit.entry.errors import errors_as_one_line
@@ -221,7 +221,7 @@ def _split(run: Any, *, train: bool) -> Source:
     split = read_split(run.cfg, run.settings, train=train)
     if isinstance(split, TensorData):
         return list(range(len(split))), lambda i: split.images[i], inputs_of(split)
-    inputs, transform, custom = eval_transform(run)
+    inputs, transform, custom = run_eval_transform(run)
     samples = Samples(split, transform, channels=data.channels, image_column=data.image_column,
                       label_column=data.label_column, transform_all=custom)
 
@@ -235,7 +235,7 @@ def image_source(run: Rebuilt) -> tuple[Inputs, Callable[[Path], torch.Tensor]]:
     inputs = model_inputs(run)
     if not inputs.fused:  # tensor data: normalised as its in-memory loaders do
         return inputs, lambda path: read_image(path, inputs.image_size)
-    _, transform, _ = eval_transform(run)
+    _, transform, _ = run_eval_transform(run)
     channels = run.settings.data.channels
     return inputs, lambda path: transform(load_image(path, channels=channels))
 

@@ -69,7 +69,7 @@ def trained_models(models: Mapping[str, nn.Module],
             for name, model in models.items()}
 
 
-class Named:
+class NamedParts:
     """Several objects by name as one checkpoint part: ``state_dict`` is ``{name: state}``."""
 
     def __init__(self, parts: Mapping[str, Any]) -> None:
@@ -231,8 +231,9 @@ class NamedFit:
 
         if len(self.models) == 1 and len(self.optimizers) == 1:
             return {"scheduler": next(iter(self.schedulers.values()), None)}
-        return {"models": Named({name: ddp.unwrap(m) for name, m in self.models.items()}),
-                "optimizers": Named(self.optimizers), "schedulers": Named(self.schedulers)}
+        return {"models": NamedParts({name: ddp.unwrap(m) for name, m in self.models.items()}),
+                "optimizers": NamedParts(self.optimizers),
+                "schedulers": NamedParts(self.schedulers)}
 
     def eval_forward(self, precision: Precision) -> Forward:
         """The evaluation's ``forward(model, batch)``: ``evaluate(ctx, batch)`` over an

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from trainkit.core.errors import ConfigError, one_line
+from trainkit.core.location import RUN_CONFIG, recorded_dir
 
 log = logging.getLogger("trainkit")
 
@@ -68,10 +69,13 @@ def _read_folder(path: Path) -> tuple[dict[str, torch.Tensor], str]:
             for shard in shards:
                 weights.update(_read_file(path / shard))
             return weights, "its weights"
-    if (path / "checkpoints").is_dir() or (path / ".metadata").is_file():
-        raise ConfigError(f"model.pretrained={path} is a run or a sharded checkpoint: give a "
-                          "checkpoint file (checkpoints/last.pt), or `trainkit export` the run "
-                          "and give its folder")
+    if (path / RUN_CONFIG).is_file() or (path / "checkpoints").is_dir():
+        where = recorded_dir(path) or path / "checkpoints"  # where the run wrote them
+        raise ConfigError(f"model.pretrained={path} is a run: give one of its checkpoint files "
+                          f"(in {where}), or `trainkit export` the run and give its folder")
+    if (path / ".metadata").is_file():
+        raise ConfigError(f"model.pretrained={path} is a sharded checkpoint: `python -m "
+                          "trainkit.checkpoint consolidate` it into one file and give that")
     raise ConfigError(f"model.pretrained={path}: a folder without weights (no model.json, "
                       f"{', '.join(_HF_FILES[::2])}); give a weights file or a model folder")
 

@@ -1,6 +1,7 @@
 """Peak memory of a training step, measured on meta tensors: no weights allocated, no GPU.
 
-One step (forward, backward, optimizer step) runs on a model built on the ``meta`` device,
+One step (forward, backward, optimizer step: the caller's, ``trainkit estimate`` gives
+trainkit's own loop step) runs on a model built on the ``meta`` device,
 under :class:`LiveBytes`, a dispatch mode that adds up the bytes of every tensor storage alive
 after each operator. The same mode around a real step (on the CPU, say) measures the live tensor
 memory that step had, so the two are measured alike (tests compare them). Mixed precision is
@@ -217,23 +218,15 @@ class StepSpec:
     fused: bool = False
 
 
-def run_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Any],
-             spec: StepSpec, casts: bool, update: bool = True) -> None:
-    """One optimizer step over ``batches`` (the micro-batches), losses weighted equally;
-    ``casts``: mixed precision by :class:`MixedPrecisionCasts` (meta), else by autocast;
-    ``update``: False leaves ``optimizer.step`` out (a fused kernel's allocates nothing)."""
-    dtype = _DTYPES.get(spec.precision)
-    for batch in batches:
-        with _precision(dtype, spec.device_type, casts):
-            result = spec.forward(model, batch)
-            loss = spec.criterion(result[0], result[1]) / len(batches)
-        loss.backward()
-        del result, loss
-    if spec.clip:
-        nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
-    if update:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+# One optimizer step over a window of micro-batches, ``update`` False leaving
+# ``optimizer.step`` out (a fused kernel's allocates nothing): the run's own step, given by the
+# caller (``trainkit estimate`` runs trainkit's loop step, whose layer is above this one).
+RunStep = Callable[[Sequence[Any], bool], Any]
+
+
+def casts_for(spec: StepSpec) -> MixedPrecisionCasts:
+    """The casts ``spec``'s precision makes, for a step on meta tensors (autocast's)."""
+    return MixedPrecisionCasts(_DTYPES.get(spec.precision), spec.device_type)
 
 
 def checkpoint_blocks(model: nn.Module, names: Sequence[str], precision: str,
@@ -256,27 +249,19 @@ def _checkpointed(forward: Any, dtype: torch.dtype | None, device_type: str, *ar
     return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
 
-def _precision(dtype: torch.dtype | None, device_type: str, casts: bool) -> Any:
-    if casts:
-        return MixedPrecisionCasts(dtype, device_type)
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=dtype)
-
-
 def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-                 make_batch: Callable[[], Any], spec: StepSpec, *, casts: bool) -> StepMemory:
-    """The peak live tensor memory of a steady-state step: one step first (the optimizer's
-    state is made), then one under :class:`LiveBytes`, with the weights, their state, the
-    ``spec.extra`` tensors and the batches counted from its start."""
-    run_step(model, optimizer, [make_batch() for _ in range(spec.micro_batches)], spec, casts)
+                 make_batch: Callable[[], Any], spec: StepSpec, run: RunStep) -> StepMemory:
+    """The peak live tensor memory of a steady-state step ``run``: one step first (the
+    optimizer's state is made), then one under :class:`LiveBytes`, with the weights, their
+    state, the ``spec.extra`` tensors and the batches counted from its start."""
+    run([make_batch() for _ in range(spec.micro_batches)], True)
     batches = [make_batch() for _ in range(spec.micro_batches)]
     params = [p for p in model.parameters()] + [b for b in model.buffers()]
     state = list(optimizer_tensors(optimizer))
     tracker = LiveBytes()
     tracker.track([*params, *state, *spec.extra, *tensors(batches)])
     with tracker:
-        run_step(model, optimizer, batches, spec, casts, update=not spec.fused)
+        run(batches, not spec.fused)
     trained = [p for p in model.parameters() if p.requires_grad]
     return StepMemory(peak=tracker.peak, params=tensor_bytes(params),
                       grads=tensor_bytes(trained), optimizer_state=tensor_bytes(state),

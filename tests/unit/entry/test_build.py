@@ -52,4 +52,5 @@ def test_only_build_py_builds_a_model_in_entry() -> None:
         assert not builders & imported, path.name
     assert {p.stem for p in (REPO / "trainkit" / "entry").glob("*.py")} - {
         "__init__", "build", "errors", "run_dir", "cli", "train", "evaluate", "predict", "export",
-        "probe", "verify_resume", "verify_script", "sweep", "runs", "estimate"} == set()
+        "probe", "verify_resume", "verify_script", "sweep", "runs", "estimate", "launch",
+        "env"} == set()

@@ -52,7 +52,7 @@ def _compose(overrides: list[str]):
         return compose("train", overrides=overrides)
 
 
-def real_peak(plan: estimate.Plan) -> int:
+def real_peak(plan: estimate.MemoryPlan) -> int:
     """Live tensor bytes at the peak of a real steady-state step of the run on the CPU:
     trainkit's own step (WindowStep, autocast, the configured optimizer, fused where set)."""
     cfg, settings = plan.cfg, plan.settings
@@ -89,7 +89,7 @@ def _tensors(batch):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_estimate_is_within_10_percent_of_a_real_cpu_step(name: str) -> None:
     cfg = _compose(RUNS[name])
-    plan = estimate.Plan.of(cfg, estimate._settings(cfg), CPU, 1)
+    plan = estimate.MemoryPlan.of(cfg, estimate._settings(cfg), CPU, 1)
     estimated = plan.trace(plan.micro_batch)
     measured = real_peak(plan)
     assert abs(estimated.peak - measured) <= 0.1 * measured, (name, estimated.peak, measured)
@@ -101,7 +101,7 @@ def test_the_weights_are_never_allocated() -> None:
     not asserted here, a noisy machine: benchmarks/README.md has it)."""
     cfg = _compose(["model=resnet50", "data=image_folder", "data.num_classes=1000",
                     "data.batch_size=256", "trainer.precision=bf16-mixed"])
-    plan = estimate.Plan.of(cfg, estimate._settings(cfg), estimate.find_target("h100"), 1)
+    plan = estimate.MemoryPlan.of(cfg, estimate._settings(cfg), estimate.find_target("h100"), 1)
     model, _, _ = plan.build([])
     assert all(p.device.type == "meta" for p in model.parameters())
     memory = plan.trace(plan.micro_batch)
@@ -116,7 +116,7 @@ def test_a_run_that_does_not_fit_gets_settings_that_do(capsys) -> None:
     assert "verdict: does not fit" in out and "trainer.micro_batch_size=" in out
     size = int(out.split("trainer.micro_batch_size=")[1].split(";")[0].split()[0])
     cfg = _compose([*args[2:], f"trainer.micro_batch_size={size}"])
-    plan = estimate.Plan.of(cfg, estimate._settings(cfg), estimate.find_target("t4"), 1)
+    plan = estimate.MemoryPlan.of(cfg, estimate._settings(cfg), estimate.find_target("t4"), 1)
     assert plan.per_rank(plan.trace(plan.micro_batch)) <= plan.target.usable
 
 
@@ -147,7 +147,7 @@ def test_ddp_and_fsdp_per_rank_within_10_percent_of_a_real_step(strategy, precis
     a GPT wrapped by DDP / sharded by trainkit's FSDP2 on a 1-rank gloo group, tracked from
     the wrapping on (DDP's buckets, FSDP's shards and gathered units all counted)."""
     cfg = _compose([*RUNS["gpt"][:-2], f"trainer.precision={precision}", "optim.fused=null"])
-    plan = estimate.Plan.of(cfg, estimate._settings(cfg), CPU, 1)
+    plan = estimate.MemoryPlan.of(cfg, estimate._settings(cfg), CPU, 1)
     estimated = plan.per_rank(plan.trace(plan.micro_batch), 2 if strategy == "ddp" else 1,
                               strategy)
     torch.manual_seed(0)
@@ -182,7 +182,7 @@ def test_ddp_and_fsdp_per_rank_within_10_percent_of_a_real_step(strategy, precis
 
 def test_sharding_and_replicas_change_the_share_per_rank() -> None:
     cfg = _compose(["+exp=lm", "data.num_classes=256", "data.batch_size=4"])
-    plan = estimate.Plan.of(cfg, estimate._settings(cfg), estimate.find_target("h100"), 1)
+    plan = estimate.MemoryPlan.of(cfg, estimate._settings(cfg), estimate.find_target("h100"), 1)
     memory = plan.trace(plan.micro_batch)
     assert plan.per_rank(memory, 2, "ddp") == memory.peak + memory.grads
     assert plan.per_rank(memory, 4, "fsdp") < plan.per_rank(memory, 2, "fsdp") < memory.peak
@@ -200,9 +200,9 @@ def test_the_largest_micro_batch_is_the_same_from_any_configured_batch() -> None
     """Issue 61, fault 10: a search for the boundary, not an extrapolation from the batch
     asked about: the same answer for batches 64, 512 and 2048, and one sample more does not
     fit."""
-    def plan(batch: int, target: estimate.Target) -> estimate.Plan:
+    def plan(batch: int, target: estimate.Target) -> estimate.MemoryPlan:
         cfg = _compose(["+exp=mnist", f"data.batch_size={batch}", "trainer.precision=32"])
-        return estimate.Plan.of(cfg, estimate._settings(cfg), target, 1)
+        return estimate.MemoryPlan.of(cfg, estimate._settings(cfg), target, 1)
 
     probe = plan(64, CPU)
     size = probe.per_rank(probe.trace(300, micro_batches=2))
@@ -239,7 +239,7 @@ def test_estimate_is_within_10_percent_of_cuda_max_memory_allocated() -> None:
     (activations of several GiB: cuDNN's and cuBLAS's workspaces are a small share)."""
     cfg = _compose(["model=resnet50", "data=image_folder", "data.num_classes=1000",
                     "data.batch_size=128", "trainer.precision=bf16-mixed"])
-    plan = estimate.Plan.of(cfg, estimate._settings(cfg), estimate.find_target(None), 1)
+    plan = estimate.MemoryPlan.of(cfg, estimate._settings(cfg), estimate.find_target(None), 1)
     estimated = plan.trace(plan.micro_batch).peak
     device = torch.device("cuda")
     model = make_model(cfg.model, pretrained=False).to(device)

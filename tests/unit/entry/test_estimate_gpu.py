@@ -29,7 +29,7 @@ GPT = ["+exp=lm", "data.num_classes=512", "data.seq_len=512", "data.batch_size=1
        "optim.fused=null"]
 
 
-def _step_peak(cfg, plan: estimate.Plan, micro_batch: int, wrap=lambda m, o: m) -> int:
+def _step_peak(cfg, plan: estimate.MemoryPlan, micro_batch: int, wrap=lambda m, o: m) -> int:
     """torch.cuda.max_memory_allocated over a steady-state step of ``micro_batch`` samples."""
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -64,7 +64,7 @@ def test_the_largest_micro_batch_runs_here_near_the_usable_memory() -> None:
     report = estimate.estimate(cfg, target, 1)
     largest = report["largest_micro_batch"]
     assert largest is not None and largest > 128
-    plan = estimate.Plan.of(cfg, estimate._settings(cfg), target, 1)
+    plan = estimate.MemoryPlan.of(cfg, estimate._settings(cfg), target, 1)
     estimated = plan.per_rank(plan.trace(largest))
     measured = _step_peak(cfg, plan, largest)  # an OutOfMemoryError fails the test
     assert abs(estimated - measured) <= 0.1 * measured, (largest, estimated, measured)
@@ -77,7 +77,7 @@ def test_ddp_and_fsdp_per_rank_within_10_percent_on_one_gpu(strategy: str) -> No
     group, against the estimate's per-rank figure for that strategy."""
     cfg = _compose(GPT)
     target = estimate.find_target(None)
-    plan = estimate.Plan.of(cfg, estimate._settings(cfg), target, 1)
+    plan = estimate.MemoryPlan.of(cfg, estimate._settings(cfg), target, 1)
     estimated = plan.per_rank(plan.trace(plan.micro_batch), 2 if strategy == "ddp" else 1,
                               strategy)
 

@@ -145,6 +145,21 @@ def test_files_that_are_not_weights_are_refused_in_one_line(tmp_path: Path) -> N
         read_weights(tmp_path / "nothing.pt")
 
 
+def test_a_run_folder_is_refused_naming_where_its_checkpoints_are(tmp_path: Path) -> None:
+    """A run's checkpoints are where its recorded checkpoint.dir put them, not always in
+    ``<run>/checkpoints`` (issue 59): the line names that folder."""
+    elsewhere = tmp_path / "ckpts"
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(f"checkpoint:\n  dir: {elsewhere}\n")
+    with pytest.raises(ConfigError, match=rf"is a run: give one of its checkpoint files "
+                       rf"\(in {elsewhere}\)"):
+        read_weights(run)
+    (run / ".hydra" / "config.yaml").write_text("checkpoint:\n  dir: null\n")
+    with pytest.raises(ConfigError, match=rf"\(in {run / 'checkpoints'}\)"):
+        read_weights(run)
+
+
 def test_the_model_node_leaves_out_what_trainkit_reads() -> None:
     assert class_arguments({"_target_": "m.Net", "pretrained": "w.pt", "width": 3,
                             "lora": {"r": 8}}) == {"_target_": "m.Net", "width": 3}

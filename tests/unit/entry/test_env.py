@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import error_report
-from trainkit.observe import env
+from trainkit.entry import env
 
 
 def _env(*args: str) -> subprocess.CompletedProcess[str]:

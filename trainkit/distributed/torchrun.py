@@ -1,17 +1,13 @@
-"""Start distributed training without typing torchrun.
+"""Local processes through torchrun's own machinery (torch.distributed.elastic).
 
-``python -m trainkit.launch +exp=cifar`` runs ``torchrun --standalone --nproc-per-node=N -m
-trainkit.train +exp=cifar`` with one process per visible GPU (one process on a CPU-only machine),
-passing every override through. It exits as a single process does (torchrun itself exits 1): 75
-when the run stopped on a signal after saving, 2 on bad input, the worker's own error line last.
-:func:`launch` does the same for a Python function, from a script or a notebook. Both use
-torchrun's own machinery (torch.distributed.elastic): nothing here replaces it, and multi-node
-jobs use torchrun directly (see docs/distributed.md).
+:func:`torchrun_command` and :func:`run_torchrun` are what ``python -m trainkit.launch`` runs
+(its command line: :mod:`trainkit.entry.launch`); :func:`launch` runs a Python function in N
+processes, from a script or a notebook. Nothing here replaces torchrun, and multi-node jobs use
+torchrun directly (see docs/distributed.md).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import signal
@@ -23,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trainkit.core.errors import TrainkitError, command_name, print_error
+from trainkit.core.errors import TrainkitError
 from trainkit.core.runtime import Runtime
 from trainkit.core.signals import EXIT_PREEMPTED
 from trainkit.distributed import group
@@ -164,34 +160,3 @@ def _quiet_failure_log() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the launcher's own flags, then run torchrun in this process."""
-    parser = argparse.ArgumentParser(
-        prog=command_name("trainkit.launch"),
-        description="torchrun with one process per visible GPU (one on CPU); every other "
-                    "argument is passed to `python -m trainkit.train`.")
-    parser.add_argument("--nproc-per-node", type=int, default=None,
-                        help="processes to start (default: visible GPUs, 1 without CUDA)")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="restart the whole group this many times when a process dies; "
-                             "it resumes from the run's last checkpoint")
-    parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
-    args, overrides = parser.parse_known_args(argv)
-    try:
-        command = torchrun_command(overrides, nproc=args.nproc_per_node,
-                                   max_restarts=args.max_restarts)
-    except TrainkitError as err:
-        print_error(str(err), err.details)
-        return 2
-    print(" ".join(command[1:]).replace("-m torch.distributed.run", "torchrun", 1), flush=True)
-    if args.dry_run:
-        return 0
-    # In this process, not a child: signals (Ctrl-C, SIGTERM from a scheduler) reach torchrun's
-    # agent, which forwards them to the workers.
-    return run_torchrun(command[3:])  # what follows `python -m torch.distributed.run`
-
-
-if __name__ == "__main__":
-    sys.exit(main())
