@@ -41,24 +41,35 @@ def shard_size(n: int, *, shuffle: bool, rank: int, world_size: int,
 
 
 def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool, rank: int = 0,
-                world_size: int = 1, sample: int | None = None) -> torch.Tensor:
+                world_size: int = 1, sample: int | None = None,
+                repeats: int = 1) -> torch.Tensor:
     """The indices of ``range(n)`` rank ``rank`` visits in ``epoch``, in order (int64, CPU).
 
     Without shuffling (evaluation), ``sample`` bounds them to :func:`evaluation_sample`'s
-    evenly spread indices, shared out among the ranks.
+    evenly spread indices, shared out among the ranks. ``repeats`` (training: repeated
+    augmentation, as timm's ``RepeatAugSampler``) takes each index of the permutation that many
+    times in a row, so its copies go to consecutive ranks (augmented apart); the epoch keeps its
+    length, ``n // world_size`` per rank, and so covers ``1 / repeats`` of the samples.
     """
     if not shuffle:
         return evaluation_sample(n, sample)[rank::world_size]
     # One permutation for all ranks, from (seed, epoch) alone; each rank takes a slice.
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = torch.randperm(n, generator=generator)
+    if repeats > 1:
+        perm = perm.repeat_interleave(repeats)
     per_rank = n // world_size
     return perm[: per_rank * world_size][rank::world_size]
 
 
 def check_shard(n: int, batch_size: int, *, shuffle: bool, drop_last: bool, rank: int,
-                world_size: int, sample: int | None = None) -> None:
+                world_size: int, sample: int | None = None, repeats: int = 1) -> None:
     """One-line errors for settings under which a loader could not produce a single batch."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
+    if repeats > 1 and not shuffle:
+        raise ConfigError("repeated augmentation (repeats > 1) is for training loaders: they "
+                          "shuffle")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
     if world_size < 1 or not 0 <= rank < world_size:
@@ -94,14 +105,15 @@ class ResumableBatchSampler(Sampler[SeededBatch]):
     before it. ``len()`` is the batches left in that pass. Batch ``b`` carries the seed
     ``mix_seed(seed, epoch, rank, b)``, a function of its place alone (see :class:`SeededSamples`).
     Without shuffling, ``sample`` bounds an epoch to that many samples spread evenly over the
-    dataset (:func:`evaluation_sample`).
+    dataset (:func:`evaluation_sample`); with, ``repeats`` is :func:`epoch_order`'s.
     """
 
     def __init__(self, n: int, batch_size: int, *, shuffle: bool, drop_last: bool = False,
                  seed: int = 0, rank: int = 0, world_size: int = 1,
-                 sample: int | None = None) -> None:
+                 sample: int | None = None, repeats: int = 1) -> None:
         self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
         self.seed, self.rank, self.world_size, self.sample = seed, rank, world_size, sample
+        self.repeats = repeats
         self.epoch = 0
         self.start = 0
 
@@ -127,7 +139,7 @@ class ResumableBatchSampler(Sampler[SeededBatch]):
     def __iter__(self) -> Iterator[SeededBatch]:
         order = epoch_order(self.n, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
                             rank=self.rank, world_size=self.world_size,
-                            sample=self.sample).tolist()
+                            sample=self.sample, repeats=self.repeats).tolist()
         start, self.start = self.start, 0
         size = self.batch_size
         for b in range(start, self.num_batches):

@@ -210,6 +210,7 @@ def make_loader(
     worker_init_fn: Callable[[int], None] | None = None,
     procs_per_node: int | None = None,
     max_batches: int | None = None,
+    repeats: int = 1,
 ) -> ResumableLoader:
     """A DataLoader over a map-style ``dataset`` with the settings a careful user would pick.
 
@@ -233,6 +234,9 @@ def make_loader(
         max_batches: evaluation (``shuffle=False``) only: at most this many batches per rank,
             of samples spread evenly over the dataset, the same every pass
             (``trainer.eval_max_batches``); None: the whole dataset.
+        repeats: training (``shuffle=True``) only: repeated augmentation, each sample this
+            many times in an epoch of the same length, its copies on consecutive ranks and
+            augmented apart (``data.repeated_aug``; :func:`~trainkit.data.epoch_order`).
 
     Raises:
         ConfigError: settings no loader can honour (negative workers, a prefetch factor or
@@ -246,12 +250,12 @@ def make_loader(
     device = torch.device(device)
     sample = max_batches * batch_size * world_size if max_batches else None
     _check_inputs(dataset, batch_size, device, shuffle=shuffle, drop_last=drop_last, rank=rank,
-                  world_size=world_size, sample=sample)
+                  world_size=world_size, sample=sample, repeats=repeats)
     num_workers, prefetch_factor, persistent_workers = _workers(
         dataset, batch_size, num_workers, prefetch_factor, persistent_workers, procs_per_node)
     sampler = ResumableBatchSampler(len(dataset), batch_size, shuffle=shuffle,
                                     drop_last=drop_last, seed=seed, rank=rank,
-                                    world_size=world_size, sample=sample)
+                                    world_size=world_size, sample=sample, repeats=repeats)
     generator = torch.Generator()
     loader = DataLoader(
         SeededSamples(dataset), batch_sampler=sampler, num_workers=num_workers,
@@ -264,7 +268,8 @@ def make_loader(
 
 
 def _check_inputs(dataset: Dataset, batch_size: int, device: torch.device, *, shuffle: bool,
-                  drop_last: bool, rank: int, world_size: int, sample: int | None) -> None:
+                  drop_last: bool, rank: int, world_size: int, sample: int | None,
+                  repeats: int = 1) -> None:
     """One line for a dataset, device or shard no loader could serve."""
     if device.type != "cpu":  # a device missing here is the error, not what pinning would need
         resolve_device(device)
@@ -272,7 +277,7 @@ def _check_inputs(dataset: Dataset, batch_size: int, device: torch.device, *, sh
         raise ConfigError(f"{type(dataset).__name__} has no len(): make_loader needs a "
                           "map-style dataset")
     check_shard(len(dataset), batch_size, shuffle=shuffle, drop_last=drop_last, rank=rank,
-                world_size=world_size, sample=sample)
+                world_size=world_size, sample=sample, repeats=repeats)
 
 
 def _workers(dataset: Dataset, batch_size: int, num_workers: int | None,
