@@ -15,8 +15,7 @@ from trainkit.core.errors import ConfigError
 from trainkit.core.rng import mix_seed
 from trainkit.data.batches import TensorData
 from trainkit.data.loader.augment import PAD_MODES, crop_flip
-from trainkit.data.loader.order import check_shard, epoch_order, shard_size
-from trainkit.data.loader.resumable import ResumableLoader
+from trainkit.data.loader.resumable import ResumableLoader, check_shard, epoch_order, shard_size
 
 
 class InMemoryLoader(ResumableLoader):
