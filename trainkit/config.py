@@ -390,6 +390,19 @@ class MixFields:
 
 
 @dataclass
+class RepeatFields:
+    """Repeated augmentation in training (timm's ``RepeatAugSampler``, DeiT): each sample of an
+    epoch ``repeated_aug`` times, the copies spread over the ranks and each augmented on its
+    own; an epoch keeps its length, so it sees ``1 / repeated_aug`` of the distinct samples
+    (1: off; timm and DeiT use 3)."""
+
+    repeated_aug: int = 1
+
+    def _check(self) -> None:
+        _check_int("data.repeated_aug", self.repeated_aug, minimum=1)
+
+
+@dataclass
 class TokenFields:
     """``data=tokens`` (trainkit.data.sources.tokens): tokens of context per window, and the
     token files' dtype (null: meta.json's, else uint16)."""
@@ -478,17 +491,17 @@ class ShardFields:
 # Each source's typed config: the shared fields and its own (trainkit.data.sources.SOURCES);
 # the shared part is the last base, so that its fields come first.
 @dataclass
-class TensorDataConfig(MixFields, TensorFields, SharedDataConfig):
+class TensorDataConfig(RepeatFields, MixFields, TensorFields, SharedDataConfig):
     """``data=mnist`` and ``data=cifar10``."""
 
 
 @dataclass
-class ImageFolderConfig(MixFields, ImageFields, SharedDataConfig):
+class ImageFolderConfig(RepeatFields, MixFields, ImageFields, SharedDataConfig):
     """``data=image_folder``."""
 
 
 @dataclass
-class DatasetConfig(MixFields, ImageFields, TensorFields, SharedDataConfig):
+class DatasetConfig(RepeatFields, MixFields, ImageFields, TensorFields, SharedDataConfig):
     """Your own dataset (``dataset._target_``): image samples, or a ``TensorData``."""
 
 
@@ -508,8 +521,8 @@ class HFTextConfig(MixtureFields, TextFields, SharedDataConfig):
 
 
 @dataclass
-class DataConfig(MixtureFields, MixFields, ShardFields, TextFields, TokenFields, ImageFields,
-                 TensorFields, SharedDataConfig):
+class DataConfig(RepeatFields, MixtureFields, MixFields, ShardFields, TextFields, TokenFields,
+                 ImageFields, TensorFields, SharedDataConfig):
     """The ``data`` node users type (every source's keys, ``data.name`` picks the source);
     :func:`trainkit.data.load_data` hands the source its own typed config of these."""
 

@@ -1,6 +1,7 @@
 """``+exp=folder`` with every image regulariser on (RandAugment, random erasing, MixUp and
-CutMix, an EMA): it trains on real files with 2 loader workers, evaluates with hard labels, and a
-run stopped mid-epoch resumes bitwise (``trainkit.verify_resume``)."""
+CutMix, repeated augmentation, an EMA): it trains on real files with 2 loader workers,
+evaluates with hard labels, and a run stopped mid-epoch resumes bitwise
+(``trainkit.verify_resume``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests.image_files import make_folder
 pytestmark = pytest.mark.slow
 
 REGULARISED = ("data.auto_augment=randaugment", "data.random_erasing=0.5", "data.mixup=0.8",
-               "data.cutmix=1.0")
+               "data.cutmix=1.0", "data.repeated_aug=3")
 
 
 def folder_exp(root: Path, *extra: str) -> list[str]:
@@ -64,6 +65,7 @@ def test_mixed_training_evaluates_hard_labels(verified: Path) -> None:
     state = torch.load(verified / "resumed" / "checkpoints" / "last.pt", weights_only=True)
     data = state["config"]["data"]
     assert (data["mixup"], data["cutmix"], data["auto_augment"]) == (0.8, 1.0, "randaugment")
+    assert data["repeated_aug"] == 3
 
 
 def test_bad_values_are_one_line(tmp_path: Path, folder: Path) -> None:
@@ -85,7 +87,8 @@ def test_cifar_in_memory_batches_mix_and_resume_bitwise(tmp_path: Path, cifar_ro
         [sys.executable, "-m", "trainkit.verify_resume", "--steps", "8", "--stop-at", "3",
          "--keep", str(tmp_path), "+exp=cifar", "model.widths=[8,16,32,32]",
          f"data.root={cifar_root}", "data.verify=false", "data.download=false",
-         "data.batch_size=32", "trainer.precision=32", "data.mixup=0.5", "data.cutmix=1.0"],
+         "data.batch_size=32", "trainer.precision=32", "data.mixup=0.5", "data.cutmix=1.0",
+         "data.repeated_aug=2"],
         cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "OK" in result.stdout and "stopped at step 3" in result.stdout

@@ -19,12 +19,12 @@ from trainkit.data.classes import read_classes, write_classes
 from trainkit.data.device.prefetch import DevicePrefetcher
 from trainkit.data.loader.augment import crop_flip
 from trainkit.data.loader.memory import InMemoryLoader
-from trainkit.data.loader.order import epoch_order
 from trainkit.data.loader.resumable import (
     ResumableBatchSampler,
     ResumableData,
     ResumableLoader,
     default_num_workers,
+    epoch_order,
     make_loader,
 )
 from trainkit.data.loader.tokens import TokenLoader

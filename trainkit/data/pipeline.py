@@ -114,7 +114,7 @@ def loader_of(plan: SplitPlan, runtime: Runtime, options: Options) -> Any:
                               seed=options.seed, drop_last=plan.drop_last, padding=plan.padding,
                               flip=plan.flip, pad_mode=plan.pad_mode,
                               max_batches=plan.max_batches, channels_last=options.channels_last,
-                              **where)
+                              repeats=plan.repeats, **where)
     if isinstance(plan, TokenWindows):
         return TokenLoader(plan.path, plan.seq_len, plan.batch_size, shuffle=plan.shuffle,
                            dtype=plan.dtype, seed=options.seed, max_batches=plan.max_batches,
@@ -148,7 +148,7 @@ def map_style_loader(plan: MapStyle, runtime: Runtime, options: Options,
                          seed=options.seed, num_workers=plan.num_workers,
                          pin_memory=plan.pin_memory, drop_last=plan.drop_last,
                          collate_fn=plan.collate_fn, max_batches=plan.max_batches,
-                         sampler=sampler, **where)
+                         sampler=sampler, repeats=plan.repeats, **where)
     return DevicePrefetcher(loader, runtime.device, mean=plan.mean, std=plan.std,
                             classes=plan.classes, channels_last=options.channels_last,
                             normalize_float=plan.normalize_float, decoder=decoder)

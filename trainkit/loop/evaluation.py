@@ -63,7 +63,8 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
 
     The sample itself is the data layer's: trainkit's evaluation loaders built with the same
     bound serve ``max_batches`` batches spread evenly over the split
-    (:func:`trainkit.data.loader.order.evaluation_sample`); any other loader gives its first ones.
+    (:func:`trainkit.data.loader.resumable.evaluation_sample`); any other loader gives its first
+    ones.
     """
     # Not through DDP: it broadcasts buffers before every forward, a collective that ranks
     # with different numbers of val batches would not match. Rank 0's buffers (batch-norm

@@ -13,7 +13,7 @@ from torch import nn
 from trainkit.config import DataConfig
 from trainkit.core.runtime import Runtime
 from trainkit.data import InMemoryLoader, build_loaders, make_loader
-from trainkit.data.loader.order import evaluation_sample
+from trainkit.data.loader.resumable import evaluation_sample
 from trainkit.data.sources.tensors import TensorData
 from trainkit.loop.evaluation import evaluate
 from trainkit.loop.precision import Precision

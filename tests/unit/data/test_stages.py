@@ -44,7 +44,7 @@ def test_a_batch_runs_through_no_more_modules_than_today(tmp_path: Path) -> None
     tokens = plan.token_batch_modules(tmp_path / "tokens")
     print(f"\nimage-folder batch: {len(image)} modules {image}\ntoken batch: {len(tokens)} "
           f"modules {tokens}")
-    assert "trainkit.data.sources.image_files" in image and len(image) <= 7
+    assert "trainkit.data.sources.image_files" in image and len(image) <= 4
     assert "trainkit.data.loader.tokens" in tokens and len(tokens) <= 3
 
 

@@ -143,7 +143,7 @@ class DevicePrefetcher:
         """``loader``'s batches on the device (on CUDA the next one copied ahead)."""
         if self._stream is None:
             for batch in loader:
-                yield self._prepare(move_to_device(self._checked(batch), self.device))
+                yield self._prepare(self._placed(batch))
             return
         yield from self._iter_cuda(self._stream, loader)
 
@@ -162,22 +162,34 @@ class DevicePrefetcher:
 
     def _preload(self, batches: Iterator[Any], stream: torch.cuda.Stream) -> Any:
         try:
-            batch = self._checked(next(batches))
+            batch = next(batches)
         except StopIteration:
             return None
         with torch.cuda.stream(stream):
             # non_blocking copies from pinned memory: this returns before the bytes arrive
-            return self._prepare(move_to_device(batch, self.device))
+            return self._prepare(self._placed(batch))
 
-    def _checked(self, batch: Any) -> Any:
-        """A batch of image files as ``(images, labels)``: a bad file stops the run here, in
-        the main process, with one line; skipped ones are counted."""
+    def _placed(self, batch: Any) -> Any:
+        """``batch`` on the device. A batch of image files becomes ``(images, labels)``: a bad
+        file stops the run here, in the main process, with one line; skipped ones are counted;
+        its tensors are copied here. Any other batch is copied as a tree (``move_to_device``).
+        """
         if not (hasattr(batch, "images") and hasattr(batch, "labels")):
-            return batch
+            return move_to_device(batch, self.device)
         if getattr(batch, "bad", None):
             raise TrainkitError(batch.bad[0].message)
         self.note_skipped(getattr(batch, "skipped", ()))
-        return batch.images, batch.labels
+        return self._copy(batch.images), self._copy(batch.labels)
+
+    def _copy(self, x: Any) -> Any:
+        """One tensor to the device, asynchronously from pinned memory (where the copy can
+        overlap compute); the encoded JPEGs of ``data.decode=gpu`` go to their decoder as
+        they are."""
+        if not isinstance(x, torch.Tensor):
+            return move_to_device(x, self.device)
+        if x.device == self.device:
+            return x
+        return x.to(self.device, non_blocking=self.device.type == "cuda" and x.is_pinned())
 
     def _prepare(self, batch: Any) -> Any:
         if self.decoder is not None:

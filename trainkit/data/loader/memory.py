@@ -15,8 +15,7 @@ from trainkit.core.errors import ConfigError
 from trainkit.core.rng import mix_seed
 from trainkit.data.batches import TensorData
 from trainkit.data.loader.augment import PAD_MODES, crop_flip
-from trainkit.data.loader.order import check_shard, epoch_order, shard_size
-from trainkit.data.loader.resumable import ResumableLoader
+from trainkit.data.loader.resumable import ResumableLoader, check_shard, epoch_order, shard_size
 
 
 class InMemoryLoader(ResumableLoader):
@@ -43,6 +42,8 @@ class InMemoryLoader(ResumableLoader):
             or ``reflect``.
         max_batches: evaluation (``shuffle=False``) only: at most this many batches per rank, of
             samples spread evenly over the split, the same every pass; None: the whole split.
+        repeats: training only: each sample this many times per epoch (repeated augmentation,
+            :func:`~trainkit.data.epoch_order`), each copy augmented apart.
 
     Example:
         >>> loader = InMemoryLoader(data, 128, shuffle=True, padding=4, flip=True)  # doctest: +SKIP
@@ -68,10 +69,11 @@ class InMemoryLoader(ResumableLoader):
         flip: bool = False,
         pad_mode: str = "constant",
         max_batches: int | None = None,
+        repeats: int = 1,
     ) -> None:
         self.sample = max_batches * batch_size * world_size if max_batches else None
         check_shard(len(data), batch_size, shuffle=shuffle, drop_last=drop_last, rank=rank,
-                    world_size=world_size, sample=self.sample)
+                    world_size=world_size, sample=self.sample, repeats=repeats)
         if padding < 0:
             raise ConfigError(f"padding must be >= 0, got {padding}")
         if pad_mode not in PAD_MODES:
@@ -86,6 +88,7 @@ class InMemoryLoader(ResumableLoader):
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.channels_last = channels_last
         self.padding, self.flip, self.pad_mode = padding, flip, pad_mode
+        self.repeats = repeats
 
     @property
     def num_samples(self) -> int:
@@ -104,7 +107,8 @@ class InMemoryLoader(ResumableLoader):
     def order(self, epoch: int) -> torch.Tensor:
         """The sample indices this rank visits in ``epoch``, in order."""
         return epoch_order(len(self.labels), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                           rank=self.rank, world_size=self.world_size, sample=self.sample)
+                           rank=self.rank, world_size=self.world_size, sample=self.sample,
+                           repeats=self.repeats)
 
     def _pass(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = self.order(epoch).to(self.device)

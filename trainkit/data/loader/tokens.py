@@ -18,8 +18,7 @@ import torch
 
 from trainkit.core.errors import ConfigError
 from trainkit.core.rng import mix_seed
-from trainkit.data.loader.order import epoch_order
-from trainkit.data.loader.resumable import ResumableLoader
+from trainkit.data.loader.resumable import ResumableLoader, epoch_order
 
 DTYPES = ("uint16", "uint32")
 

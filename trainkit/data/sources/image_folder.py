@@ -186,7 +186,8 @@ def image_samples(dataset: Dataset, cfg: ImageFolderConfig | DatasetConfig, opti
         num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
         drop_last=cfg.drop_last and training, collate_fn=collate,
         max_batches=None if training else options.eval_max_batches, mean=mean, std=std,
-        classes=classes, normalize_float=False, decode=decode)
+        classes=classes, normalize_float=False, decode=decode,
+        repeats=cfg.repeated_aug if training else 1)
 
 
 def _classes_on_disk(root: Path) -> int | None:

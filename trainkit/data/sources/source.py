@@ -41,6 +41,7 @@ class InMemory:
     flip: bool = False
     pad_mode: str = "constant"
     max_batches: int | None = None
+    repeats: int = 1  # data.repeated_aug (training)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class MapStyle:
     classes: Sequence[str] | None = None
     normalize_float: bool = True
     decode: GpuDecode | None = None
+    repeats: int = 1  # data.repeated_aug (training)
 
 
 @dataclass(frozen=True)

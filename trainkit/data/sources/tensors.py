@@ -236,7 +236,8 @@ def tensor_splits(train: TensorData, test: TensorData, cfg: TensorDataConfig | D
                 _samples(test, cfg, options, training=False), train.num_classes)
     return (
         InMemory(train, cfg.batch_size, shuffle=True, drop_last=cfg.drop_last,
-                 padding=cfg.random_crop_padding, flip=cfg.random_flip, pad_mode=cfg.pad_mode),
+                 padding=cfg.random_crop_padding, flip=cfg.random_flip, pad_mode=cfg.pad_mode,
+                 repeats=cfg.repeated_aug),
         InMemory(test, cfg.eval_batch_size, shuffle=False, max_batches=options.eval_max_batches),
         train.num_classes,
     )
@@ -294,4 +295,5 @@ def _samples(data: TensorData, cfg: TensorDataConfig | DatasetConfig, options: O
         samples, cfg.batch_size if training else cfg.eval_batch_size, shuffle=training,
         num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
         drop_last=cfg.drop_last and training,
-        max_batches=None if training else options.eval_max_batches, mean=data.mean, std=data.std)
+        max_batches=None if training else options.eval_max_batches, mean=data.mean, std=data.std,
+        repeats=cfg.repeated_aug if training else 1)
