@@ -137,6 +137,10 @@ def _second_batch(loader: Any) -> Callable[[], Any]:
 def image_batch_modules(folder: Path) -> list[str]:
     """The modules one image-folder training batch runs through, source to device (no workers:
     the workers' code runs in this process)."""
+    return traced_modules(_second_batch(_image_loader(folder)))
+
+
+def _image_loader(folder: Path) -> Any:
     from tests.image_files import make_folder
     from trainkit.config import ImageFolderConfig
     from trainkit.core.runtime import Runtime
@@ -145,8 +149,26 @@ def image_batch_modules(folder: Path) -> list[str]:
     root = make_folder(folder, per_class=4, val_per_class=1)
     cfg = ImageFolderConfig(name="image_folder", root=str(root), batch_size=4, image_size=16,
                             num_workers=0)
-    loader = load_data(cfg, Runtime.from_env("cpu")).train
-    return traced_modules(_second_batch(loader))
+    return load_data(cfg, Runtime.from_env("cpu")).train
+
+
+def step_modules(batch: Any, precision: str) -> list[str]:
+    """The modules the built-in step runs through for ``batch``, up to ``optimizer.step``
+    (torch's): a small model's second step (the first builds the optimizer's state)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from trainkit.loop.precision import Precision
+    from trainkit.loop.step import WindowStep, default_forward
+
+    images, labels = batch
+    model = nn.Sequential(nn.Flatten(), nn.Linear(images[0].numel(), int(labels.max()) + 1))
+    step = WindowStep(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                      precision=Precision(precision, "cpu"), criterion=F.cross_entropy,
+                      forward=default_forward, device=torch.device("cpu"))
+    step([batch])
+    return traced_modules(lambda: step([batch]))
 
 
 def token_batch_modules(folder: Path) -> list[str]:
@@ -209,12 +231,15 @@ def figures() -> list[str]:
                                 batch_size=4, image_size=16, num_workers=0)
         train = load_data(cfg, Runtime.from_env("cpu")).train
         holders, saved = position_holders(train), saved_positions(train)
-    step = ["trainkit.loop.step", "trainkit.loop.precision"]  # then optimizer.step (torch)
+        batch = next(iter(train))
+    steps = {mode: step_modules(batch, mode) for mode in ("32", "bf16-mixed")}
+    then = "; ".join(f"then at {mode} {len(mods)} ({', '.join(mods)}): {len(image) + len(mods)} "
+                     f"to optimizer.step" for mode, mods in steps.items())
     return [
         f"image-folder batch, source to device: {len(image)} modules ({', '.join(image)}); "
-        f"then {', '.join(step)}",
+        f"{then}",
         f"token batch, corpus to device: {len(tokens)} modules ({', '.join(tokens)}); then "
-        f"{', '.join(step)}",
+        f"the same step",
         f"position holders: the loop's TrainState (the fit asks for batches(epoch, start)); "
         f"on the data side {len(saved)} saved {saved or ''}, and {len(holders)} keeping where a "
         f"plain set_epoch + iter pass goes ({', '.join(holders)}), never saved",

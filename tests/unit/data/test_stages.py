@@ -48,6 +48,15 @@ def test_a_batch_runs_through_no_more_modules_than_today(tmp_path: Path) -> None
     assert "trainkit.data.loader.tokens" in tokens and len(tokens) <= 3
 
 
+def test_the_step_adds_one_module_and_mixed_precision_its_own(tmp_path: Path) -> None:
+    """Source to ``optimizer.step``: the data's modules, then the step's (traced, as the
+    measure prints them): 5 in all at fp32, the autocast's module under bf16-mixed."""
+    batch = next(iter(plan._image_loader(tmp_path / "images")))
+    assert plan.step_modules(batch, "32") == ["trainkit.loop.step"]
+    assert plan.step_modules(batch, "bf16-mixed") == ["trainkit.loop.step",
+                                                      "trainkit.loop.precision"]
+
+
 def test_the_data_side_saves_no_position() -> None:
     """The position has one holder, the loop's state: no loader or device stage saves one, and
     the measure sees one that does."""
