@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchmetrics.aggregation import MeanMetric
+from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from trainkit.core import rng
 from trainkit.core.device import move_to_device
 from trainkit.core.errors import TrainkitError
 from trainkit.distributed import ddp, fsdp, group
 from trainkit.loop.precision import Precision
-from trainkit.loop.step import Criterion, Forward, _scalar, batch_size
+from trainkit.loop.step import Criterion, Forward, _scalar, batch_size, targets_counter
 
 log = logging.getLogger("trainkit")
 
@@ -57,7 +57,9 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     ``{"val/loss": ..., "val/<name>": ...}``, in eval mode under ``no_grad``.
 
     A criterion's parts (``(loss, {name: part})``) and a forward's own scalars (a third item)
-    are averaged over the samples as ``val/<name>``; ``criterion`` None computes no loss.
+    are averaged over the samples as ``val/<name>``; ``criterion`` None computes no loss. A
+    forward that declares ``count_targets`` (padded text's -100 labels) gets ``val/loss`` as
+    the mean over the split's valid targets (each batch's mean weighted by its count).
 
     The sample itself is the data layer's: trainkit's evaluation loaders built with the same
     bound serve ``max_batches`` batches spread evenly over the split
@@ -77,6 +79,9 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     # do it too, but torchmetrics drops them under nan_strategy="disable", and any other strategy
     # reads every batch's NaN check on the host and leaves NaN losses out of the mean.)
     loss = MeanMetric(nan_strategy="disable").to(device)
+    count_targets = targets_counter(forward)
+    if count_targets is not None:  # a mean over targets: sum(mean * count) / sum(count)
+        loss_sum, counted = (SumMetric(nan_strategy="disable").to(device) for _ in range(2))
     means: dict[str, MeanMetric] = {}  # parts and scalars by name
     # FSDP: each forward all-gathers weights, so every rank runs as many (agreed before any)
     extra = _missing_forwards(data, max_batches) if fsdp.is_sharded(model) else None
@@ -92,7 +97,12 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
                 if type(value) is tuple:  # (loss, {name: part})
                     value, parts = value
                     _add_means(means, parts, n, device)
-                loss.update(value.detach().float().expand(n))
+                if count_targets is None:
+                    loss.update(value.detach().float().expand(n))
+                else:
+                    count = count_targets(batch).to(device)
+                    loss_sum.update(value.detach().float() * count)
+                    counted.update(count.float())
         if len(result) == 3:  # the forward's own scalars
             _add_means(means, result[2], n, device)
         for metric in metrics.values():
@@ -100,7 +110,8 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     if extra is not None:
         _match_forwards(model, extra, batch, precision, forward)
     # torchmetrics syncs its states across ranks in compute() when a process group is up
-    results = {"val/loss": float(loss.compute())} if criterion is not None else {}
+    results = {} if criterion is None else {"val/loss": float(
+        loss.compute() if count_targets is None else loss_sum.compute() / counted.compute())}
     results.update({f"val/{name}": float(m.compute()) for name, m in means.items()})
     results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
     model.train(was_training)
