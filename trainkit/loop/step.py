@@ -202,6 +202,8 @@ class StepContext:
         self._counts: list[torch.Tensor] | None = None
         self._pending: Any = None
         self._scale: torch.Tensor | None = None
+        self._total: torch.Tensor | None = None  # the window's count (summed over the ranks)
+        self._world = 1
         # fp32: no autocast to enter, no loss scaler to pass the backward and the step through
         self._plain = precision.dtype is None and precision.scaler is None
         # fused kernels skip a NaN/inf step on a found_inf flag (not under GradScaler, whose
@@ -296,8 +298,7 @@ class StepContext:
         total = torch.stack(counts).sum() if len(counts) > 1 else counts[0].clone()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         # DDP and FSDP average gradients over the ranks: world / global count undoes it
-        self._counts, self._world, self._scale = counts, world, None
-        self._total = total
+        self._counts, self._world, self._scale, self._total = counts, world, None, total
         self._pending = dist.all_reduce(total, async_op=True) if world > 1 else None
 
     def _count_scale(self) -> torch.Tensor:
@@ -306,6 +307,7 @@ class StepContext:
             if self._pending is not None:  # NCCL: the stream waits, not the host
                 self._pending.wait()
                 self._pending = None
+            assert self._total is not None
             self._scale = self._world / self._total.clamp_min(1).to(torch.float32)
         return self._scale
 

@@ -117,3 +117,15 @@ def test_validation_loss_over_padded_text_is_a_mean_over_its_tokens() -> None:
     assert result == pytest.approx(token_mean, rel=1e-5)
     by_batch = evaluate(model, data, forward=lambda m, b: hf_forward(m, b), **options)
     assert abs(by_batch["val/loss"] / token_mean - 1) > 1e-3  # a mean of batch means differs
+
+
+def test_the_configs_forward_declares_its_count_through_hydras_partial() -> None:
+    import functools
+
+    from trainkit.loop.step import targets_counter
+
+    assert targets_counter(functools.partial(hf_forward)) is count_targets  # model=hf's forward
+    assert targets_counter(default_forward) is None  # fixed-size targets: by samples
+    labels = torch.tensor([[5, 6, -100], [7, 8, 9]])  # a causal LM's: position 0 predicts none
+    assert count_targets({"labels": labels}).item() == 3
+    assert count_targets({"labels": torch.tensor([1, -100, 2])}).item() == 2  # classes
