@@ -34,7 +34,7 @@ def tiny_lm(init: float = 0.02) -> nn.Module:
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=64, n_embd=16, n_layer=1, n_head=2,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        initializer_range=init)
+                        initializer_range=init, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"
     return model
