@@ -94,6 +94,8 @@ def main(out: str) -> None:
     grads = window_gradient(model, batches(mine, 16))
     if rank == 0:
         torch.save(grads, Path(out) / "grads.pt")
+    # no rank tears gloo's connections down while the other still reads (an abort, exit -6)
+    dist.barrier()
     dist.destroy_process_group()
 
 
