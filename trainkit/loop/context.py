@@ -32,6 +32,8 @@ from trainkit.loop.step import (
     Forward,
     StepContext,
     add_scalars,
+    targets_counter,
+    times_count,
 )
 from trainkit.observe.metrics import DeviceMean
 
@@ -55,8 +57,11 @@ def supervised_step(model: str, optimizer: str, forward: Forward,
         del result  # as WindowStep: nothing of the forward alive but what the loss needs
         loss = criterion(outputs, targets)
         del outputs, targets
+        if ctx.count is not None:  # a counted window: the criterion's mean back to a sum
+            loss = times_count(loss, ctx.count)
         ctx.optimize(optimizer, loss)
 
+    step.count_targets = targets_counter(forward)  # type: ignore[attr-defined]
     return step
 
 

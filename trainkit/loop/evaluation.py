@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchmetrics.aggregation import MeanMetric
+from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from trainkit.core import rng
 from trainkit.core.device import move_to_device
 from trainkit.core.errors import TrainkitError
 from trainkit.distributed import ddp, fsdp, group
 from trainkit.loop.precision import Precision
-from trainkit.loop.step import Criterion, Forward, _scalar, batch_size
+from trainkit.loop.step import Criterion, Forward, _scalar, batch_size, targets_counter
 
 log = logging.getLogger("trainkit")
 
@@ -59,7 +59,9 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     A criterion's parts (``(loss, {name: part})``) and a forward's own scalars (a third item)
     are averaged over the samples as ``val/<name>``; ``criterion`` None computes no loss. A
     ``data`` with ``parts`` (a mixture's, ``{name: loader}``) adds each part's loss as
-    ``val/loss/<name>`` (``max_batches`` bounds each part); ``val/loss`` is over all of them.
+    ``val/loss/<name>`` (``max_batches`` bounds each part); ``val/loss`` is over all of them. A
+    forward that declares ``count_targets`` (padded text's -100 labels) gets each loss as the
+    mean over the valid targets (each batch's mean weighted by its count).
 
     The sample itself is the data layer's: trainkit's evaluation loaders built with the same
     bound serve ``max_batches`` batches spread evenly over the split
@@ -76,25 +78,23 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
     for metric in metrics.values():
         metric.reset()
     # The loss is a metric like the others: torchmetrics sums it over the ranks in compute().
-    # One value per sample, the batch's mean loss repeated: the mean over samples. (Weights would
-    # do it too, but torchmetrics drops them under nan_strategy="disable", and any other strategy
-    # reads every batch's NaN check on the host and leaves NaN losses out of the mean.)
-    loss = MeanMetric(nan_strategy="disable").to(device)
+    count_targets = targets_counter(forward)
+    loss = _Loss(device, count_targets)
     means: dict[str, MeanMetric] = {}  # parts and scalars by name
     # a mixture's evaluation (data.mix): each corpus apart, its loss as val/loss/<name> too
     parts = getattr(data, "parts", None)
     streams = list(parts.items()) if isinstance(parts, Mapping) else [(None, data)]
-    apart: dict[str, MeanMetric] = {}  # each part's loss
+    apart: dict[str, _Loss] = {}  # each part's loss
     for name, stream in streams:
         part_loss = None
         if name is not None and criterion is not None:
-            part_loss = apart[f"loss/{name}"] = MeanMetric(nan_strategy="disable").to(device)
+            part_loss = apart[f"loss/{name}"] = _Loss(device, count_targets)
         _evaluate_stream(model, stream, precision=precision, device=device,
                          criterion=criterion, metrics=metrics, forward=forward,
                          max_batches=max_batches, losses=(loss, part_loss), means=means)
     # torchmetrics syncs its states across ranks in compute() when a process group is up
-    results = {"val/loss": float(loss.compute())} if criterion is not None else {}
-    results.update({f"val/{name}": float(m.compute()) for name, m in apart.items()})
+    results = {"val/loss": loss.compute()} if criterion is not None else {}
+    results.update({f"val/{name}": m.compute() for name, m in apart.items()})
     results.update({f"val/{name}": float(m.compute()) for name, m in means.items()})
     results.update({f"val/{name}": float(m.compute()) for name, m in metrics.items()})
     model.train(was_training)
@@ -104,7 +104,7 @@ def evaluate(model: nn.Module, data: Iterable[Any], *, precision: Precision,
 def _evaluate_stream(model: nn.Module, data: Iterable[Any], *, precision: Precision,
                      device: torch.device, criterion: Criterion | None,
                      metrics: Mapping[str, Any], forward: Forward, max_batches: int | None,
-                     losses: tuple[MeanMetric, MeanMetric | None],
+                     losses: tuple[_Loss, _Loss | None],
                      means: dict[str, MeanMetric]) -> None:
     """One loader's batches into the loss (and a part's own loss), the parts and the metrics."""
     # FSDP: each forward all-gathers weights, so every rank runs as many (agreed before any)
@@ -123,13 +123,42 @@ def _evaluate_stream(model: nn.Module, data: Iterable[Any], *, precision: Precis
                     _add_means(means, parts, n, device)
                 for loss in losses:
                     if loss is not None:
-                        loss.update(value.detach().float().expand(n))
+                        loss.update(value, n, batch)
         if len(result) == 3:  # the forward's own scalars
             _add_means(means, result[2], n, device)
         for metric in metrics.values():
             metric.update(outputs, targets)
     if extra is not None:
         _match_forwards(model, extra, batch, precision, forward)
+
+
+class _Loss:
+    """A validation loss over samples: each batch's mean repeated ``n`` times (torchmetrics
+    drops weights under ``nan_strategy="disable"``, and any other strategy reads every batch's
+    NaN check on the host); with ``count_targets``, over targets: sum(mean * count) / sum(count).
+    """
+
+    def __init__(self, device: torch.device, count_targets: Any) -> None:
+        self.count_targets = count_targets
+        if count_targets is None:
+            self.mean = MeanMetric(nan_strategy="disable").to(device)
+        else:
+            self.sum, self.count = (SumMetric(nan_strategy="disable").to(device)
+                                    for _ in range(2))
+
+    def update(self, value: torch.Tensor, n: int, batch: Any) -> None:
+        value = value.detach().float()
+        if self.count_targets is None:
+            self.mean.update(value.expand(n))
+        else:
+            count = self.count_targets(batch).to(value.device)
+            self.sum.update(value * count)
+            self.count.update(count.float())
+
+    def compute(self) -> float:
+        if self.count_targets is None:
+            return float(self.mean.compute())
+        return float(self.sum.compute() / self.count.compute())
 
 
 def _add_means(means: dict[str, MeanMetric], scalars: Any, n: int,

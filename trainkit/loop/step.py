@@ -8,11 +8,13 @@ step=fn)``, several models and optimizers), run by :class:`ContextStep`; the bui
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainkit.core.device import move_to_device
@@ -35,6 +37,15 @@ def default_forward(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
     """``(inputs, targets)`` batches: run the model on the inputs, return outputs and targets."""
     inputs, targets = batch
     return model(inputs), targets
+
+
+def targets_counter(fn: Any) -> Callable[[Batch], torch.Tensor] | None:
+    """The ``count_targets(batch)`` a forward or step function declares (through a
+    ``functools.partial`` too): the valid targets of a batch, as a 0-d tensor. None: it declares
+    none, and the window's loss is weighted by samples."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "count_targets", None)
 
 
 def batch_size(batch: Batch) -> int:
@@ -141,6 +152,21 @@ class StepContext:
         last: whether this is the window's last micro-batch (the one the optimizers step at).
         after_backward: called after each backward with :attr:`last` (micro-batching's vote).
 
+    Token-normalised loss: a step function (or the built-in step's ``forward``, as
+    :func:`trainkit.models.hf.hf_forward` does) that declares ``count_targets(batch) -> 0-d
+    tensor`` (its valid targets, e.g. the labels that are not -100) hands :meth:`optimize` the
+    SUM of its per-target losses over the micro-batch. The window's valid targets are counted,
+    over every micro-batch and (a device all-reduce, no host read) every rank, before the first
+    backward; each micro-batch's sum is scaled by ``world_size / count``: the gradient is that of
+    the window's summed loss over its global count, whatever the accumulation and rank split
+    (:attr:`count`: this micro-batch's own count). Without it, losses are weighted by samples.
+
+        >>> def lm_step(ctx, batch):
+        ...     logits = ctx.models["model"](batch["input_ids"])
+        ...     ctx.optimize("model", F.cross_entropy(logits.flatten(0, 1),
+        ...                  batch["labels"].flatten(), reduction="sum"))
+        >>> lm_step.count_targets = lambda batch: (batch["labels"] != -100).sum()
+
     Example:
         >>> def gan_step(ctx, batch):
         ...     real = batch[0]
@@ -171,6 +197,13 @@ class StepContext:
         self._global_step = global_step or (lambda: 0)
         self.after_backward: Callable[[bool], None] | None = None
         self.micro_batch, self.last, self._share = 0, True, 1.0
+        # a counted window (count_targets): each micro-batch's count, the count's all-reduce
+        # (a pending work or None) and world_size / the global count, once it is known
+        self._counts: list[torch.Tensor] | None = None
+        self._pending: Any = None
+        self._scale: torch.Tensor | None = None
+        self._total: torch.Tensor | None = None  # the window's count (summed over the ranks)
+        self._world = 1
         # fp32: no autocast to enter, no loss scaler to pass the backward and the step through
         self._plain = precision.dtype is None and precision.scaler is None
         # fused kernels skip a NaN/inf step on a found_inf flag (not under GradScaler, whose
@@ -192,6 +225,12 @@ class StepContext:
         own that runs outside it)."""
         return self.precision.autocast()
 
+    @property
+    def count(self) -> torch.Tensor | None:
+        """This micro-batch's valid targets (a 0-d tensor on the device) when the window is
+        counted (the step declares ``count_targets``), else None."""
+        return None if self._counts is None else self._counts[self.micro_batch]
+
     def log(self, **scalars: torch.Tensor | float) -> None:
         """Log each scalar as ``train/<name>``, averaged over the log window on the device (no
         host read)."""
@@ -201,7 +240,9 @@ class StepContext:
         """Backward ``loss`` for optimizer ``name``; at the window's last micro-batch, step it.
 
         The loss is weighted by the micro-batch's share of the window's samples (so k micro-
-        batches of b give the gradient of one batch of k*b) and scaled under ``16-mixed``. At
+        batches of b give the gradient of one batch of k*b) and scaled under ``16-mixed``; in a
+        counted window (the step declares ``count_targets``, see the class) ``loss`` is the sum
+        over the micro-batch's valid targets, divided by the window's global count. At
         the last micro-batch: unscale and clip, the NaN/inf guard (a NaN/inf loss skips this
         optimizer's step only), ``optimizer.step()`` through the loss scaler, ``zero_grad`` and
         its scheduler. ``frozen``: models whose gradients this backward leaves as they were
@@ -217,7 +258,9 @@ class StepContext:
         self._called.add(name)
         if type(loss) is tuple:  # a criterion's (loss, {name: part})
             loss = split_loss(loss, self.scalars)
-        if self._share != 1.0:
+        if self._counts is not None:
+            loss = loss * self._count_scale()
+        elif self._share != 1.0:
             loss = loss * self._share
         if self._plain:
             self._backward(name, loss, frozen)
@@ -249,6 +292,25 @@ class StepContext:
 
     # -- the engine's side (ContextStep) -------------------------------------------------------
 
+    def _count_window(self, counts: list[torch.Tensor]) -> None:
+        """The window's valid targets per micro-batch: their sum over the ranks is started
+        (asynchronously, on the device) and awaited at the first backward."""
+        total = torch.stack(counts).sum() if len(counts) > 1 else counts[0].clone()
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        # DDP and FSDP average gradients over the ranks: world / global count undoes it
+        self._counts, self._world, self._scale, self._total = counts, world, None, total
+        self._pending = dist.all_reduce(total, async_op=True) if world > 1 else None
+
+    def _count_scale(self) -> torch.Tensor:
+        """``world_size / global count`` (a window without valid targets: ``world_size``)."""
+        if self._scale is None:
+            if self._pending is not None:  # NCCL: the stream waits, not the host
+                self._pending.wait()
+                self._pending = None
+            assert self._total is not None
+            self._scale = self._world / self._total.clamp_min(1).to(torch.float32)
+        return self._scale
+
     def _refuse(self, name: str) -> None:
         if name not in self.optimizers:
             raise TrainkitError(f"ctx.optimize({name!r}): no optimizer of that name (the fit "
@@ -265,6 +327,7 @@ class StepContext:
         self._called: set[str] = set()
         self._scaled = False  # an optimizer stepped through the loss scaler in this window
         self.micro_batch, self.last, self._share = 0, True, 1.0
+        self._counts = self._pending = self._scale = None
 
     def _begin_micro_batch(self, index: int, last: bool, share: float) -> None:
         self.micro_batch, self.last, self._share = index, last, share
@@ -371,6 +434,8 @@ class ContextStep:
         self.optimizer = next(iter(ctx.optimizers.values()))
         # the models DDP wraps: their gradients wait for the window's last micro-batch
         self._synced = [m for m in ctx.models.values() if hasattr(m, "no_sync")]
+        # the step's count_targets: a window's loss over its valid targets (StepContext)
+        self.count_targets = targets_counter(step)
 
     @property
     def after_backward(self) -> Callable[[bool], None] | None:
@@ -385,6 +450,8 @@ class ContextStep:
         """One optimizer step over ``window`` (see :func:`train_window` for the checks)."""
         ctx = self.ctx
         ctx._begin_window(check_finite, guard_finite)
+        if self.count_targets is not None:
+            return self._counted(window)
         if len(window) == 1:  # the common case: no weighting, no no_sync
             batch = window[0]
             if type(batch) in _FLAT and batch and type(batch[0]) is torch.Tensor:  # (x, y)
@@ -407,6 +474,24 @@ class ContextStep:
         for i, batch in enumerate(window):
             batch = move_to_device(batch, self.device)
             ctx._begin_micro_batch(i, i == last, sizes[i] / total)
+            with contextlib.ExitStack() as stack:
+                if i != last:  # only the last micro-batch's backward all-reduces under DDP
+                    for model in self._synced:
+                        stack.enter_context(sync_gradients(model, sync=False))
+                stack.enter_context(self.precision.autocast())
+                self.fn(ctx, batch)
+        return ctx._end_window(total)
+
+    def _counted(self, window: Sequence[Batch]) -> StepResult:
+        """A window whose loss is over its valid targets: all its batches on the device and
+        counted before the first backward (the count summed over the ranks meanwhile)."""
+        ctx, count = self.ctx, self.count_targets
+        assert count is not None
+        window = [move_to_device(batch, self.device) for batch in window]
+        ctx._count_window([count(batch).to(self.device) for batch in window])
+        total, last = sum(batch_size(b) for b in window), len(window) - 1
+        for i, batch in enumerate(window):
+            ctx._begin_micro_batch(i, i == last, 1.0)
             with contextlib.ExitStack() as stack:
                 if i != last:  # only the last micro-batch's backward all-reduces under DDP
                     for model in self._synced:
@@ -453,6 +538,8 @@ class WindowStep(ContextStep):
             {"model": model}, {"model": optimizer}, precision=precision, device=device,
             clip_val=clip_val, clip_algorithm=clip_algorithm, agree=agree, scalars=self.scalars))
         self.model, self.optimizer = model, optimizer  # as given (ContextStep: the first-named)
+        # a forward that declares count_targets: the loss over the window's valid targets
+        self.count_targets = targets_counter(forward)
 
     @property
     def forward(self) -> Forward:
@@ -505,6 +592,8 @@ class _Supervised:
         del result
         loss = self.criterion(outputs, targets)
         del outputs, targets
+        if ctx._counts is not None:  # a counted window: the criterion's mean back to a sum
+            loss = times_count(loss, ctx._counts[ctx.micro_batch])
         ctx.optimize("model", loss)
 
 
@@ -522,6 +611,14 @@ def clip_gradients(precision: Precision, params: Sequence[torch.Tensor],
     if full_tensor is not None:  # the norm over all shards, as a plain tensor
         grad_norm = full_tensor()
     return grad_norm
+
+
+def times_count(loss: Any, count: torch.Tensor) -> Any:
+    """A criterion's mean over ``count`` valid targets as their sum (a ``(loss, parts)`` tuple:
+    its loss; the parts stay means)."""
+    if type(loss) is tuple and len(loss) == 2:
+        return loss[0] * count, loss[1]
+    return loss * count
 
 
 def split_loss(result: Any, scalars: dict[str, DeviceMean]) -> torch.Tensor:

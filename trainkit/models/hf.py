@@ -21,7 +21,7 @@ from torch import nn
 
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
 from trainkit.core.library_logs import quiet_libraries
-from trainkit.data.sources.hf_text import load_tokenizer, pad_id
+from trainkit.data.sources.hf_text import IGNORE, load_tokenizer, pad_id
 
 log = logging.getLogger("trainkit")
 
@@ -109,6 +109,19 @@ def hf_forward(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[Any
         logits, labels = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
     logits.model_loss = out.loss  # the model's own loss of this batch
     return logits, labels
+
+
+def count_targets(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The labels of ``batch`` that count in the loss (not -100; a causal LM's shifted as in
+    :func:`hf_forward`), as a 0-d tensor: the training step's and evaluation's loss is the mean
+    over the window's (the split's) valid tokens, not a mean of batch means."""
+    labels = batch["labels"]
+    if labels.dim() == 2:
+        labels = labels[:, 1:]
+    return (labels != IGNORE).sum()
+
+
+hf_forward.count_targets = count_targets  # type: ignore[attr-defined]
 
 
 def model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
