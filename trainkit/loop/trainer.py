@@ -33,6 +33,7 @@ from trainkit.core.runtime import Runtime
 from trainkit.core.schedules import schedule_words
 from trainkit.core.signals import Preemption
 from trainkit.data.loader.resumable import pass_of
+from trainkit.data.sources.packing import real_tokens
 from trainkit.distributed import ddp, group, strategy
 from trainkit.distributed.watchdog import Watchdog, watched
 from trainkit.loop import evaluation
@@ -389,8 +390,9 @@ class Trainer:
         else:
             state.skipped_steps += 1
         guard.record(result, read_first=on_host)  # raises when the run diverged
+        counts = [n for n in map(real_tokens, window) if n is not None]  # on the device
         run.meter.add(result.samples, result.logged_loss, result.logged_grad_norm,
-                      result.finite_flag)
+                      result.finite_flag, tokens=sum(counts) if counts else None)
         run.progress.step()
 
     def _save_and_stop(self, run: Run, step: int) -> None:
