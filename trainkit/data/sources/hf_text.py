@@ -11,10 +11,8 @@ default), truncated to ``data.seq_len`` tokens and padded to its own longest tex
 ``{"input_ids", "attention_mask", "labels"}``. With a ``data.label_column`` the task is
 classification (``labels``: class indices; the classes are the column's ``ClassLabel`` names or
 its sorted values); without one, causal language modelling (``labels``: the tokens, -100 on the
-padding; with ``data.pack=true`` the documents packed into windows instead,
-:mod:`~trainkit.data.sources.packing`). Batches come through
-:func:`~trainkit.data.make_loader`: each rank its shard, and a resumed run reads exactly the
-batches an uninterrupted one would.
+padding; ``data.pack=true``: packed windows, :mod:`.packing`). Through ``make_loader``: each
+rank its shard, and a resumed run reads exactly the batches an uninterrupted one would.
 """
 
 from __future__ import annotations
