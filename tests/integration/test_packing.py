@@ -88,6 +88,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         proc = run_train(*command(model, root / "data", dirs[name], pack, batch, *extra))
         assert proc.returncode == (75 if name == "cut" else 0), proc.stdout[-3000:] + (
             proc.stderr[-3000:])
+        assert "attention_mask" not in proc.stdout + proc.stderr  # transformers' advice, unsaid
     assert last_checkpoint(dirs["cut"])["global_step"] == 20
     proc = run_train(*command(model, root / "data", dirs["cut"], True, packed_batch))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -151,3 +151,46 @@ def test_real_tokens_of_a_padded_batch_are_its_mask(tmp_path: Path) -> None:
              "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])}
     assert int(real_tokens(batch)) == 8
     assert real_tokens((torch.zeros(2), torch.zeros(2))) is None
+
+
+@pytest.fixture(scope="module")
+def text_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from tests.helpers.causal_lm import write_tokenizer
+
+    root = tmp_path_factory.mktemp("pack_text")
+    write_tokenizer(root / "tok", vocab_size=300)
+    lines = [f"def f{i}(x): return x + {i}" * (1 + i % 5) for i in range(40)]
+    (root / "lm").mkdir()
+    (root / "lm" / "train.txt").write_text("\n".join(lines[:32]) + "\n")
+    (root / "lm" / "test.txt").write_text("\n".join(lines[32:]) + "\n")
+    (root / "cls").mkdir()
+    (root / "cls" / "train.csv").write_text("text,label\n" + "".join(
+        f"{t},{i % 2}\n" for i, t in enumerate(lines)))
+    return {"root": root, "tok": root / "tok"}
+
+
+def test_hf_text_packs_training_and_keeps_evaluation_padded(
+        text_folders: dict[str, Path]) -> None:
+    from trainkit.config import HFTextConfig
+    from trainkit.data.sources.hf_text import PadBatch, TextSamples, hf_text_splits
+
+    cfg = HFTextConfig(name="hf_text", root=str(text_folders["root"] / "lm"), batch_size=4,
+                       tokenizer=str(text_folders["tok"]), seq_len=64, pack=True)
+    train, val, _ = hf_text_splits(cfg)
+    assert isinstance(train.dataset, PackedWindows) and isinstance(train.collate_fn, PackBatch)
+    assert len(train.dataset) < 32 and train.shuffle  # windows of several texts
+    assert isinstance(val.dataset, TextSamples) and isinstance(val.collate_fn, PadBatch)
+    plain = hf_text_splits(HFTextConfig(**{**vars(cfg), "pack": False}))[0]
+    assert isinstance(plain.dataset, TextSamples)
+
+
+def test_packing_a_classification_dataset_is_one_line(text_folders: dict[str, Path]) -> None:
+    from trainkit.config import HFTextConfig
+    from trainkit.data.sources.hf_text import hf_text_splits
+
+    cfg = HFTextConfig(name="hf_text", root=str(text_folders["root"] / "cls"), batch_size=4,
+                       tokenizer=str(text_folders["tok"]), seq_len=64, pack=True)
+    with pytest.raises(ConfigError, match="label column"):
+        hf_text_splits(cfg)
+    with pytest.raises(ConfigError, match=r"data\.pack must be true or false"):
+        HFTextConfig(name="hf_text", pack="yes")  # type: ignore[arg-type]
