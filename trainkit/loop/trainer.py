@@ -33,7 +33,6 @@ from trainkit.core.runtime import Runtime
 from trainkit.core.schedules import schedule_words
 from trainkit.core.signals import Preemption
 from trainkit.data.loader.resumable import pass_of
-from trainkit.data.sources.packing import real_tokens
 from trainkit.distributed import ddp, group, strategy
 from trainkit.distributed.watchdog import Watchdog, watched
 from trainkit.loop import evaluation
@@ -44,7 +43,7 @@ from trainkit.loop.ema import EMA
 from trainkit.loop.nonfinite import NonFiniteGuard, NonFiniteLossError
 from trainkit.loop.precision import Precision
 from trainkit.loop.preemptible import exit_if_preempted
-from trainkit.loop.run import Run, new_run
+from trainkit.loop.run import Run, new_run, window_tokens
 from trainkit.loop.run_report import RunReport
 from trainkit.loop.spike import LossSpikeError, spike_guard
 from trainkit.loop.step import Criterion, Forward, default_forward, steps_per_epoch, windows
@@ -390,9 +389,8 @@ class Trainer:
         else:
             state.skipped_steps += 1
         guard.record(result, read_first=on_host)  # raises when the run diverged
-        counts = [n for n in map(real_tokens, window) if n is not None]  # on the device
         run.meter.add(result.samples, result.logged_loss, result.logged_grad_norm,
-                      result.finite_flag, tokens=sum(counts) if counts else None)
+                      result.finite_flag, tokens=window_tokens(window))
         run.progress.step()
 
     def _save_and_stop(self, run: Run, step: int) -> None:
