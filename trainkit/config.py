@@ -427,9 +427,14 @@ class TextFields:
     text_column: str = "text"
     label_column: str = "label"
     seq_len: int = 256
+    # causal LM: documents packed into seq_len windows, attention kept inside each
+    # (trainkit.data.sources.packing); false: each text padded to its batch's longest
+    pack: bool = False
 
     def _check(self) -> None:
         _check_int("data.seq_len", self.seq_len, minimum=1)
+        if not isinstance(self.pack, bool):
+            raise ConfigError(f"data.pack must be true or false, got {self.pack!r}")
 
 
 MIX_KEYS = ("root", "weight", "name", "source")  # what a data.mix entry may say

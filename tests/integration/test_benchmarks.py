@@ -162,6 +162,15 @@ def test_precision_quick() -> None:
     _check_rows(result["rows"])
 
 
+def test_packing_quick() -> None:
+    """Both sides train on the same documents, lengths varying 10x; packed counts as many real
+    tokens per step or more."""
+    result = _run("benchmarks.packing")
+    assert result["doc_tokens"]["max"] >= 5 * result["doc_tokens"]["min"], result["doc_tokens"]
+    assert _positive(result["padded_tokens_per_s"]) and _positive(result["packed_tokens_per_s"])
+    _check_rows(result["rows"])
+
+
 def test_fsdp_memory_quick() -> None:
     """Bytes, not time: exact on any machine. Even-sized layers split exactly in half."""
     result = _run("benchmarks.fsdp_memory")

@@ -13,6 +13,7 @@ from torch import nn
 from trainkit.config import TrainerConfig
 from trainkit.core.runtime import Runtime
 from trainkit.core.signals import Preemption
+from trainkit.data.sources.packing import real_tokens
 from trainkit.distributed import group, strategy
 from trainkit.loop.ema import EMA
 from trainkit.loop.evaluation import EvalSchedule, LossWatch
@@ -111,6 +112,12 @@ class Run:
             return
         for name, model in self.named.models.items():
             model.train(self.named.trained[name])
+
+
+def window_tokens(window: Iterable[Any]) -> torch.Tensor | None:
+    """The real tokens of a window's text batches, summed on the device (None: not text)."""
+    counts = [n for n in map(real_tokens, window) if n is not None]
+    return sum(counts) if counts else None
 
 
 def new_run(config: TrainerConfig, runtime: Runtime, report: RunReport, global_step: int, *,

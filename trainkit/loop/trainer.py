@@ -43,7 +43,7 @@ from trainkit.loop.ema import EMA
 from trainkit.loop.nonfinite import NonFiniteGuard, NonFiniteLossError
 from trainkit.loop.precision import Precision
 from trainkit.loop.preemptible import exit_if_preempted
-from trainkit.loop.run import Run, new_run
+from trainkit.loop.run import Run, new_run, window_tokens
 from trainkit.loop.run_report import RunReport
 from trainkit.loop.spike import LossSpikeError, spike_guard
 from trainkit.loop.step import Criterion, Forward, default_forward, steps_per_epoch, windows
@@ -390,7 +390,7 @@ class Trainer:
             state.skipped_steps += 1
         guard.record(result, read_first=on_host)  # raises when the run diverged
         run.meter.add(result.samples, result.logged_loss, result.logged_grad_norm,
-                      result.finite_flag)
+                      result.finite_flag, tokens=window_tokens(window))
         run.progress.step()
 
     def _save_and_stop(self, run: Run, step: int) -> None:

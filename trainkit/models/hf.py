@@ -28,8 +28,8 @@ log = logging.getLogger("trainkit")
 TASKS = ("classification", "causal_lm")
 
 
-def from_folder(path: str | None, task: str = "classification", num_labels: int | None = None
-                ) -> nn.Module:
+def from_folder(path: str | None, task: str = "classification", num_labels: int | None = None,
+                pack: bool = False) -> nn.Module:
     """The model saved in folder ``path``, for ``task``.
 
     Args:
@@ -38,9 +38,12 @@ def from_folder(path: str | None, task: str = "classification", num_labels: int 
             ``num_labels`` classes, re-initialised where the folder's differs or is missing) or
             ``causal_lm`` (``AutoModelForCausalLM``; ``num_labels``, the data's vocabulary,
             must fit the model's).
+        pack: the data is packed (``data.pack=true``): the model must keep each token's
+            attention inside its document given restarting position ids (:func:`check_packing`).
 
     Raises:
-        ConfigError: no such folder, no model in it, or an unknown task.
+        ConfigError: no such folder, no model in it, an unknown task, or packing the model
+            cannot keep apart.
     """
     if not path:
         raise ConfigError("model=hf needs model.path: the folder of the model (save_pretrained's "
@@ -73,7 +76,45 @@ def from_folder(path: str | None, task: str = "classification", num_labels: int 
                           f"{vocab}: give the tokenizer the model was trained with")
     if model.config.pad_token_id is None:  # a batch's padding, found by the classifier
         model.config.pad_token_id = pad_id(load_tokenizer(path, key="model.path"))
+    if pack:
+        check_packing(model, task)
     return model
+
+
+@torch.no_grad()
+def check_packing(model: nn.Module, task: str = "causal_lm") -> None:
+    """Refuse a model that attends across packed documents: two documents in one window,
+    positions restarting, must give the second the logits it has alone.
+
+    Raises:
+        ConfigError: the task is not causal_lm, or the model's attention crosses documents
+            (its attention implementation does not read packed position ids).
+    """
+    if task != "causal_lm":
+        raise ConfigError(f"data.pack=true is for model.task=causal_lm, not {task!r}")
+    param = next(model.parameters())
+    ids = torch.arange(6, device=param.device).unsqueeze(0) % model.config.get_text_config(
+        ).vocab_size
+    if model.config.pad_token_id is not None:  # a window's padding, as training has it
+        ids[0, 0] = model.config.pad_token_id
+    training = model.training
+    model.eval()
+    try:
+        # quiet: transformers' once-a-process advice to pass an attention mask with padding
+        # (packed windows have none by design) is given here, to no one
+        with quiet_libraries():
+            both = model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]],
+                                                                 device=param.device),
+                         use_cache=False).logits[:, 3:]
+            alone = model(input_ids=ids[:, 3:], use_cache=False).logits
+    finally:
+        model.train(training)
+    if not torch.allclose(both.float(), alone.float(), rtol=1e-3, atol=1e-3):
+        raise ConfigError(
+            f"data.pack=true: {type(model).__name__} with attn_implementation="
+            f"{getattr(model.config, '_attn_implementation', None)} attends across packed "
+            "documents; use data.pack=false (padded) or an attention that reads position_ids "
+            "(sdpa, eager, flash_attention_2)")
 
 
 def _log_report(path: str, report: Mapping[str, Any]) -> None:
@@ -101,9 +142,12 @@ def positions(model: nn.Module) -> int | None:
 
 def hf_forward(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[Any, Any]:
     """``model(**batch)`` -> its logits (carrying its own loss, for :func:`model_loss`) and the
-    labels. A causal LM's are shifted (position ``t`` predicts token ``t + 1``) and flattened,
+    labels (packed windows: :mod:`trainkit.data.sources.packing`). A causal LM's are shifted
+    (position ``t`` predicts token ``t + 1``) and flattened,
     so that accuracy metrics see ``[N, vocab]`` logits and ``[N]`` targets (padding: -100)."""
-    out = model(**batch)
+    # packed windows (position ids, no attention mask): no KV cache, whose presence turns off
+    # transformers' reading of documents from the position ids
+    out = model(**batch, use_cache=False) if "position_ids" in batch else model(**batch)
     logits, labels = out.logits, batch["labels"]
     if labels.dim() == 2:  # a causal LM: token labels
         logits, labels = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()

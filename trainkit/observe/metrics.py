@@ -142,7 +142,8 @@ class StepMeter:
 
     Add the seconds spent blocked on the next batch to :attr:`data_wait`, call :meth:`add`
     after each optimizer step (no host sync) and :meth:`read` at log steps. With
-    ``tokens_per_sample`` (a language model's sequence length) it reports tokens/s too.
+    ``tokens_per_sample`` (a language model's sequence length) it reports tokens/s too; a step
+    that says its real tokens (``add(tokens=)``, a device count) reports those per second.
 
     Example:
         >>> meter = StepMeter(torch.device("cpu"))
@@ -168,15 +169,20 @@ class StepMeter:
         self._start = time.perf_counter()
         self.steps = 0
         self.samples = 0
+        self.tokens: torch.Tensor | None = None  # real tokens, summed on the device
         self.data_wait = 0.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def add(self, samples: int, loss: torch.Tensor | float | None = None,
-            grad_norm: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> None:
-        """One step; ``keep`` (a device flag) leaves out the loss and norm where it is false."""
+            grad_norm: torch.Tensor | None = None, keep: torch.Tensor | None = None,
+            tokens: torch.Tensor | None = None) -> None:
+        """One step; ``keep`` (a device flag) leaves out the loss and norm where it is false;
+        ``tokens``: the step's real tokens (a device count, read at :meth:`read` only)."""
         self.steps += 1
         self.samples += samples
+        if tokens is not None:
+            self.tokens = tokens if self.tokens is None else self.tokens + tokens
         if type(loss) is float:  # read on the host already (every CPU step): summed right here
             self.loss.host_sum += loss
             self.loss.count += 1
@@ -193,12 +199,13 @@ class StepMeter:
         if self.flops is not None:  # the one-off FLOP count is no training time
             elapsed -= self.flops.pop_count_seconds()
         elapsed = max(elapsed, 1e-9)
+        tokens = (self.tokens.item() if self.tokens is not None  # host read: a log step's
+                  else self.samples * self.tokens_per_sample if self.tokens_per_sample else None)
         scalars = {
             "train/loss": self.loss.pop(),
             "throughput/samples_per_s": self.samples / elapsed,
             "throughput/steps_per_s": self.steps / elapsed,
-            **({"throughput/tokens_per_s": self.samples * self.tokens_per_sample / elapsed}
-               if self.tokens_per_sample else {}),
+            **({"throughput/tokens_per_s": tokens / elapsed} if tokens is not None else {}),
             "time/step_ms": 1000 * elapsed / max(self.steps, 1),
             "time/data_wait_pct": 100 * self.data_wait / elapsed,
             "memory/cpu_rss_gib": rss_bytes() / GIB,

@@ -11,8 +11,8 @@ default), truncated to ``data.seq_len`` tokens and padded to its own longest tex
 ``{"input_ids", "attention_mask", "labels"}``. With a ``data.label_column`` the task is
 classification (``labels``: class indices; the classes are the column's ``ClassLabel`` names or
 its sorted values); without one, causal language modelling (``labels``: the tokens, -100 on the
-padding). Batches come through :func:`~trainkit.data.make_loader`: each rank its shard, and a
-resumed run reads exactly the batches an uninterrupted one would.
+padding; ``data.pack=true``: packed windows, :mod:`.packing`). Through ``make_loader``: each
+rank its shard, and a resumed run reads exactly the batches an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from trainkit.config import HFTextConfig
 from trainkit.core.errors import ConfigError, TrainkitError, one_line
 from trainkit.core.library_logs import quiet_libraries
 from trainkit.core.runtime import Runtime
+from trainkit.data.sources.packing import PackBatch, PackedWindows
 from trainkit.data.sources.source import Loaded, MapStyle, Options, Source
 
 EVAL_SPLITS = ("validation", "val", "test")
@@ -109,7 +110,15 @@ def hf_text_splits(cfg: HFTextConfig, *, eval_max_batches: int | None = None) ->
     common = {"tokenizer": tokenizer, "seq_len": seq_len, "text_column": cfg.text_column,
               "label_column": label, "classes": classes}
 
+    if cfg.pack and label:
+        raise ConfigError(f"data.pack=true packs a causal LM's documents, but the data has a "
+                          f"label column ({label!r}): classification pads each text")
+
     def load(split: Any, training: bool) -> MapStyle:
+        if training and cfg.pack:  # evaluation stays padded: the same texts either way
+            return packed_split(split[cfg.text_column], tokenizer, seq_len=seq_len,
+                                batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+                                pin_memory=cfg.pin_memory, drop_last=cfg.drop_last)
         return MapStyle(
             TextSamples(split, **common), cfg.batch_size if training else cfg.eval_batch_size,
             shuffle=training, num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
@@ -118,6 +127,16 @@ def hf_text_splits(cfg: HFTextConfig, *, eval_max_batches: int | None = None) ->
 
     count = len(classes) if classes else len(tokenizer)
     return load(train, True), (load(val, False) if val is not None else None), count
+
+
+def packed_split(texts: Sequence[str], tokenizer: Any, *, seq_len: int, batch_size: int,
+                 **loader: Any) -> MapStyle:
+    """The texts packed into windows of ``seq_len`` tokens (:mod:`.packing`), said in a line."""
+    windows = PackedWindows(texts, tokenizer, seq_len=seq_len)
+    log.info("data.pack: %d texts in %d windows of %d tokens (%.0f%% filled)", len(texts),
+             len(windows), seq_len, 100 * windows.real_tokens() / max(len(windows) * seq_len, 1))
+    return MapStyle(windows, batch_size, shuffle=True, collate_fn=PackBatch(pad_id(tokenizer)),
+                    **loader)
 
 
 def fitted_seq_len(seq_len: int, folder: str, tokenizer: Any) -> int:
