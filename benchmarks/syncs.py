@@ -3,9 +3,11 @@
     python -m benchmarks.syncs --out syncs.json   # on a GPU: read counts, sync_debug_mode counts
     python -m benchmarks.syncs --device cpu       # the same code on the CPU (read counts only)
 
-Two feeds: pre-placed batches (``fit_reads``) and the real image loader (``loader_syncs``: uint8
+Three feeds: pre-placed batches (``fit_reads``), the real image loader (``loader_syncs``: uint8
 batches from an image folder through ``make_loader``, its collate, pinned memory and the
-``DevicePrefetcher``; with ``data.decode=gpu`` also the ``JpegDecoder``).
+``DevicePrefetcher``; with ``data.decode=gpu`` also the ``JpegDecoder``), and padded text in a
+counted window (``text_syncs``: a forward that declares ``count_targets``, 2 batches a step: the
+window's valid targets counted on the device, its real tokens for ``throughput/tokens_per_s``).
 
 Reading a device tensor on the host (``item``, ``tolist``, ``bool(t)``, ``float(t)``, ``.cpu()``,
 ...) makes the CPU wait for the GPU, so it cannot queue the next step meanwhile. ``Trainer.fit``
@@ -188,7 +190,7 @@ def fit_reads(steps: int, log_every: int, device: torch.device | str, precision:
 
 def counted_fit(model: nn.Module, data: Any, steps: int, log_every: int, device: torch.device,
                 precision: str = "32", forward: Any = None,
-                optimizer: str = "sgd") -> dict[str, Any]:
+                optimizer: str = "sgd", accumulate: int = 1) -> dict[str, Any]:
     """``Trainer.fit`` of ``steps`` steps on ``data`` with its host reads and host syncs
     counted; on CUDA also the syncs ``set_sync_debug_mode("warn")`` reports. On the CPU it runs
     the GPU's path (:func:`gpu_path_on_the_cpu`), which is what it is there to check."""
@@ -196,7 +198,8 @@ def counted_fit(model: nn.Module, data: Any, steps: int, log_every: int, device:
 
     config = TrainerConfig(device=str(device), max_epochs=10_000, max_steps=steps,
                            log_every_n_steps=log_every, log_every_n_seconds=0,
-                           gradient_clip_val=1.0, precision=precision)
+                           gradient_clip_val=1.0, precision=precision,
+                           accumulate_grad_batches=accumulate)
     trainer = Trainer(config)
     kind, model = optimizer, model.to(device)
     optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -260,20 +263,77 @@ def loader_syncs(steps: int, log_every: int, device: torch.device | str, root: P
     return {"feed": f"image_folder loader, decode={decode}", **result}
 
 
+class _TinyLM(nn.Module):
+    """An embedding and a linear head: the smallest causal LM over ``input_ids``."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids))
+
+
+def text_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+    """As :func:`trainkit.models.hf.hf_forward` (without transformers): shifted, flattened
+    logits and labels, padding -100."""
+    logits = model(batch["input_ids"])
+    return logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten()
+
+
+def _count_text_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (batch["labels"][:, 1:] != -100).sum()  # as trainkit.models.hf.count_targets
+
+
+text_forward.count_targets = _count_text_targets  # type: ignore[attr-defined]
+
+
+def _texts(n: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """``n`` padded batches of 4 texts of 3-12 tokens: ``input_ids``, ``attention_mask``,
+    ``labels`` (-100 at padding), as ``data=hf_text``'s collate makes them."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(3, 13, (4,), generator=g)
+        mask = (torch.arange(12).unsqueeze(0) < lengths.unsqueeze(1)).long()
+        ids = torch.randint(1, 32, (4, 12), generator=g) * mask
+        out.append({"input_ids": ids.to(device), "attention_mask": mask.to(device),
+                    "labels": ids.masked_fill(mask == 0, -100).to(device)})
+    return out
+
+
+def text_syncs(steps: int, log_every: int, device: torch.device | str,
+               precision: str = "32", forward: Any = None) -> dict[str, Any]:
+    """:func:`counted_fit` of padded text, 2 batches a step, with a forward that declares
+    ``count_targets``: each window counted before its first backward (the token-normalised
+    loss), its real tokens summed for ``throughput/tokens_per_s``, both on the device."""
+    device = torch.device(device)
+    torch.manual_seed(0)
+    result = counted_fit(_TinyLM(), _texts(2 * steps, device), steps, log_every, device,
+                         precision, forward=forward or text_forward, accumulate=2)
+    return {"feed": "padded text, counted window of 2", **result}
+
+
 def strict_window(device: torch.device, precision: str = "32",
-                  optimizer: str = "sgd") -> dict[str, Any]:
-    """Steps 12-18 of a run logging every 10 under ``set_sync_debug_mode("error")`` (CUDA)."""
-    calls = 0
+                  optimizer: str = "sgd", text: bool = False) -> dict[str, Any]:
+    """Steps 12-18 of a run logging every 10 under ``set_sync_debug_mode("error")`` (CUDA);
+    ``text``: the counted padded-text feed (:func:`text_syncs`, 2 forwards a step)."""
+    calls, per_step = 0, 2 if text else 1
 
     def forward(model: nn.Module, batch: Any) -> Any:
         nonlocal calls
         calls += 1
-        if calls in (12, 19):  # from the start of step 12 to the start of step 19
-            torch.cuda.set_sync_debug_mode("error" if calls == 12 else "default")
-        return with_own_scalar(model, batch)
+        if calls in (11 * per_step + 1, 18 * per_step + 1):  # from step 12 to step 19's start
+            torch.cuda.set_sync_debug_mode("error" if calls == 11 * per_step + 1 else "default")
+        return text_forward(model, batch) if text else with_own_scalar(model, batch)
 
+    if text:
+        forward.count_targets = _count_text_targets  # type: ignore[attr-defined]
     try:
-        fit_reads(30, 10, device, precision, forward=forward, optimizer=optimizer)
+        if text:
+            text_syncs(30, 10, device, precision, forward=forward)
+        else:
+            fit_reads(30, 10, device, precision, forward=forward, optimizer=optimizer)
     except RuntimeError as err:  # the sync that was refused
         return {"ok": False, "error": " ".join(str(err).split())[:300]}
     finally:
@@ -301,7 +361,7 @@ def measure(device: torch.device, steps: int = 40, log_every: int = 10, *,
     """For each precision, and for the real image loader (``decode`` cpu and gpu, one epoch of
     ``2 * loader_steps`` batches): runs of (N, L), (2N, 2L) -- as many logs -- and (2N, L)."""
     result: dict[str, Any] = {"benchmark": "syncs", "device": str(device), "by_precision": {},
-                              "by_loader": {}}
+                              "by_loader": {}, "by_text": {}}
     failures = []
     for name, precision, optimizer in RUNS:
         runs = [fit_reads(n, every, device, precision, optimizer=optimizer)
@@ -323,6 +383,16 @@ def measure(device: torch.device, steps: int = 40, log_every: int = 10, *,
                     for k, e in ((n, every), (2 * n, 2 * every), (2 * n, every))]
             result["by_loader"][f"decode={decode}"] = {"runs": runs}
             failures += _growth(f"loader decode={decode}", runs)
+    runs = [text_syncs(n, every, device) for n, every in ((steps, log_every),
+                                                           (2 * steps, 2 * log_every),
+                                                           (2 * steps, log_every))]
+    entry = result["by_text"]["counted"] = {"runs": runs}
+    failures += _growth("text counted", runs)
+    if device.type == "cuda":
+        entry["strict_window"] = strict_window(device, text=True)
+        if not entry["strict_window"]["ok"]:
+            failures.append(f"text counted: a sync between logging steps: "
+                            f"{entry['strict_window']['error']}")
     result["failures"] = failures
     result["rows"] = [_row(f"{precision} host reads+syncs", entry["runs"],
                            precision in CHECKED, failures, precision)
@@ -330,6 +400,9 @@ def measure(device: torch.device, steps: int = 40, log_every: int = 10, *,
     result["rows"] += [_row(f"image loader {name}: host reads+syncs", entry["runs"], True,
                             failures, f"loader {name}")
                        for name, entry in result["by_loader"].items()]
+    result["rows"].append(_row("padded text, counted window of 2: host reads+syncs",
+                               result["by_text"]["counted"]["runs"], True, failures,
+                               "text counted"))
     return result
 
 

@@ -42,8 +42,9 @@ def test_the_syncs_check_says_why_not_without_cuda() -> None:
 
 def test_the_sync_count_check_passes_on_the_cpu() -> None:
     """The harness the GPU check runs under set_sync_debug_mode, with its read and sync counts,
-    over pre-placed batches and through the real image loader (uint8 batches from files through
-    make_loader, collate and the DevicePrefetcher; decode=gpu's JpegDecoder on the CPU)."""
+    over pre-placed batches, through the real image loader (uint8 batches from files through
+    make_loader, collate and the DevicePrefetcher; decode=gpu's JpegDecoder on the CPU), and
+    over padded text in a counted window (token-normalised loss, real tokens/s)."""
     from benchmarks.syncs import measure
 
     result = measure(torch.device("cpu"), steps=6, log_every=3, loader_steps=4,
@@ -51,9 +52,12 @@ def test_the_sync_count_check_passes_on_the_cpu() -> None:
     assert result["failures"] == []
     runs = result["by_precision"]["16-mixed"]["runs"]
     assert runs[1]["host_reads"] > runs[0]["host_reads"]  # GradScaler's read per step, reported
-    # 32, bf16-mixed, 16-mixed (GradScaler's read per step: not judged), 16-mixed+fused, and
-    # the loader with decode=cpu and gpu
-    assert [r["met"] for r in result["rows"]] == [True, True, None, True, True, True]
+    # 32, bf16-mixed, 16-mixed (GradScaler's read per step: not judged), 16-mixed+fused, the
+    # loader with decode=cpu and gpu, and padded text in a counted window
+    assert [r["met"] for r in result["rows"]] == [True, True, None, True, True, True, True]
+    short, long_same_logs, long_more_logs = result["by_text"]["counted"]["runs"]
+    assert short["host_syncs"] == long_same_logs["host_syncs"] == 0, long_same_logs
+    assert long_more_logs["host_reads"] > long_same_logs["host_reads"]  # reads are seen
     for name in ("decode=cpu", "decode=gpu"):
         short, long_same_logs, long_more_logs = result["by_loader"][name]["runs"]
         assert short["global_step"] == 4 and long_same_logs["global_step"] == 8

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from trainkit.data import DevicePrefetcher, make_loader
+from trainkit.data.batches import ImageBatch
 
 
 def _loader(pin: bool | None = None) -> object:
@@ -86,15 +87,19 @@ def _busy(stream: torch.cuda.Stream, work: torch.Tensor, out: torch.Tensor, n: i
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("image_batch", [False, True], ids=["tuples", "image_batches"])
 @pytest.mark.parametrize(("side_work", "compute_work"), [
     (60, 0),  # the side stream lags: without wait_stream a batch is read before it is written
     (5, 60),  # the compute stream lags: without record_stream a later copy takes its memory
 ], ids=["side_lags", "compute_lags"])
 def test_cuda_batches_are_ready_when_handed_out_and_not_reused_while_read(
-        side_work: int, compute_work: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        side_work: int, compute_work: int, image_batch: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Pinned uint8 batches normalised on the side stream, a queued delay on the side stream
     before each copy and on the compute stream before each read, checks on the device, and
-    each batch dropped while its reads are still queued: one host read, at the end."""
+    each batch dropped while its reads are still queued: one host read, at the end.
+    ``image_batches``: the image loader's ``ImageBatch``, whose two tensors the prefetcher
+    copies itself (``_copy``: non_blocking from pinned memory), not through move_to_device."""
     made: list[torch.cuda.Stream] = []
     real_stream = torch.cuda.Stream
 
@@ -113,10 +118,10 @@ def test_cuda_batches_are_ready_when_handed_out_and_not_reused_while_read(
     side_out, compute_out = torch.empty_like(work), torch.empty_like(work)
     torch.cuda.synchronize()
 
-    def slowed() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def slowed() -> Iterator[Any]:
         for batch in batches:
             _busy(made[0], work, side_out, side_work)  # queued before this batch's copy
-            yield batch
+            yield ImageBatch(*batch, [], []) if image_batch else batch
 
     prefetcher = DevicePrefetcher(slowed(), "cuda", mean=mean, std=std)
     assert len(made) == 1
@@ -144,9 +149,11 @@ class _FakeStream:
         self.log.append(("wait", self.name, other.name))
 
 
-def _stand_in(module: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def _stand_in(module: types.ModuleType, monkeypatch: pytest.MonkeyPatch,
+              image_batches: bool = False) -> list[str]:
     """Run ``module``'s DevicePrefetcher down its CUDA path on the CPU, over fake streams; the
-    hazards it leaves, one line each (none when the prefetcher waits and records)."""
+    hazards it leaves, one line each (none when the prefetcher waits and records).
+    ``image_batches``: ``ImageBatch``es, whose tensors the prefetcher's ``_copy`` moves."""
     log: list[tuple] = []
     side, compute = _FakeStream("side", log), _FakeStream("compute", log)
     active = [compute]
@@ -167,13 +174,22 @@ def _stand_in(module: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> list
         copied[int(batch[1][0])] = stream.queued
         return batch[0].clone(), batch[1].clone()
 
+    def copy(x: torch.Tensor) -> torch.Tensor:  # one tensor of an ImageBatch
+        stream = active[-1]
+        stream.queued += 1
+        if x.dtype != torch.uint8:  # the labels, copied after the images
+            copied[int(x[0])] = stream.queued
+        return x.clone()
+
     def record_stream(tensor: torch.Tensor, stream: _FakeStream) -> None:
         recorded.append((tensor, stream.name))
 
+    made = [(torch.full((2, 3, 2, 2), i, dtype=torch.uint8), torch.full((2,), i))
+            for i in range(N_BATCHES)]
     prefetcher = module.DevicePrefetcher(
-        [(torch.full((2, 3, 2, 2), i, dtype=torch.uint8), torch.full((2,), i))
-         for i in range(N_BATCHES)], "cpu")
+        [ImageBatch(*b, [], []) for b in made] if image_batches else made, "cpu")
     monkeypatch.setattr(prefetcher, "_stream", side)
+    monkeypatch.setattr(prefetcher, "_copy", copy)
     monkeypatch.setattr(module, "move_to_device", move)
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
@@ -186,7 +202,8 @@ def _stand_in(module: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> list
         for tensor in (x, y):
             if not any(t is tensor and name == "compute" for t, name in recorded):
                 hazards.append(f"batch {batch}'s memory not kept for the compute stream's reads")
-    assert sorted(copied) == list(range(N_BATCHES)) and side.queued == N_BATCHES  # all on side
+    copies = N_BATCHES * (2 if image_batches else 1)  # an ImageBatch: images, then labels
+    assert sorted(copied) == list(range(N_BATCHES)) and side.queued == copies  # all on side
     return sorted(set(hazards))
 
 
@@ -205,20 +222,25 @@ def _without(line_part: str) -> types.ModuleType:
     return mutant
 
 
-def test_the_cpu_stand_in_holds_for_the_prefetcher(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("image_batches", [False, True], ids=["tuples", "image_batches"])
+def test_the_cpu_stand_in_holds_for_the_prefetcher(image_batches: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib
 
-    assert _stand_in(importlib.import_module(DevicePrefetcher.__module__), monkeypatch) == []
+    assert _stand_in(importlib.import_module(DevicePrefetcher.__module__), monkeypatch,
+                     image_batches) == []
 
 
+@pytest.mark.parametrize("image_batches", [False, True], ids=["tuples", "image_batches"])
 @pytest.mark.parametrize(("removed", "hazard"), [
     (".wait_stream(", "read before its copy on the side stream ended"),
     (".record_stream(", "memory not kept for the compute stream's reads"),
 ])
 def test_the_cpu_stand_in_fails_without_wait_stream_or_record_stream(
-        removed: str, hazard: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        removed: str, hazard: str, image_batches: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The structure the GPU test checks, shown to catch each line's removal."""
-    hazards = _stand_in(_without(removed), monkeypatch)
+    hazards = _stand_in(_without(removed), monkeypatch, image_batches)
     assert hazards and all(hazard in line for line in hazards), hazards
 
 

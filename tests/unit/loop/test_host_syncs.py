@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.syncs import fit_reads, gpu_path_on_the_cpu
+from benchmarks.syncs import fit_reads, gpu_path_on_the_cpu, text_forward, text_syncs
 from tests.conftest import sgd_without
 from trainkit import CheckpointConfig, Trainer, TrainerConfig, load_checkpoint
 from trainkit.loop.trainer import NonFiniteLossError
@@ -155,3 +155,25 @@ def test_a_step_that_logs_by_time_reads_its_check_on_the_host() -> None:
                                                  "3 steps in a row"):
         Trainer(config).fit(model, torch.optim.SGD(model.parameters(), lr=0.1),
                             _batches(20, 3, 20))
+
+
+def test_a_counted_text_window_reads_nothing_per_step() -> None:
+    """Token-normalised loss and real tokens/s: a forward that declares ``count_targets`` over
+    padded text, 2 batches a step, has its window's count (and, under DDP, the count's
+    all-reduce) and its real tokens kept on the device: reads grow with logs, not steps."""
+    runs = [text_syncs(n, every, "cpu") for n, every in ((6, 3), (12, 6), (12, 3))]
+    assert [r["global_step"] for r in runs] == [6, 12, 12]
+    assert runs[0]["host_reads"] == runs[1]["host_reads"], runs[:2]
+    assert runs[0]["host_syncs"] == runs[1]["host_syncs"] == 0
+    assert runs[2]["host_reads"] > runs[1]["host_reads"]  # the count sees reads
+
+
+def test_the_text_count_sees_a_count_read_on_the_host() -> None:
+    """The same harness fails a count that is read on the host every step (``int(...)``)."""
+    def read_count(model: nn.Module, batch: dict[str, torch.Tensor]) -> object:
+        return text_forward(model, batch)
+
+    read_count.count_targets = lambda batch: torch.tensor(  # type: ignore[attr-defined]
+        int((batch["labels"][:, 1:] != -100).sum()))
+    runs = [text_syncs(n, every, "cpu", forward=read_count) for n, every in ((6, 3), (12, 6))]
+    assert runs[1]["host_reads"] - runs[0]["host_reads"] == 12  # 2 batches a step, 6 more steps
