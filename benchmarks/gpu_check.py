@@ -13,7 +13,8 @@ one call of a lent machine (``--plan`` lists them with each case's expected seco
 and the device call); no case starts after ``--deadline`` seconds (a case not run then fails).
 ``gpu_tests`` runs the GPU-marked tests of tests/, collected first: every one, wherever it lives
 (``trainkit estimate`` against ``torch.cuda.max_memory_allocated`` among them:
-tests/unit/entry/test_estimate.py); one skipped fails the case. On CUDA a case that is not run
+tests/unit/entry/test_estimate.py); one skipped fails the case, but for one that "needs 2
+GPUs" on a machine with one (listed as not run). On CUDA a case that is not run
 fails, but for ``nccl`` on one GPU: ``NOT RUN (needs 2 GPUs)``, which a one-GPU verdict does not
 count. Runs go to a temporary folder, deleted at the end. Independent cases run four at a time;
 the timing ones (``gpu_decode``, ``syncs``, ``throughput``) run alone, in a batch of their own.
@@ -150,7 +151,8 @@ def gpu_tests(ctx: Context, where: str | Path = "tests") -> dict[str, Any]:
     cannot be imported here (a package the GPU image lacks: nbformat, say) or skips at import
     (trackers, Hugging Face data) holds no test that counts, unless its source marks a test
     ``gpu`` and it fails to import: that fails the case. A failure, an error, a skip of a
-    collected test, or no test at all fails the case."""
+    collected test, or no test at all fails the case; but for a test skipped because it
+    ``needs 2 GPUs`` (its reason says so) on a machine with one: listed as not run."""
     common = ["-m", "gpu", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
     collect = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *common,
                               str(where)], cwd=REPO, capture_output=True, text=True,
@@ -173,12 +175,17 @@ def gpu_tests(ctx: Context, where: str | Path = "tests") -> dict[str, Any]:
     last = (proc.stdout.strip().splitlines() or ["-"])[-1]
     if counts["failures"] or counts["errors"] or proc.returncode not in (0, 1, 5):
         raise CaseFailed(f"pytest -m gpu: {last}\n{proc.stdout[-3000:]}{proc.stderr[-1000:]}")
+    # a test that says it needs 2 GPUs, on a machine with fewer: stated, as the nccl case is
+    not_run = ([s for s in skipped if NEEDS_2_GPUS in s] if torch.cuda.device_count() < 2
+               else [])
+    skipped = [s for s in skipped if s not in not_run]
     if skipped:
         raise CaseFailed(f"{len(skipped)} GPU-marked test(s) skipped, not run: "
                          f"{'; '.join(skipped)[:1500]}")
     if counts["tests"] != len(ids):
         raise CaseFailed(f"{len(ids)} GPU-marked test(s) collected, {counts['tests']} run: {last}")
-    return {"tests": counts["tests"], "pytest": last}
+    return {"tests": counts["tests"], "pytest": last,
+            **({f"not_run ({NEEDS_2_GPUS})": not_run} if not_run else {})}
 
 
 def _timeout(ctx: Any, most: float) -> float:

@@ -17,7 +17,8 @@
 # A GPU machine may have torch, torchvision, tensorboard, pytest, ... but no Hydra: then it is
 # installed from .whl/ into a temporary folder, and without .whl/ the check fails in one line.
 # Exit status 0 only when every case passed (a GPU-marked test skipped, or a case not run, is a
-# failure, but for the nccl case's NOT RUN (needs 2 GPUs) on a one-GPU machine); 1 when one
+# failure, but on a one-GPU machine for the nccl case's NOT RUN (needs 2 GPUs) and a GPU test
+# skipped because it "needs 2 GPUs", listed in gpu_tests' result); 1 when one
 # failed, or when nvidia-smi sees a GPU that torch cannot use; on a
 # machine without a GPU it says so in one line and exits 0. The cases run in a temporary folder.
 set -uo pipefail

@@ -118,7 +118,7 @@ def test_snapshot_waits_for_work_queued_before_it(side_stream: bool) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")  # gpu_check: not run
 def test_snapshot_waits_for_the_gpu_that_holds_the_tensors_not_the_current_one() -> None:
     torch.cuda.set_device(0)  # current: cuda:0; the state lives on cuda:1
     weight = torch.zeros(1 << 24, device="cuda:1")
