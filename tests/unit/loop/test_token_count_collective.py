@@ -97,7 +97,8 @@ def _check(seen: _Seen, got: dict[str, torch.Tensor], want: dict[str, torch.Tens
         torch.testing.assert_close(got[name], 2 * want[name], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("one_rank_of_two", [torch.device("cpu")], indirect=True)
+@pytest.mark.parametrize("one_rank_of_two", [torch.device("cpu")], indirect=True,
+                         ids=["cpu"])
 def test_the_count_is_all_reduced_once_a_window_and_waited_before_its_use(
         one_rank_of_two: _Seen) -> None:
     window = _texts(3, torch.device("cpu"))
@@ -108,7 +109,8 @@ def test_the_count_is_all_reduced_once_a_window_and_waited_before_its_use(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("one_rank_of_two", [torch.device("cuda", 0)], indirect=True)
+@pytest.mark.parametrize("one_rank_of_two", [torch.device("cuda", 0)], indirect=True,
+                         ids=["cuda"])
 def test_a_counted_window_over_nccl_syncs_nothing_with_the_host(one_rank_of_two: _Seen) -> None:
     """The window (count, NCCL all-reduce, wait, backward, step) under
     ``set_sync_debug_mode("error")``: a host sync anywhere in it raises."""
