@@ -137,7 +137,7 @@ def test_the_readmes_evaluate_line_takes_best_where_kept_else_last(run: Path,
     monitors nothing)."""
     kept, none = tmp_path / "kept", tmp_path / "none"
     for copy in (kept, none):
-        shutil.copytree(run, copy)
+        shutil.copytree(run, copy, ignore=shutil.ignore_patterns("eval_*.json"))
     (none / "checkpoints" / "best.pt").unlink()
     for copy in (kept, none):
         cli.main(["evaluate", str(copy)])
