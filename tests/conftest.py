@@ -169,7 +169,7 @@ def run_module(module: str, *args: str, env: dict[str, str] | None = None,
             return _zygotes[0].run(module, list(args), run_env,
                                    folder / str(next(_forked_runs)), timeout)
     elif not fresh and fork:
-        zygote = next((z for z in _env_zygotes if z.serves(run_env)), None)
+        zygote = next((z for z in _zygotes + _env_zygotes if z.serves(run_env)), None)
         if zygote is None:
             folder = (Path(tempfile.gettempdir())
                       / f"trainkit-runs-{os.getpid()}-env{len(_env_zygotes)}")
