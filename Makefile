@@ -13,8 +13,8 @@ PIP := $(PY) -m pip install --progress-bar on
 # disk); pyproject.toml itself admits any torch >= 2.11 (FLOOR_TORCH, tested by test-floor).
 TORCH_PIN ?= torch==2.14.1 torchvision==0.29.1
 # The oldest torch the suite passes on: pyproject.toml's floor. test-floor runs the unit tests
-# on it in .venv-floor (PyPI's CUDA build for Linux: ~3 GB of downloads with its nvidia-* wheels,
-# 2-9 min to install on a shared 2-core machine; kept while FLOOR_TORCH is unchanged).
+# on it in .venv-floor (torch and torchvision alone, ~0.5 GB of downloads, the CUDA libraries and
+# other dependencies shared from .venv: .ci/floor_venv.sh; kept while FLOOR_TORCH is unchanged).
 FLOOR_TORCH ?= torch==2.11.0 torchvision==0.26.0
 FLOOR_VENV := .venv-floor
 # An editable install leaves trainkit's own modules uncompiled, as a wheel's would not be; where

@@ -135,6 +135,7 @@ def offline_env(**extra: str) -> dict[str, str]:
 
 
 _zygotes: list[Zygote] = []  # this process's, started by the first run that can use it
+_env_zygotes: list[Zygote] = []  # one per other environment a run asked to be forked in
 _forked_runs = itertools.count()
 
 
@@ -144,19 +145,21 @@ def _zygote_closed() -> Iterator[None]:
     (an xdist worker's exit may skip atexit; the zygote would end at its stdin's close anyway,
     but leave its folder)."""
     yield
-    while _zygotes:
-        _zygotes.pop().close()
+    while _zygotes or _env_zygotes:
+        (_zygotes or _env_zygotes).pop().close()
 
 
 def run_module(module: str, *args: str, env: dict[str, str] | None = None,
-               timeout: float = 300, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+               timeout: float = 300, fresh: bool = False,
+               fork: bool = False) -> subprocess.CompletedProcess[str]:
     """``python -m module *args`` from the repository, in a process of its own, its output
     captured as text.
 
     In the default environment (:func:`offline_env`) the process is forked from a zygote that
     has imported trainkit, torch and Hydra already (tests/helpers/zygote.py: an interpreter and
     those imports are ~4 CPU s, most of a few-step run's cost); ``fresh`` (or any other ``env``)
-    starts a new interpreter, for a test of what a start does."""
+    starts a new interpreter, for a test of what a start does. ``fork`` forks a run in another
+    ``env`` too, from a zygote started in that env (one start for all the runs in it)."""
     run_env = env or offline_env()
     if not fresh and env is None:
         folder = Path(tempfile.gettempdir()) / f"trainkit-runs-{os.getpid()}"
@@ -165,15 +168,26 @@ def run_module(module: str, *args: str, env: dict[str, str] | None = None,
         if _zygotes[0].serves(run_env):
             return _zygotes[0].run(module, list(args), run_env,
                                    folder / str(next(_forked_runs)), timeout)
+    elif not fresh and fork:
+        zygote = next((z for z in _zygotes + _env_zygotes if z.serves(run_env)), None)
+        if zygote is None:
+            folder = (Path(tempfile.gettempdir())
+                      / f"trainkit-runs-{os.getpid()}-env{len(_env_zygotes)}")
+            zygote = Zygote(run_env, REPO, folder / "zygote.err")
+            _env_zygotes.append(zygote)
+        if zygote.serves(run_env):
+            return zygote.run(module, list(args), run_env,
+                              zygote.log.parent / str(next(_forked_runs)), timeout)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=run_env,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float = 300,
-              fresh: bool = False) -> subprocess.CompletedProcess[str]:
+              fresh: bool = False, fork: bool = False) -> subprocess.CompletedProcess[str]:
     """Run the real entry point, ``python -m trainkit.train``, in a process of its own
     (:func:`run_module`)."""
-    return run_module("trainkit.train", *overrides, env=env, timeout=timeout, fresh=fresh)
+    return run_module("trainkit.train", *overrides, env=env, timeout=timeout, fresh=fresh,
+                      fork=fork)
 
 
 def run_train_many(runs: dict[str, list[str]], folder: Path,

@@ -21,7 +21,7 @@ def run(run_dir: Path, *extra: str, model: str = "TinyNet") -> tuple[list[str], 
     result = run_train("+exp=mnist", f"hydra.run.dir={run_dir}", "trainer.precision=32",
                        "~model.widths", f"model._target_=tests.helpers.probe_parts.{model}",
                        "trainer.max_steps=10", "trainer.log_every_n_steps=2", "data.batch_size=8",
-                       "data.eval_batch_size=64", *extra, env=ENV)
+                       "data.eval_batch_size=64", *extra, env=ENV, fork=True)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (run_dir / "train.log").read_text().splitlines()
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from torchvision.models import resnet18
 
-from tests.conftest import REPO, error_report, offline_env, run_train
+from tests.conftest import error_report, run_module, run_train
 from tests.image_files import make_digits
 from trainkit.checkpoint.select import available
 
@@ -37,9 +36,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
                        "trainer.max_epochs=7", "optim.lr=1e-3")
     assert result.returncode == 0, result.stderr[-2000:]
     out = tmp / "export"
-    export = subprocess.run([sys.executable, "-m", "trainkit.entry.cli", "export", str(run),
-                             "--format", "safetensors", "--out", str(out)], cwd=REPO,
-                            env=offline_env(), capture_output=True, text=True, timeout=300)
+    export = run_module("trainkit.entry.cli", "export", str(run), "--format", "safetensors",
+                        "--out", str(out))
     assert export.returncode == 0, export.stderr[-2000:]
     return out
 

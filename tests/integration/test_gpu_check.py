@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, offline_env
+from tests.conftest import REPO, offline_env, run_module
 
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 
@@ -86,10 +86,8 @@ def test_the_sync_count_sees_a_constant_built_per_batch(monkeypatch: pytest.Monk
 def test_resume_cases_pass_on_the_cpu(tmp_path: Path) -> None:
     """Real processes: a straight run; one stopped by SIGTERM and resumed; one saving in the
     background, stopped by its step limit and resumed. Bitwise equal to the straight run."""
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", str(tmp_path), "--device", "cpu",
-         "--only", "sigterm_resume,async_save_resume"], cwd=REPO, env=offline_env(),
-        capture_output=True, text=True, timeout=600)
+    result = run_module("benchmarks.gpu_check", str(tmp_path), "--device", "cpu",
+                        "--only", "sigterm_resume,async_save_resume", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert sorted(report["passed"]) == ["async_save_resume", "sigterm_resume"]

@@ -6,14 +6,12 @@ evaluates with hard labels, and a run stopped mid-epoch resumes bitwise
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, error_report, offline_env, run_train_many
+from tests.conftest import error_report, run_module, run_train_many
 from tests.image_files import make_folder
 
 pytestmark = pytest.mark.slow
@@ -39,10 +37,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def verified(tmp_path_factory: pytest.TempPathFactory, folder: Path) -> Path:
     """verify_resume's two runs (straight; stopped at step 3 of 6, mid-epoch, and resumed)."""
     keep = tmp_path_factory.mktemp("verify")
-    result = subprocess.run(
-        [sys.executable, "-m", "trainkit.verify_resume", "--steps", "6", "--stop-at", "3",
-         "--keep", str(keep), *folder_exp(folder, *REGULARISED)],
-        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=400)
+    result = run_module("trainkit.verify_resume", "--steps", "6", "--stop-at", "3",
+                        "--keep", str(keep), *folder_exp(folder, *REGULARISED), timeout=400)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "OK" in result.stdout and "stopped at step 3" in result.stdout
     (work,) = keep.iterdir()
@@ -83,13 +79,11 @@ def test_bad_values_are_one_line(tmp_path: Path, folder: Path) -> None:
 
 def test_cifar_in_memory_batches_mix_and_resume_bitwise(tmp_path: Path, cifar_root: Path) -> None:
     """+exp=cifar's batches, gathered and augmented on the device, mixed there too."""
-    result = subprocess.run(
-        [sys.executable, "-m", "trainkit.verify_resume", "--steps", "8", "--stop-at", "3",
-         "--keep", str(tmp_path), "+exp=cifar", "model.widths=[8,16,32,32]",
-         f"data.root={cifar_root}", "data.verify=false", "data.download=false",
-         "data.batch_size=32", "trainer.precision=32", "data.mixup=0.5", "data.cutmix=1.0",
-         "data.repeated_aug=2"],
-        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=300)
+    result = run_module(
+        "trainkit.verify_resume", "--steps", "8", "--stop-at", "3", "--keep", str(tmp_path),
+        "+exp=cifar", "model.widths=[8,16,32,32]", f"data.root={cifar_root}",
+        "data.verify=false", "data.download=false", "data.batch_size=32", "trainer.precision=32",
+        "data.mixup=0.5", "data.cutmix=1.0", "data.repeated_aug=2")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "OK" in result.stdout and "stopped at step 3" in result.stdout
     (work,) = tmp_path.iterdir()

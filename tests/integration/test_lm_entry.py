@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import REPO, assert_same_weights, error_report, last_checkpoint, offline_env
+from tests.conftest import (
+    REPO,
+    assert_same_weights,
+    error_report,
+    last_checkpoint,
+    offline_env,
+    run_module,
+    run_train,
+)
 from trainkit.entry import cli
 
 pytestmark = pytest.mark.slow
@@ -33,11 +41,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The standard library's json, email and a few more modules' sources, tokenized as bytes."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     out = tmp_path_factory.mktemp("lm") / "corpus"
-    command = [sys.executable, "-m", "trainkit.data", "tokenize", str(stdlib / "json"),
-               str(stdlib / "argparse.py"), str(stdlib / "textwrap.py"), str(out),
-               "--tokenizer", "bytes"]
-    proc = subprocess.run(command, cwd=REPO, env=offline_env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = run_module("trainkit.data", "tokenize", str(stdlib / "json"),
+                      str(stdlib / "argparse.py"), str(stdlib / "textwrap.py"), str(out),
+                      "--tokenizer", "bytes", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
 
@@ -116,10 +122,8 @@ def test_lm_learns_logs_its_scalars_and_resumes_bitwise_after_sigterm(
 
 def test_model_smaller_than_the_corpus_vocabulary_is_one_line(tmp_path: Path,
                                                               corpus: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainkit.train", "+exp=lm", f"data.root={corpus}",
-         f"hydra.run.dir={tmp_path / 'run'}", "model.vocab_size=100", *LM],
-        cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=120)
+    proc = run_train("+exp=lm", f"data.root={corpus}", f"hydra.run.dir={tmp_path / 'run'}",
+                     "model.vocab_size=100", *LM, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         "trainkit: model.vocab_size=100 but the data's tokens go up to 256: set "

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, error_report, offline_env
+from tests.conftest import REPO, error_report, offline_env, run_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
@@ -23,9 +23,10 @@ COMMON = ["+exp=mnist", "trainer.precision=32", "~model.widths", "data.eval_batc
 
 
 def probe(out: Path, *overrides: str, seconds: str = "0.7") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "trainkit.probe", "--seconds", seconds, "--out", str(out),
-         *COMMON, *overrides], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    """``python -m trainkit.probe``, forked from a zygote started in ENV (the command is what
+    is tested, not its start: tests/conftest.py's run_module)."""
+    return run_module("trainkit.probe", "--seconds", seconds, "--out", str(out), *COMMON,
+                      *overrides, env=ENV, fork=True)
 
 
 def slow(*extra: str) -> list[str]:

@@ -7,13 +7,12 @@ verify_pause.py), which verify-resume sends once that pause's marker exists."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, offline_env
+from tests.conftest import REPO, run_module
 
 pytestmark = pytest.mark.slow
 EXAMPLES = REPO / "examples" / "research"
@@ -31,10 +30,8 @@ def verify(name: str, folder: Path) -> tuple[str, Path]:
     args, pause = RUNS[name]
     command = (f"{sys.executable} -m tests.helpers.verify_pause {{run_dir}}/paused {pause} "
                f"{EXAMPLES / name}.py --run-dir {{run_dir}} {' '.join(args)}")
-    done = subprocess.run(
-        [sys.executable, "-m", "trainkit.entry.cli", "verify-resume", "--cmd", command,
-         "--signal-after", "paused", "--keep", str(folder)], cwd=REPO, env=offline_env(),
-        capture_output=True, text=True, timeout=600)
+    done = run_module("trainkit.entry.cli", "verify-resume", "--cmd", command,
+                      "--signal-after", "paused", "--keep", str(folder), timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     (work,) = folder.iterdir()
     stopped = (work / "stopped.log").read_text()

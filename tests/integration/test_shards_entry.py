@@ -5,14 +5,12 @@ evaluates on the validation shards; the run then predicts and exports as an imag
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, offline_env
+from tests.conftest import offline_env, run_module, run_train
 from tests.image_files import make_folder
 from trainkit import load_model
 from trainkit.entry import cli
@@ -26,20 +24,17 @@ pytestmark = pytest.mark.slow
 def test_shards_then_the_entry_point_trains_on_them(tmp_path: Path) -> None:
     make_folder(tmp_path / "pets", classes=2, per_class=6, val_per_class=2, sizes=(12, 16))
     shards = tmp_path / "pets-shards"
-    write = subprocess.run([sys.executable, "-m", "trainkit.data", "shards", str(tmp_path / "pets"),
-                            str(shards), "--samples-per-shard", "5"],
-                           cwd=REPO, env=offline_env(), capture_output=True, text=True, timeout=120)
+    write = run_module("trainkit.data", "shards", str(tmp_path / "pets"), str(shards),
+                       "--samples-per-shard", "5", timeout=120)
     assert write.returncode == 0, write.stderr[-2000:]
     assert "3 train shards (12 samples), 1 val shards (4 samples), 2 classes" in write.stdout
     run_dir = tmp_path / "run"
-    train = subprocess.run(
-        [sys.executable, "-m", "trainkit.train", "+exp=folder", "data=webdataset",
-         f"data.root={shards}", f"hydra.run.dir={run_dir}", "data.image_size=16",
-         "data.batch_size=4", "data.eval_batch_size=4", "data.num_workers=1",
-         "trainer.max_epochs=2", "trainer.precision=32", "trainer.channels_last=false",
-         "trainer.log_every_n_steps=1", "trainer.ema_decay=null"],
-        cwd=REPO, env=offline_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
-        timeout=300)
+    train = run_train(
+        "+exp=folder", "data=webdataset", f"data.root={shards}", f"hydra.run.dir={run_dir}",
+        "data.image_size=16", "data.batch_size=4", "data.eval_batch_size=4",
+        "data.num_workers=1", "trainer.max_epochs=2", "trainer.precision=32",
+        "trainer.channels_last=false", "trainer.log_every_n_steps=1", "trainer.ema_decay=null",
+        env=offline_env(OMP_NUM_THREADS="1"), fork=True)
     assert train.returncode == 0, train.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     # 12 training samples, one rank: 3 batches of 4 an epoch

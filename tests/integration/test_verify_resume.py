@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, error_report, offline_env, run_module
+from tests.conftest import REPO, error_report, run_module
 from trainkit.checkpoint.files import save_atomic
 from trainkit.entry.verify_resume import _report, main
 
@@ -94,10 +94,8 @@ def verify_script(tmp_path: Path, *script_args: str) -> subprocess.CompletedProc
     script = REPO / "tests" / "helpers" / "phases.py"
     command = (f"{sys.executable} -m tests.helpers.verify_pause {{run_dir}}/paused 6 {script} "
                f"--run-dir {{run_dir}} {' '.join(script_args)}")
-    return subprocess.run(
-        [sys.executable, "-m", "trainkit.entry.cli", "verify-resume", "--cmd", command,
-         "--keep", str(tmp_path)], cwd=REPO, env=offline_env(), capture_output=True, text=True,
-        timeout=300)
+    return run_module("trainkit.entry.cli", "verify-resume", "--cmd", command,
+                      "--keep", str(tmp_path))
 
 
 @pytest.mark.slow

@@ -72,6 +72,7 @@ def test_the_shipped_data_configs_set_only_their_sources_keys() -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    import trainkit.entry.train  # noqa: F401 - registers the schema train.yaml names
     from trainkit.core.schema import config_dir
     from trainkit.data.sources import refuse_unread
 

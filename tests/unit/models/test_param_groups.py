@@ -6,9 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import timm
 import torch
-from timm.optim import param_groups_layer_decay
 from torch import nn
 
 from trainkit import CheckpointConfig, Trainer, TrainerConfig, seed_everything
@@ -51,6 +49,9 @@ def test_the_first_matching_group_wins_and_the_rest_keep_the_optimizers_settings
 
 
 def test_layer_decay_gives_timms_scales_for_a_timm_vit() -> None:
+    timm = pytest.importorskip("timm")  # here, not at collection: ~1 s of every worker's start
+    from timm.optim import param_groups_layer_decay
+
     model = timm.create_model("vit_tiny_patch16_224", depth=3, num_classes=5)
     ours = param_groups(model, lr=1.0, layer_decay=0.5)
     theirs = param_groups_layer_decay(model, weight_decay=0.0, layer_decay=0.5)

@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 import pytest
-import timm
 import torch
 import torchvision
 from safetensors.torch import save_file
@@ -34,6 +33,8 @@ def _lines(caplog: pytest.LogCaptureFixture, word: str) -> list[str]:
 
 def test_a_timm_checkpoint_file_loads_its_ema_weights_and_reinitialises_the_head(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import timm  # here, not at collection: ~1 s of every worker's start
+
     source = timm.create_model("resnet10t", num_classes=10)
     raw, ema = _trained_like(source, 1), _trained_like(source, 2)
     # what timm's train.py saves: the wrappers, DDP's prefix, other entries beside them
