@@ -9,9 +9,9 @@ occurs in some row (12 rows for 10 options). Each row trains a tiny random-weigh
 embeddings, through the real entry point, once uninterrupted and once stopped by a real SIGTERM
 mid-epoch then re-run: the re-run must end with the same weights, optimizer state (Muon's and
 AdamW's), schedule and evaluations, bit for bit; metrics.jsonl holds ``val/loss`` (and
-``val/loss/<name>`` per corpus when mixed), and each option shows that it took effect. The fits
-run one after another in one process (tests/helpers/entry_runs.py through
-:func:`tests.conftest.run_train_many`: transformers and datasets imported once, not once a fit).
+``val/loss/<name>`` per corpus when mixed), and each option shows that it took effect. One step
+split by accumulation or micro-batches is the unsplit step, packed or padded, mixed. The fits run
+in one process (:func:`tests.conftest.run_train_many`: transformers imported once, not a fit).
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ ROWS = pairwise(FACTORS)
 # down. AdamW: the token (and GPT-2's position) embeddings, norms, GPT-2's biases.
 MUON_MATRICES, ADAMW = {"gpt2": 8, "llama": 14}, {"gpt2": 20, "llama": 6}
 
+# One SGD step on a global batch of 8 (one batch; 2 accumulated batches of 4; 2 micro-batches of
+# 4): the same step, to float rounding, packed or padded, from a mixture
+SPLITS = [("whole", 8, 1, "null"), ("accumulated", 4, 2, "null"), ("micro", 8, 1, 4)]
 SEQ_LEN, BATCH, STEPS, STOP = 64, 4, 6, 3  # every epoch longer than STEPS optimizer steps
 TRAIN, TEST = 192, 16  # documents per corpus: lines of 11 to 50 tokens, ~2 to a packed window
 
@@ -139,7 +142,16 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         runs[f"{name}.cut"] = [*cut, "+callbacks.stop._target_=tests.helpers.callbacks.SigtermAt",
                                f"+callbacks.stop.step={STOP}"]
         runs[f"{name}.resumed"] = cut
-    return {"root": root, "done": run_train_many(runs, root / "outputs", timeout=900)}
+    for pack, (split, batch, accumulate, micro) in itertools.product((False, True), SPLITS):
+        row = {**ROWS[0], "model": "llama", "pack": pack, "mix": True, "accumulate": accumulate}
+        runs[f"step.{pack}.{split}"] = [*_overrides(  # the later of two values wins
+            row, models, code, prose, root / "step" / f"{pack}.{split}"),
+            f"data.batch_size={batch}", f"trainer.micro_batch_size={micro}", "trainer.max_steps=1",
+            "trainer.eval_every_n_steps=1", "optim=sgd", "optim.lr=0.5", "optim.momentum=0",
+            "optim.nesterov=false", "optim.weight_decay=0", "sched=constant",
+            "~sched.warmup_steps"]
+    return {"root": root, "models": models,
+            "done": run_train_many(runs, root / "outputs", timeout=900)}
 
 
 def _checkpoint(run_dir: Path) -> dict[str, Any]:
@@ -213,3 +225,25 @@ def test_a_preempted_and_resumed_text_run_ends_as_the_uninterrupted_one(
         assert lrs[2] == lrs[4] > lrs[6], lrs
     else:
         assert lrs[2] > lrs[4] > lrs[6], lrs
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_a_step_is_the_token_mean_however_the_batch_is_split(pack: bool,
+                                                             fits: dict[str, Any]) -> None:
+    """The loss of a window is the mean over its real target tokens, whatever the split of the
+    global batch (trainer.accumulate_grad_batches, trainer.micro_batch_size) and however many
+    tokens each part holds. On Llama: no dropout, so the splits draw nothing at random."""
+    from safetensors.torch import load_file
+
+    for split, *_ in SPLITS:
+        proc = fits["done"][f"step.{pack}.{split}"]
+        assert proc.returncode == 0, (split, proc.stdout[-2000:] + proc.stderr[-3000:])
+    steps = {split: _checkpoint(fits["root"] / "step" / f"{pack}.{split}")["model"]
+             for split, *_ in SPLITS}
+    start = load_file(fits["models"]["llama"] / "model.safetensors")
+    moved = max((steps["whole"][k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-2, moved  # the step moved the weights
+    for split in ("accumulated", "micro"):
+        for key, value in steps["whole"].items():
+            torch.testing.assert_close(steps[split][key], value, rtol=0, atol=1e-6,
+                                       msg=f"{split} {key}")
