@@ -49,6 +49,28 @@ def hidden_matrices(model: nn.Module, adamw_params: Sequence[str] = ()) -> list[
     return [name for name, p in model.named_parameters() if p.ndim == 2 and name not in kept]
 
 
+def check_layout(model: nn.Module, adjust_lr_fn: str | None,
+                 adamw_params: Sequence[str] = ()) -> None:
+    """Refuse an ``adjust_lr_fn`` that reads a matrix as ``(out, in)`` (torch's ``original``,
+    its default, and ``spectral_unclamped``: a ratio of the two) for a model whose hidden
+    matrices are stored ``(in, out)``, as the ``Conv1D`` layers of Hugging Face's GPT-2: their
+    update would be scaled by the inverse ratio. ``match_rms_adamw`` reads both ways alike.
+
+    Raises:
+        ConfigError: such a matrix among :func:`hidden_matrices` with such an ``adjust_lr_fn``.
+    """
+    if adjust_lr_fn not in (None, "original", "spectral_unclamped"):
+        return
+    hidden = set(hidden_matrices(model, adamw_params))
+    for name, module in model.named_modules():
+        # transformers' Conv1D (GPT-2's layers): weight (nx, nf), y = x @ W + b
+        if type(module).__name__ == "Conv1D" and f"{name}.weight" in hidden:
+            raise ConfigError(
+                f"optim.adjust_lr_fn={adjust_lr_fn or 'original'} reads a matrix as (out, in), "
+                f"but {type(model).__name__}'s {name}.weight is (in, out) (a Conv1D): set "
+                "optim.adjust_lr_fn=match_rms_adamw")
+
+
 def split_groups(model: nn.Module, groups: Iterable[Mapping[str, Any]],
                  adamw_params: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Each of ``groups`` (:func:`trainkit.models.param_groups.param_groups`) split in two: its

@@ -250,8 +250,9 @@ def build_optimizer(model: nn.Module, node: Mapping[str, Any],
     built = param_groups(model, lr=node.get("lr"), groups=groups, layer_decay=layer_decay,
                          decay_norm_and_bias=decay_all)
     if adamw_params is not None:
-        from trainkit.models.muon import split_groups
+        from trainkit.models.muon import check_layout, split_groups
 
+        check_layout(model, node.get("adjust_lr_fn"), list(adamw_params))
         built = split_groups(model, built, list(adamw_params))
     optimizer = make(node, built)
     check_options(optimizer)

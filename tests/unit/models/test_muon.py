@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainkit.core.errors import ConfigError
+from trainkit.core.errors import LINE_LIMIT, ConfigError
 from trainkit.core.schedules import advance, one_cycle, wsd
 from trainkit.models import GPT
 from trainkit.models.muon import MuonAdamW, hidden_matrices, split_groups
@@ -137,3 +137,32 @@ def test_a_state_dict_resume_is_bitwise() -> None:
 def test_groups_without_the_muon_key_are_refused() -> None:
     with pytest.raises(ConfigError, match="every param group needs a 'muon' key"):
         MuonAdamW([{"params": [nn.Parameter(torch.zeros(2, 2))]}])
+
+
+def _tiny_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=8, n_embd=16, n_layer=2,
+                                      n_head=2, bos_token_id=0, eos_token_id=0))
+
+
+def test_gpt2s_conv1d_matrices_go_to_muon_its_tied_embeddings_to_adamw() -> None:
+    model = _tiny_gpt2()  # lm_head tied to wte; c_attn, c_proj, c_fc: Conv1D, weight (in, out)
+    optimizer = _muon(model)
+    muon, adamw = optimizer.param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)].split(".", 3)[-1] for p in muon["params"]) == sorted(
+        ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"] * 2)
+    assert "transformer.wte.weight" in {names[id(p)] for p in adamw["params"]}
+    assert model.transformer.h[0].mlp.c_fc.weight.shape == (16, 64)  # (in, out)
+
+
+@pytest.mark.parametrize("fn", [None, "original", "spectral_unclamped"])
+def test_a_scale_that_reads_out_by_in_is_refused_for_conv1d_matrices(fn: str | None) -> None:
+    with pytest.raises(ConfigError, match=r"'s transformer\.h\.0\.attn\.c_attn\.weight is "
+                                          r"\(in, out\) \(a Conv1D\): set optim\.adjust_lr_fn"
+                                          "=match_rms_adamw") as refused:
+        _muon(_tiny_gpt2(), adjust_lr_fn=fn)
+    assert len(f"trainkit: {refused.value}") <= LINE_LIMIT
+    _muon(_gpt(), adjust_lr_fn=fn)  # nn.Linear stores (out, in): as torch's Muon reads it
