@@ -182,8 +182,10 @@ def test_pt2_export_takes_texts_up_to_the_models_positions(trained: dict[str, An
     for ids, mask in (sample(tokenizer), (longest, torch.ones_like(longest))):
         with torch.no_grad():
             expected = adapted(input_ids=ids, attention_mask=mask).logits
-            # a float32 program of merged weights: their rounding is ~1e-5 of these logits
-            torch.testing.assert_close(program(ids, mask), expected, rtol=1e-5, atol=1e-5)
+            # a float32 program of merged weights: their rounding, and the kernels' order on the
+            # CPU's instruction set, move these logits by up to ~2e-5 (on an AVX2-only CPU:
+            # 1.65e-5); a position cut wrongly moves them by far more
+            torch.testing.assert_close(program(ids, mask), expected, rtol=1e-5, atol=5e-5)
 
 
 def test_adapters_export_is_a_causal_lm_peft_folder(trained: dict[str, Any]) -> None:

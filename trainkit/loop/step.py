@@ -470,35 +470,33 @@ class ContextStep:
                     self.fn(ctx, batch)
             return ctx._end_window(total)
         sizes = [batch_size(b) for b in window]
-        total, last = sum(sizes), len(window) - 1
-        for i, batch in enumerate(window):
-            batch = move_to_device(batch, self.device)
-            ctx._begin_micro_batch(i, i == last, sizes[i] / total)
-            with contextlib.ExitStack() as stack:
-                if i != last:  # only the last micro-batch's backward all-reduces under DDP
-                    for model in self._synced:
-                        stack.enter_context(sync_gradients(model, sync=False))
-                stack.enter_context(self.precision.autocast())
-                self.fn(ctx, batch)
+        total = sum(sizes)
+        self._micro_batches(window, [size / total for size in sizes])
         return ctx._end_window(total)
 
     def _counted(self, window: Sequence[Batch]) -> StepResult:
         """A window whose loss is over its valid targets: all its batches on the device and
         counted before the first backward (the count summed over the ranks meanwhile)."""
-        ctx, count = self.ctx, self.count_targets
+        count = self.count_targets
         assert count is not None
         window = [move_to_device(batch, self.device) for batch in window]
-        ctx._count_window([count(batch).to(self.device) for batch in window])
-        total, last = sum(batch_size(b) for b in window), len(window) - 1
+        self.ctx._count_window([count(batch).to(self.device) for batch in window])
+        self._micro_batches(window, [1.0] * len(window))
+        return self.ctx._end_window(sum(batch_size(b) for b in window))
+
+    def _micro_batches(self, window: Sequence[Batch], shares: Sequence[float]) -> None:
+        """Each micro-batch through the step function with its loss share; under DDP only the
+        last one's backward all-reduces."""
+        ctx, last = self.ctx, len(window) - 1
         for i, batch in enumerate(window):
-            ctx._begin_micro_batch(i, i == last, 1.0)
+            batch = move_to_device(batch, self.device)
+            ctx._begin_micro_batch(i, i == last, shares[i])
             with contextlib.ExitStack() as stack:
-                if i != last:  # only the last micro-batch's backward all-reduces under DDP
+                if i != last:
                     for model in self._synced:
                         stack.enter_context(sync_gradients(model, sync=False))
                 stack.enter_context(self.precision.autocast())
                 self.fn(ctx, batch)
-        return ctx._end_window(total)
 
     def wrap_forward_once(self, wrap: Callable[[Forward], Forward]) -> None:
         """The advice's sampling of one forward: not for a step function (nothing to wrap)."""
