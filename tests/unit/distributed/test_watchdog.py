@@ -61,13 +61,17 @@ class BlockingDataset(Dataset):
         return self.x[index], self.y[index]
 
 
-def release_when_dumped(stacks: Path, pipe: int) -> threading.Thread:
-    """A thread that writes a byte into ``pipe`` once the watchdog has written ``stacks`` (the
-    hang was seen), however long that takes on a loaded machine (or after 120 s, failing)."""
+def release_when_dumped(log: Path, pipe: int) -> threading.Thread:
+    """A thread that writes a byte into ``pipe`` once the watchdog has logged the hang (so its
+    stacks are wholly written: the file exists from its first byte, the log line comes after
+    the last), however long that takes on a loaded machine (or after 120 s, failing)."""
+
+    def logged() -> bool:
+        return log.is_file() and "hang: no progress" in log.read_text()
 
     def wait_for_the_dump() -> None:
         deadline = time.monotonic() + 120
-        while not stacks.is_file() and time.monotonic() < deadline:
+        while not logged() and time.monotonic() < deadline:
             time.sleep(0.05)  # paces the check; the deadline only ends a failing test
         os.write(pipe, b"x")
 
@@ -83,7 +87,7 @@ def test_a_blocking_data_loader_is_dumped_and_reported_and_its_recovery_too(
     trainer = Trainer(TrainerConfig(device="cpu", max_steps=6, hang_timeout_s=1.0),
                       run_dir=tmp_path, checkpoint=CheckpointConfig(resume=None))
     read, write = os.pipe()
-    releaser = release_when_dumped(tmp_path / "hangs" / "rank0.txt", write)
+    releaser = release_when_dumped(tmp_path / "train.log", write)
     data = DataLoader(BlockingDataset(read), batch_size=4)
     try:
         summary = trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
