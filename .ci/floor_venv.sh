@@ -13,8 +13,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$torch_pin" ]; then exit 0; fi
 rm -rf "$floor"
 "$python" -m venv "$floor"
 # shellcheck disable=SC2086  # the pin is a list of requirements
-"$floor/bin/python" -m pip install --quiet --no-deps $torch_pin
+"$floor/bin/python" -m pip install --quiet --no-deps --no-compile $torch_pin
 purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
+floor_site=$("$floor/bin/python" -c "$purelib")
+"$floor/bin/python" -m compileall -q -q -j 0 "$floor_site" || true  # as the Makefile's COMPILE_SITE
 main_site=$("$main_py" -c "$purelib")
-echo "import site; site.addsitedir('$main_site')" > "$("$floor/bin/python" -c "$purelib")/trainkit-main-venv.pth"
+echo "import site; site.addsitedir('$main_site')" > "$floor_site/trainkit-main-venv.pth"
 echo "$torch_pin" > "$stamp"

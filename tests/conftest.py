@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.fakes import write_fake_cifar10, write_fake_mnist
-from tests.helpers.zygote import Zygote
+from tests.helpers.zygote import Forked, Zygote
 from trainkit.core.errors import LINE_LIMIT
 from trainkit.core.signals import PREEMPTION_SIGNALS
 
@@ -135,7 +135,7 @@ def offline_env(**extra: str) -> dict[str, str]:
 
 
 _zygotes: list[Zygote] = []  # this process's, started by the first run that can use it
-_env_zygotes: list[Zygote] = []  # one per other environment a run asked to be forked in
+_env_zygotes: list[Zygote] = []  # one per other environment a module's runs asked to fork in
 _forked_runs = itertools.count()
 
 
@@ -145,8 +145,39 @@ def _zygote_closed() -> Iterator[None]:
     (an xdist worker's exit may skip atexit; the zygote would end at its stdin's close anyway,
     but leave its folder)."""
     yield
-    while _zygotes or _env_zygotes:
-        (_zygotes or _env_zygotes).pop().close()
+    while _zygotes:
+        _zygotes.pop().close()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _env_zygotes_closed() -> Iterator[None]:
+    """The zygotes of other environments (``fork``) end with the module that asked for them:
+    its environments are its own (a bucket's address, a cache folder)."""
+    yield
+    while _env_zygotes:
+        _env_zygotes.pop().close()
+
+
+def _zygote(env: dict[str, str] | None, fresh: bool, fork: bool) -> Zygote | None:
+    """The zygote a run in ``env`` (None: :func:`offline_env`) is forked from, started on first
+    use; None where the run starts a fresh interpreter."""
+    run_env = env or offline_env()
+    if fresh or (env is not None and not fork):
+        return None
+    if env is None:  # the session's own zygote, while the environment is still its
+        if not _zygotes:
+            _zygotes.append(_new_zygote(run_env, ""))
+        return _zygotes[0] if _zygotes[0].serves(run_env) else None
+    zygote = next((z for z in _zygotes + _env_zygotes if z.serves(run_env)), None)
+    if zygote is None:
+        zygote = _new_zygote(run_env, f"-env{next(_forked_runs)}")
+        _env_zygotes.append(zygote)
+    return zygote
+
+
+def _new_zygote(env: dict[str, str], suffix: str) -> Zygote:
+    folder = Path(tempfile.gettempdir()) / f"trainkit-runs-{os.getpid()}{suffix}"
+    return Zygote(env, REPO, folder / "zygote.err")
 
 
 def run_module(module: str, *args: str, env: dict[str, str] | None = None,
@@ -159,27 +190,46 @@ def run_module(module: str, *args: str, env: dict[str, str] | None = None,
     has imported trainkit, torch and Hydra already (tests/helpers/zygote.py: an interpreter and
     those imports are ~4 CPU s, most of a few-step run's cost); ``fresh`` (or any other ``env``)
     starts a new interpreter, for a test of what a start does. ``fork`` forks a run in another
-    ``env`` too, from a zygote started in that env (one start for all the runs in it)."""
+    ``env`` too, from a zygote started in that env (one start for the module's runs in it)."""
     run_env = env or offline_env()
-    if not fresh and env is None:
-        folder = Path(tempfile.gettempdir()) / f"trainkit-runs-{os.getpid()}"
-        if not _zygotes:
-            _zygotes.append(Zygote(run_env, REPO, folder / "zygote.err"))
-        if _zygotes[0].serves(run_env):
-            return _zygotes[0].run(module, list(args), run_env,
-                                   folder / str(next(_forked_runs)), timeout)
-    elif not fresh and fork:
-        zygote = next((z for z in _zygotes + _env_zygotes if z.serves(run_env)), None)
-        if zygote is None:
-            folder = (Path(tempfile.gettempdir())
-                      / f"trainkit-runs-{os.getpid()}-env{len(_env_zygotes)}")
-            zygote = Zygote(run_env, REPO, folder / "zygote.err")
-            _env_zygotes.append(zygote)
-        if zygote.serves(run_env):
-            return zygote.run(module, list(args), run_env,
-                              zygote.log.parent / str(next(_forked_runs)), timeout)
+    zygote = _zygote(env, fresh, fork)
+    if zygote is not None:
+        return zygote.run(module, list(args), run_env, zygote.log.parent / str(
+            next(_forked_runs)), timeout)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=run_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+Started = subprocess.Popen | Forked  # what start_module returns
+
+
+def start_module(module: str, *args: str, out: Path | None = None,
+                 env: dict[str, str] | None = None, new_session: bool = False,
+                 fresh: bool = False) -> Started:
+    """``python -m module *args`` started and not waited for, as :class:`subprocess.Popen`
+    with its preemption signals heard (:func:`hear_preemption_signals`), forked from a zygote
+    as :func:`run_module`'s runs are (in ``env`` too: the module's runs share one zygote).
+    Its output and errors go to ``out`` (appended), or are captured: ``communicate()`` returns
+    them as text. ``new_session``: the leader of a session of its own, as with ``setsid``."""
+    run_env = env or offline_env()
+    zygote = _zygote(env, fresh, fork=True)
+    if zygote is not None:
+        folder = zygote.log.parent / str(next(_forked_runs))
+        folder.mkdir(parents=True)
+        stdout, stderr = (out, out) if out else (folder / "stdout.txt", folder / "stderr.txt")
+        return zygote.start(module, list(args), run_env, stdout=stdout, stderr=stderr,
+                            append=out is not None, new_session=new_session,
+                            hear_signals=True, captured=out is None)
+    command = [sys.executable, "-m", module, *args]
+    if out is None:
+        return subprocess.Popen(command, cwd=REPO, env=run_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=hear_preemption_signals,
+                                start_new_session=new_session)
+    with open(out, "ab") as stream:  # the child has its own copy
+        return subprocess.Popen(command, cwd=REPO, env=run_env, stdout=stream,
+                                stderr=subprocess.STDOUT, preexec_fn=hear_preemption_signals,
+                                start_new_session=new_session)
 
 
 def run_train(*overrides: str, env: dict[str, str] | None = None, timeout: float = 300,

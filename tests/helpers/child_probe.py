@@ -1,6 +1,7 @@
 """``python -m tests.helpers.child_probe [exit N | sleep S | raise | pool]``: prints what the
-process sees (argv, folder, environment, its module spec, a draw of ``random``) for tests of
-:func:`tests.conftest.run_module`, then exits with N, after S seconds, by an exception, or with a
+process sees (argv, folder, environment, its module spec, a draw of ``random``, the signals it
+ignores, whether it leads its session) for tests of :func:`tests.conftest.run_module` and
+:func:`tests.conftest.start_module`, then exits with N, after S seconds, by an exception, or with a
 thread pool left running (as torch.compile leaves its own)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -25,6 +27,9 @@ if __name__ == "__main__":
         raise RuntimeError("raised in the child")
     print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ),
                       "spec": __spec__.name, "random": random.random(),
-                      "threads": threading.active_count()}))
+                      "threads": threading.active_count(),
+                      "ignored": sorted(s.name for s in signal.valid_signals()
+                                        if signal.getsignal(s) is signal.SIG_IGN),
+                      "leader": os.getsid(0) == os.getpid()}))
     print("to stderr", file=sys.stderr)
     sys.exit(int(what[1]) if what[:1] == ["exit"] else 0)

@@ -13,6 +13,10 @@ and starts no thread, so the fork copies an idle, single-threaded process.
 What differs from a fresh start: a module reading the environment at import read the zygote's,
 so :class:`Zygote` serves only runs whose environment is the one it was started with; a run's
 ``startup_s`` counts from the fork, not from an interpreter start.
+
+Runs may overlap (:meth:`Zygote.start` returns at once with a :class:`Forked`, which stands for
+:class:`subprocess.Popen`): the tests that signal or kill a run, or train two side by side, fork
+them too. Each reply names its request, so the zygote reports each child's end when it comes.
 """
 
 from __future__ import annotations
@@ -31,22 +35,40 @@ from typing import Any
 
 
 def _serve() -> dict[str, Any]:
-    """Fork a child for each request; return the request in the child (the zygote loops)."""
-    requests, replies = sys.stdin.buffer, sys.stdout.buffer
-    for line in requests:
-        request = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            return request
-        replies.write(json.dumps({"pid": pid}).encode() + b"\n")
-        replies.flush()
-        _, wait_status = os.waitpid(pid, 0)
-        status = os.waitstatus_to_exitcode(wait_status)
-        replies.write(json.dumps({"pid": pid, "status": status}).encode() + b"\n")
-        replies.flush()
-    raise SystemExit(0)  # the client closed its end: the session is over
+    """Fork a child for each request; return the request in the child (the zygote loops,
+    reporting each child's pid at its start and its status at its end)."""
+    children: dict[int, int] = {}  # pid: request id
+    pending = b""
+
+    def reply(message: dict[str, Any]) -> None:
+        sys.stdout.buffer.write(json.dumps(message).encode() + b"\n")
+        sys.stdout.buffer.flush()
+
+    while True:
+        # with children running, a look every 20 ms for their ends (no SIGCHLD handler: each
+        # fork would inherit it)
+        readable = select.select([0], [], [], 0.02 if children else None)[0]
+        while children:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            reply({"id": children.pop(pid), "status": os.waitstatus_to_exitcode(wait_status)})
+        if not readable:
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:  # the client closed its end: the session is over
+            raise SystemExit(0)
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                return request
+            children[pid] = request["id"]
+            reply({"id": request["id"], "pid": pid})
 
 
 def _become(request: dict[str, Any]) -> None:
@@ -54,10 +76,23 @@ def _become(request: dict[str, Any]) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["append"] else os.O_TRUNC)
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        if fd == 2 and path == request["stdout"]:  # stderr=subprocess.STDOUT
+            os.dup2(1, 2)
+            continue
+        target = os.open(path, mode, 0o644)
         os.dup2(target, fd)
         os.close(target)
+    if request["new_session"]:
+        os.setsid()
+    if request["hear_signals"]:  # as tests.conftest.hear_preemption_signals, a preexec_fn
+        from trainkit.core.signals import PREEMPTION_SIGNALS
+
+        for signum in PREEMPTION_SIGNALS:
+            if signal.getsignal(signum) is signal.SIG_IGN:
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
+                              else signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -120,6 +155,54 @@ def _steady(env: dict[str, str]) -> dict[str, str]:
     return {key: value for key, value in env.items() if key != "PYTEST_CURRENT_TEST"}
 
 
+class Forked:
+    """A run forked by a :class:`Zygote`, as much of :class:`subprocess.Popen` as the tests use:
+    ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill`` and
+    ``communicate`` (the text of its output files, when it was asked to capture them)."""
+
+    def __init__(self, args: list[str], captured: tuple[Path, Path] | None) -> None:
+        self.args, self.pid, self.returncode = args, 0, None
+        self._captured = captured
+        self._started, self._ended = threading.Event(), threading.Event()
+        self._error: str | None = None  # the zygote's own end, when it came first
+
+    def _end(self, status: int | None, error: str | None = None) -> None:
+        self.returncode, self._error = status, error
+        self._started.set()
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:  # as Popen: no signal to a process known to have ended
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        """Wait for the end; the captured stdout and stderr, as text (the files then removed)."""
+        self.wait(timeout)
+        if self._captured is None:
+            return None, None
+        texts = tuple(path.read_text() for path in self._captured)
+        for path in self._captured:
+            path.unlink()
+        self._captured = None
+        return texts
+
+
 class Zygote:
     """The client: one zygote process for this process's runs, started on first use."""
 
@@ -128,53 +211,81 @@ class Zygote:
         of this client's alone (removed by :meth:`close`)."""
         self.env, self.cwd, self.log = dict(env), cwd, log
         self._lock = threading.Lock()
+        self._runs: dict[int, Forked] = {}  # by request id, until each ends
+        self._next_id = 0
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as stderr:  # the zygote has its own copy
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.helpers.zygote"], cwd=cwd, env=self.env,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                bufsize=0)  # unbuffered replies: select() sees every line not yet read
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
+        threading.Thread(target=self._read_replies, daemon=True).start()
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a run in ``env`` may be forked from this zygote: it imported in that env
         (pytest's name of the current test aside)."""
         return _steady(env) == _steady(self.env) and self._proc.poll() is None
 
+    def start(self, module: str, argv: list[str], env: dict[str, str], *,
+              stdout: Path, stderr: Path, append: bool = False, new_session: bool = False,
+              hear_signals: bool = False, captured: bool = False) -> Forked:
+        """``python -m module *argv`` in ``env``, started as :class:`subprocess.Popen` would,
+        its output written to ``stdout`` and ``stderr`` (the same path: merged; ``append``: at
+        their ends), as leader of a new session with ``new_session``, with the preemption
+        signals an ignoring parent passed on heard again with ``hear_signals``; ``captured``:
+        :meth:`Forked.communicate` returns the files' text."""
+        assert self.serves(env)
+        request = {"module": module, "argv": argv, "env": env, "cwd": str(self.cwd),
+                   "stdout": str(stdout), "stderr": str(stderr), "append": append,
+                   "new_session": new_session, "hear_signals": hear_signals}
+        run = Forked([sys.executable, "-m", module, *argv],
+                     (stdout, stderr) if captured else None)
+        with self._lock:
+            request["id"] = self._next_id
+            self._next_id += 1
+            self._runs[request["id"]] = run
+            self._proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self._proc.stdin.flush()
+        if not run._started.wait(120):
+            raise RuntimeError(f"the zygote did not fork in 120 s: {self.log.read_text()[-3000:]}")
+        if run._error is not None:
+            raise RuntimeError(run._error)
+        return run
+
     def run(self, module: str, argv: list[str], env: dict[str, str], folder: Path,
             timeout: float) -> subprocess.CompletedProcess[str]:
         """``python -m module *argv`` in ``env``, as :func:`subprocess.run` with captured text
         output would return it; its outputs pass through files in ``folder``."""
-        assert self.serves(env)
         folder.mkdir(parents=True, exist_ok=True)
-        out, err = folder / "stdout.txt", folder / "stderr.txt"
-        request = {"module": module, "argv": argv, "env": env, "cwd": str(self.cwd),
-                   "stdout": str(out), "stderr": str(err)}
-        with self._lock:
-            self._proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self._proc.stdin.flush()
-            pid = self._reply(None)["pid"]
-            try:
-                status = self._reply(timeout)["status"]
-            except subprocess.TimeoutExpired:
-                os.kill(pid, 9)  # as subprocess.run does on a timeout
-                self._reply(None)
-                raise subprocess.TimeoutExpired([module, *argv], timeout, out.read_text(),
-                                                err.read_text()) from None
-        done = subprocess.CompletedProcess([sys.executable, "-m", module, *argv], status,
-                                           out.read_text(), err.read_text())
-        out.unlink()
-        err.unlink()
-        return done
+        run = self.start(module, argv, env, stdout=folder / "stdout.txt",
+                         stderr=folder / "stderr.txt", captured=True)
+        try:
+            out, err = run.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            run.kill()  # as subprocess.run does on a timeout
+            out, err = run.communicate()
+            raise subprocess.TimeoutExpired(run.args, timeout, out, err) from None
+        return subprocess.CompletedProcess(run.args, run.returncode, out, err)
 
-    def _reply(self, timeout: float | None) -> dict[str, Any]:
-        stream = self._proc.stdout
-        if timeout is not None and not select.select([stream], [], [], timeout)[0]:
-            raise subprocess.TimeoutExpired("the zygote's child", timeout)
-        line = stream.readline()
-        if not line:
-            raise RuntimeError(f"the zygote ended (status {self._proc.wait()}): "
-                               f"{self.log.read_text()[-3000:]}")
-        return json.loads(line)
+    def _read_replies(self) -> None:
+        """The zygote's replies, each to its run: its pid at the fork, its status at its end."""
+        for line in self._proc.stdout:
+            reply = json.loads(line)
+            with self._lock:
+                run = self._runs[reply["id"]] if "pid" in reply else self._runs.pop(reply["id"])
+            if "pid" in reply:
+                run.pid = reply["pid"]
+                run._started.set()
+            else:
+                run._end(reply["status"])
+        try:
+            said = self.log.read_text()[-3000:]
+        except OSError:  # closed: its folder is gone
+            said = ""
+        error = f"the zygote ended (status {self._proc.wait()}): {said}"
+        with self._lock:
+            runs, self._runs = list(self._runs.values()), {}
+        for run in runs:
+            run._end(None, error)
 
     def close(self) -> None:
         """End the zygote (it exits when its stdin closes) and remove its log's folder."""

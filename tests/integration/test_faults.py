@@ -17,13 +17,14 @@ import torch
 
 from tests.conftest import (
     REPO,
+    Started,
     assert_same_weights,
     error_report,
-    hear_preemption_signals,
     last_checkpoint,
     offline_env,
     pause_at,
     run_train,
+    start_module,
     tiny_run,
     wait_for_pause,
 )
@@ -50,17 +51,13 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path) -> 
     return run_dir
 
 
-def _start(run_dir: Path, mnist_root: Path, *extra: str) -> subprocess.Popen:
+def _start(run_dir: Path, mnist_root: Path, *extra: str) -> Started:
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir.parent / f"{run_dir.name}.out", "ab") as out:  # the child has its own copy
-        return subprocess.Popen(
-            [sys.executable, "-m", "trainkit.train",
-             *tiny_run(run_dir, mnist_root, *COMMON, *extra)],
-            cwd=REPO, env=offline_env(), stdout=out, stderr=subprocess.STDOUT,
-            preexec_fn=hear_preemption_signals)  # as started from a terminal
+    return start_module("trainkit.train", *tiny_run(run_dir, mnist_root, *COMMON, *extra),
+                        out=run_dir.parent / f"{run_dir.name}.out")
 
 
-def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, lines: int = 1, *,
+def _wait_for_steps(proc: Started, run_dir: Path, lines: int = 1, *,
                     checkpoint: bool = False, timeout: float = 300) -> int:
     """Block until this run (the last start in ``train.log``) has logged ``lines`` step lines
     (one every ``log_every_n_steps``), and with ``checkpoint`` until ``last.pt`` exists too.

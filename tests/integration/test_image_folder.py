@@ -85,8 +85,7 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert last_checkpoint(run_dir)["global_step"] == 3
-    resumed = subprocess.run(command, cwd=REPO, env=offline_env(), capture_output=True,
-                             text=True, timeout=300)
+    resumed = run_train(*command[3:])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "at step 3 (epoch 1, batch 3)" in resumed.stdout
     assert_same_weights(last_checkpoint(straight)["model"],

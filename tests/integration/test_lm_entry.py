@@ -6,8 +6,6 @@ a re-run that ends bitwise where an uninterrupted run ends."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -16,13 +14,14 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import (
-    REPO,
+    Started,
     assert_same_weights,
     error_report,
     last_checkpoint,
     offline_env,
     run_module,
     run_train,
+    start_module,
 )
 from trainkit.entry import cli
 
@@ -56,15 +55,14 @@ def unigram_entropy(path: Path) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def start(run_dir: Path, corpus: Path, *extra: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "trainkit.train", "+exp=lm", f"data.root={corpus}",
+def start(run_dir: Path, corpus: Path, *extra: str) -> Started:
+    command = ["+exp=lm", f"data.root={corpus}",
                f"hydra.run.dir={run_dir}", *LM, *extra]
     # one thread each: two runs side by side on 2 shared cores
-    return subprocess.Popen(command, cwd=REPO, env=offline_env(OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_module("trainkit.train", *command, env=offline_env(OMP_NUM_THREADS="1"))
 
 
-def finish(proc: subprocess.Popen[str], status: int) -> str:
+def finish(proc: Started, status: int) -> str:
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == status, (proc.returncode, out[-2000:], err[-2000:])
     return out

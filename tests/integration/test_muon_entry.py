@@ -5,13 +5,19 @@ and the one-line refusal under FSDP."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, assert_same_weights, error_report, last_checkpoint, offline_env
+from tests.conftest import (
+    REPO,
+    Started,
+    assert_same_weights,
+    error_report,
+    last_checkpoint,
+    offline_env,
+    start_module,
+)
 from trainkit.data.tools.tokenize import tokenize
 
 pytestmark = pytest.mark.slow
@@ -31,14 +37,13 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def start(run_dir: Path, corpus: Path, *extra: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "trainkit.train", f"data.root={corpus}",
+def start(run_dir: Path, corpus: Path, *extra: str) -> Started:
+    command = [f"data.root={corpus}",
                f"hydra.run.dir={run_dir}", *LM, *extra]
-    return subprocess.Popen(command, cwd=REPO, env=offline_env(OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_module("trainkit.train", *command, env=offline_env(OMP_NUM_THREADS="1"))
 
 
-def finish(proc: subprocess.Popen[str], status: int) -> str:
+def finish(proc: Started, status: int) -> str:
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == status, (proc.returncode, out[-2000:], err[-2000:])
     return out

@@ -10,8 +10,6 @@ import json
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,14 +18,14 @@ import pytest
 import torch
 
 from tests.conftest import (
-    REPO,
+    Started,
     assert_same_weights,
     error_report,
-    hear_preemption_signals,
     last_checkpoint,
     offline_env,
     pause_at,
     run_train,
+    start_module,
     tiny_run,
     wait_for_pause,
 )
@@ -104,15 +102,13 @@ def test_keep_last_best_and_no_secret_in_the_bucket_run(straight: Path, s3: S3) 
         assert SECRET.encode() not in fs.cat(path), path
 
 
-def _start(run_dir: Path, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+def _start(run_dir: Path, command: list[str], env: dict[str, str]) -> Started:
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir.parent / f"{run_dir.name}.out", "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "trainkit.train", *command], cwd=REPO,
-                                env=env, stdout=out, stderr=subprocess.STDOUT,
-                                preexec_fn=hear_preemption_signals)
+    return start_module("trainkit.train", *command, out=run_dir.parent / f"{run_dir.name}.out",
+                        env=env)
 
 
-def _wait_for_step(proc: subprocess.Popen, run_dir: Path, past: int, timeout: float = 300
+def _wait_for_step(proc: Started, run_dir: Path, past: int, timeout: float = 300
                    ) -> int:
     """Block until this attempt of the run logs a step after ``past``; returns it."""
     deadline, log = time.monotonic() + timeout, run_dir / "train.log"

@@ -5,17 +5,14 @@ the finished phase and resumes the other."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import (
-    REPO,
     assert_same_weights,
-    hear_preemption_signals,
     last_checkpoint,
-    offline_env,
+    start_module,
 )
 
 MESSAGE = ("trainkit: stopped by {} outside the training steps (before the first or after the "
@@ -23,9 +20,10 @@ MESSAGE = ("trainkit: stopped by {} outside the training steps (before the first
 
 
 def script(run_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tests.helpers.phases", "--run-dir",
-                           str(run_dir), *extra], cwd=REPO, env=offline_env(), text=True,
-                          capture_output=True, timeout=300, preexec_fn=hear_preemption_signals)
+    """The script run to its end in a process of its own, hearing the signals it sends itself."""
+    proc = start_module("tests.helpers.phases", "--run-dir", str(run_dir), *extra)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,13 @@ import pytest
 
 from tests.conftest import (
     REPO,
+    Started,
     error_report,
-    hear_preemption_signals,
     last_checkpoint,
     offline_env,
     pause_at,
     run_train,
+    start_module,
     tiny_run,
     wait_for_pause,
 )
@@ -66,13 +67,10 @@ def _warnings(run_dir: Path, name: str) -> list[str]:
             if f"metrics sink {name} failed" in line]
 
 
-def _start(run_dir: Path, mnist_root: Path, *extra: str) -> subprocess.Popen:
+def _start(run_dir: Path, mnist_root: Path, *extra: str) -> Started:
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir.parent / f"{run_dir.name}.out", "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "trainkit.train", *tiny_run(run_dir, mnist_root, *extra)],
-            cwd=REPO, env=offline_env(), stdout=out, stderr=subprocess.STDOUT,
-            preexec_fn=hear_preemption_signals, start_new_session=True)
+    return start_module("trainkit.train", *tiny_run(run_dir, mnist_root, *extra),
+                        out=run_dir.parent / f"{run_dir.name}.out", new_session=True)
 
 
 def _preempt(run_dir: Path, mnist_root: Path, *extra: str) -> int:

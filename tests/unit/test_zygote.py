@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, offline_env, run_module
+from tests.conftest import REPO, offline_env, run_module, start_module
+from trainkit.core.signals import PREEMPTION_SIGNALS
 
 PROBE = "tests.helpers.child_probe"
 
@@ -58,3 +61,33 @@ def test_a_timeout_kills_the_run_and_the_next_run_works() -> None:
 def test_another_environment_gets_a_fresh_interpreter() -> None:
     done = run_module(PROBE, env=offline_env(TRAINKIT_PROBE="1"))
     assert done.returncode == 0 and _seen(done)["env"]["TRAINKIT_PROBE"] == "1"
+
+
+def test_started_runs_overlap_and_each_reports_its_own_end() -> None:
+    sleeping, quick = start_module(PROBE, "sleep", "60"), start_module(PROBE, "exit", "4")
+    assert quick.wait(timeout=60) == 4 and sleeping.poll() is None
+    out, err = quick.communicate()
+    assert _seen(subprocess.CompletedProcess([], 4, out, err))["argv"][1:] == ["exit", "4"]
+    assert err == "to stderr\n"
+    sleeping.send_signal(signal.SIGKILL)
+    assert sleeping.wait(timeout=60) == -signal.SIGKILL
+    sleeping.kill()  # ended: no signal sent, as Popen
+    waited = start_module(PROBE, "sleep", "60")
+    with pytest.raises(subprocess.TimeoutExpired):
+        waited.communicate(timeout=0.1)
+    waited.terminate()
+    assert waited.wait(timeout=60) == -signal.SIGTERM
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
+def test_a_started_run_appends_to_its_file_hears_preemption_and_may_lead_a_session(
+        tmp_path: Path, fresh: bool) -> None:
+    out = tmp_path / "run.out"
+    out.write_text("before\n")
+    run = start_module(PROBE, "exit", "0", out=out, new_session=True, fresh=fresh)
+    assert run.wait(timeout=60) == 0
+    before, seen, stderr = out.read_text().splitlines()
+    assert (before, stderr) == ("before", "to stderr")
+    seen = json.loads(seen)
+    assert not {s.name for s in PREEMPTION_SIGNALS} & set(seen["ignored"])
+    assert seen["leader"]
