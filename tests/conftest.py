@@ -214,9 +214,11 @@ def start_module(module: str, *args: str, out: Path | None = None,
     run_env = env or offline_env()
     zygote = _zygote(env, fresh, fork=True)
     if zygote is not None:
-        folder = zygote.log.parent / str(next(_forked_runs))
-        folder.mkdir(parents=True)
-        stdout, stderr = (out, out) if out else (folder / "stdout.txt", folder / "stderr.txt")
+        stdout = stderr = out
+        if out is None:
+            folder = zygote.log.parent / str(next(_forked_runs))
+            folder.mkdir(parents=True)
+            stdout, stderr = folder / "stdout.txt", folder / "stderr.txt"
         return zygote.start(module, list(args), run_env, stdout=stdout, stderr=stderr,
                             append=out is not None, new_session=new_session,
                             hear_signals=True, captured=out is None)
