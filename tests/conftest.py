@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.fakes import write_fake_cifar10, write_fake_mnist
+from tests.helpers.signals import hear_preemption_signals
 from tests.helpers.zygote import Forked, Zygote
 from trainkit.core.errors import LINE_LIMIT
 from trainkit.core.signals import PREEMPTION_SIGNALS
@@ -35,16 +36,6 @@ def _session_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ.pop("TRAINKIT_CACHE_DIR")
     else:
         os.environ["TRAINKIT_CACHE_DIR"] = before
-
-
-def hear_preemption_signals() -> None:
-    """Undo inherited SIG_IGNs: ``nohup`` ignores SIGHUP and a shell's background job SIGINT, and
-    trainkit rightly leaves an ignored signal ignored. For a child the signal tests start (its
-    ``preexec_fn``), so that it hears them as when started from a terminal."""
-    for signum in PREEMPTION_SIGNALS:
-        if signal.getsignal(signum) is signal.SIG_IGN:
-            default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
-            signal.signal(signum, default)
 
 
 @contextlib.contextmanager

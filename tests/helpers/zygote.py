@@ -4,7 +4,8 @@ imported trainkit already.
 A fresh interpreter spends ~4 CPU s importing torch, torchvision, torchmetrics and Hydra before
 a test's few-step run trains for ~1 s; the tests start ~100 such runs. ``python -m
 tests.helpers.zygote`` imports them once, then, for each request on its stdin (one JSON line:
-the module and its arguments, the environment, the folder, where its stdout and stderr go), forks
+its id, the module and its arguments, the environment, the folder, where its stdout and stderr
+go, whether it leads a session of its own and hears the preemption signals again), forks
 a child that runs the module as ``python -m`` does (:func:`runpy.run_module` as ``__main__``) and
 exits as that interpreter would (atexit handlers, non-daemon threads joined).
 Each run is still a process of its own, with its own state; the zygote itself runs no torch op
@@ -32,6 +33,8 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any
+
+from tests.helpers.signals import hear_preemption_signals
 
 
 def _serve() -> dict[str, Any]:
@@ -86,13 +89,8 @@ def _become(request: dict[str, Any]) -> None:
         os.close(target)
     if request["new_session"]:
         os.setsid()
-    if request["hear_signals"]:  # as tests.conftest.hear_preemption_signals, a preexec_fn
-        from trainkit.core.signals import PREEMPTION_SIGNALS
-
-        for signum in PREEMPTION_SIGNALS:
-            if signal.getsignal(signum) is signal.SIG_IGN:
-                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
-                              else signal.SIG_DFL)
+    if request["hear_signals"]:  # as the preexec_fn of a Popen
+        hear_preemption_signals()
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])

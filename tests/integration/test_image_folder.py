@@ -68,11 +68,11 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
         "classes": ["class_0", "class_1", "class_2"]}
 
     run_dir, marker = tmp_path / "preempted", tmp_path / "at-step-3"
-    command = [sys.executable, "-m", "trainkit.train",
-               *folder_run(run_dir, folder, *common, "+callbacks.pause._target_="
+    overrides = folder_run(run_dir, folder, *common, "+callbacks.pause._target_="
                            "tests.helpers.pause.PauseAt", "+callbacks.pause.step=3",
-                           f"+callbacks.pause.marker={marker}")]
-    proc = start_in_own_group(command, tmp_path / "out.txt")
+                           f"+callbacks.pause.marker={marker}")
+    proc = start_in_own_group([sys.executable, "-m", "trainkit.train", *overrides],
+                              tmp_path / "out.txt")
     try:
         deadline = time.monotonic() + 240
         while not marker.exists():  # step 3 of 5 done; the run waits for the signal
@@ -85,7 +85,7 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_an_uninterrupted_run(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert last_checkpoint(run_dir)["global_step"] == 3
-    resumed = run_train(*command[3:])
+    resumed = run_train(*overrides)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "at step 3 (epoch 1, batch 3)" in resumed.stdout
     assert_same_weights(last_checkpoint(straight)["model"],

@@ -56,10 +56,10 @@ def unigram_entropy(path: Path) -> float:
 
 
 def start(run_dir: Path, corpus: Path, *extra: str) -> Started:
-    command = ["+exp=lm", f"data.root={corpus}",
-               f"hydra.run.dir={run_dir}", *LM, *extra]
     # one thread each: two runs side by side on 2 shared cores
-    return start_module("trainkit.train", *command, env=offline_env(OMP_NUM_THREADS="1"))
+    return start_module("trainkit.train", "+exp=lm", f"data.root={corpus}",
+                        f"hydra.run.dir={run_dir}", *LM, *extra,
+                        env=offline_env(OMP_NUM_THREADS="1"))
 
 
 def finish(proc: Started, status: int) -> str:

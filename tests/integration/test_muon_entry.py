@@ -38,9 +38,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start(run_dir: Path, corpus: Path, *extra: str) -> Started:
-    command = [f"data.root={corpus}",
-               f"hydra.run.dir={run_dir}", *LM, *extra]
-    return start_module("trainkit.train", *command, env=offline_env(OMP_NUM_THREADS="1"))
+    return start_module("trainkit.train", f"data.root={corpus}", f"hydra.run.dir={run_dir}",
+                        *LM, *extra, env=offline_env(OMP_NUM_THREADS="1"))
 
 
 def finish(proc: Started, status: int) -> str:

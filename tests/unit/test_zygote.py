@@ -63,16 +63,18 @@ def test_another_environment_gets_a_fresh_interpreter() -> None:
     assert done.returncode == 0 and _seen(done)["env"]["TRAINKIT_PROBE"] == "1"
 
 
-def test_started_runs_overlap_and_each_reports_its_own_end() -> None:
-    sleeping, quick = start_module(PROBE, "sleep", "60"), start_module(PROBE, "exit", "4")
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
+def test_started_runs_overlap_and_each_reports_its_own_end(fresh: bool) -> None:
+    """A forked run's handle answers as the fresh run's ``subprocess.Popen`` does."""
+    sleeping = start_module(PROBE, "sleep", "60", fresh=fresh)
+    quick = start_module(PROBE, "exit", "4", fresh=fresh)
     assert quick.wait(timeout=60) == 4 and sleeping.poll() is None
     out, err = quick.communicate()
-    assert _seen(subprocess.CompletedProcess([], 4, out, err))["argv"][1:] == ["exit", "4"]
-    assert err == "to stderr\n"
+    assert json.loads(out)["argv"][1:] == ["exit", "4"] and err == "to stderr\n"
     sleeping.send_signal(signal.SIGKILL)
     assert sleeping.wait(timeout=60) == -signal.SIGKILL
-    sleeping.kill()  # ended: no signal sent, as Popen
-    waited = start_module(PROBE, "sleep", "60")
+    sleeping.kill()  # ended: no signal sent
+    waited = start_module(PROBE, "sleep", "60", fresh=fresh)
     with pytest.raises(subprocess.TimeoutExpired):
         waited.communicate(timeout=0.1)
     waited.terminate()
