@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -76,16 +77,39 @@ def run_process(cmd: list[str], env: Mapping[str, str] | None = None) -> tuple[f
     """Seconds ``cmd`` takes from start to exit, run from the repository, and its stdout.
 
     Raises:
-        SystemExit: the command failed; the message is its error's (last) line.
+        SystemExit: the command failed; the message is its error's line (:func:`error_line`).
     """
     start = time.perf_counter()
     result = subprocess.run(cmd, cwd=REPO, env=None if env is None else dict(env),
                             capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise SystemExit(f"{' '.join(cmd[1:4])} failed: {last[:1000]}")
+        raise SystemExit(f"{' '.join(cmd[1:4])} failed (exit {result.returncode}): "
+                         f"{error_line(result.stderr)[:1000]}")
     return seconds, result.stdout
+
+
+_EXCEPTION = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception|Interrupt)\b.*")
+
+
+def error_line(stderr: str) -> str:
+    """The line of ``stderr`` that names what failed.
+
+    The last exception line other than torchrun's own ``ChildFailedError`` (a worker's
+    ``[rankN]: RuntimeError: ...``); failing that, torchrun's ``exitcode`` line for a worker that
+    died without one (a signal: ``exitcode : -6``); failing that, the last line that is not a
+    rule of ``=`` or ``-``.
+    """
+    lines = [line.strip() for line in stderr.splitlines()]
+    exceptions = [line for line in lines
+                  if _EXCEPTION.match(line) and "ChildFailedError" not in line]
+    if exceptions:
+        return exceptions[-1]
+    exits = [line for line in lines if line.startswith("exitcode")]
+    if exits:
+        return " ".join(exits[0].split())
+    text = [line for line in lines if line.strip("=-")]
+    return text[-1] if text else "(no output)"
 
 
 def machine() -> dict[str, Any]:
