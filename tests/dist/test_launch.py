@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,10 +22,13 @@ from trainkit.distributed.torchrun import launch, torchrun_command
 @pytest.mark.dist
 def test_launch_runs_a_function_on_two_joined_processes() -> None:
     handlers = {signum: signal.getsignal(signum) for signum in signal.valid_signals()}
+    environment = dict(os.environ)
     # rank_sum all-reduces rank + 1: 1 + 2 on both ranks only if both are in one group.
     assert launch(rank_sum, nprocs=2) == [3.0, 3.0]
-    # torch's agent replaced SIGTERM/SIGINT/SIGHUP/SIGQUIT; the caller (a notebook) gets its own back
+    # torch's agent replaced SIGTERM/SIGINT/SIGHUP/SIGQUIT and set TORCHELASTIC_SIGNALS_TO_HANDLE;
+    # the caller (a notebook) gets its own back
     assert {signum: signal.getsignal(signum) for signum in signal.valid_signals()} == handlers
+    assert dict(os.environ) == environment
 
 
 @pytest.mark.dist

@@ -1,8 +1,9 @@
 """``python -m tests.helpers.child_probe [exit N | sleep S | raise | pool]``: prints what the
 process sees (argv, folder, environment, its module spec, a draw of ``random``, the signals it
-ignores, whether it leads its session) for tests of :func:`tests.conftest.run_module` and
-:func:`tests.conftest.start_module`, then exits with N, after S seconds, by an exception, or with a
-thread pool left running (as torch.compile leaves its own)."""
+ignores, whether it leads its session, its parent) for tests of
+:func:`tests.conftest.run_module` and :func:`tests.conftest.start_module`, then exits with N,
+after S seconds, by an exception, or with a thread pool left running (as torch.compile leaves its
+own)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,6 @@ if __name__ == "__main__":
                       "threads": threading.active_count(),
                       "ignored": sorted(s.name for s in signal.valid_signals()
                                         if signal.getsignal(s) is signal.SIG_IGN),
-                      "leader": os.getsid(0) == os.getpid()}))
+                      "leader": os.getsid(0) == os.getpid(), "parent": os.getppid()}))
     print("to stderr", file=sys.stderr)
     sys.exit(int(what[1]) if what[:1] == ["exit"] else 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -13,6 +14,7 @@ from tests.conftest import REPO, offline_env, run_module, start_module
 from trainkit.core.signals import PREEMPTION_SIGNALS
 
 PROBE = "tests.helpers.child_probe"
+INDUCTOR_ADDRESS = "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"  # torch's name
 
 
 def _seen(done: subprocess.CompletedProcess[str]) -> dict:
@@ -33,6 +35,20 @@ def test_a_forked_run_sees_what_a_fresh_one_does() -> None:
     assert a["env"] == b["env"]
     assert a["threads"] == b["threads"] == 1
     assert forked.args[-3:] == [PROBE, "exit", "3"]
+
+
+def test_a_compile_in_the_test_process_leaves_its_runs_forked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading a compiled kernel, torch puts an address of its process in ``os.environ``; the
+    runs after it are forked still (they were started fresh for the rest of the session)."""
+    import torch
+
+    monkeypatch.delenv(INDUCTOR_ADDRESS, raising=False)  # and put back as it was after the test
+    assert _seen(run_module(PROBE))["parent"] != os.getpid()  # the zygote's, before the compile
+    torch.compile(torch.sin)(torch.ones(4))
+    assert INDUCTOR_ADDRESS in os.environ
+    assert _seen(run_module(PROBE))["parent"] != os.getpid()
+    assert _seen(run_module(PROBE, fresh=True))["parent"] == os.getpid()
 
 
 def test_forked_runs_draw_their_own_random_numbers() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -81,19 +82,24 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # port 0: any free port
         max_restarts=max_restarts, start_method=start_method, monitor_interval=0.1,
     )
-    with _signal_handlers_restored():
+    with _caller_state_restored():
         results = elastic_launch(config, _in_process_group)(fn, *args)
     return [results[rank] for rank in sorted(results)]
 
 
+# torch's launcher sets this in the caller's environment (the signals its agent forwards)
+SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+
+
 @contextlib.contextmanager
-def _signal_handlers_restored() -> Iterator[None]:
-    """Put back the signal handlers torch's agent replaces for the launch and never restores
-    (SIGTERM, SIGINT, SIGHUP, SIGQUIT): in a notebook kernel or a sweep they would outlive it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # the agent installs handlers only from the main thread
-        return
-    before = {signum: signal.getsignal(signum) for signum in signal.valid_signals()}
+def _caller_state_restored() -> Iterator[None]:
+    """Put back what torch's agent changes for the launch and never restores: the handlers of
+    SIGTERM, SIGINT, SIGHUP and SIGQUIT, and :data:`SIGNALS_ENV`. In a notebook kernel or a
+    sweep they would outlive it, the variable passed on to every process it starts later."""
+    before = {}  # the agent installs handlers only from the main thread
+    if threading.current_thread() is threading.main_thread():
+        before = {signum: signal.getsignal(signum) for signum in signal.valid_signals()}
+    variable = os.environ.get(SIGNALS_ENV)
     try:
         yield
     finally:
@@ -101,6 +107,10 @@ def _signal_handlers_restored() -> Iterator[None]:
             # None: a handler not set from Python, which Python cannot set back
             if handler is not None and signal.getsignal(signum) is not handler:
                 signal.signal(signum, handler)
+        if variable is None:
+            os.environ.pop(SIGNALS_ENV, None)
+        else:
+            os.environ[SIGNALS_ENV] = variable
 
 
 def _in_process_group(fn: Callable[..., Any], *args: Any) -> Any:
