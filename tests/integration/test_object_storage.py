@@ -66,7 +66,7 @@ def _bucket(s3: S3 | None) -> object:
 def straight(tmp_path_factory: pytest.TempPathFactory, mnist_root: Path, s3: S3) -> Path:
     run_dir = tmp_path_factory.mktemp("straight")
     result = run_train(*_command(run_dir, mnist_root, "s3://runs/straight"),
-                       env=offline_env(**s3.env))
+                       env=offline_env(**s3.env), fork=True)
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir / "console.txt").write_text(result.stdout + result.stderr)  # the logs a user sees
     return run_dir
@@ -136,7 +136,7 @@ def test_sigterm_then_the_same_command_on_a_fresh_folder_resumes_bitwise_from_th
     stopped_at = read_committed(f"{url}/last.json")["global_step"]
     assert 10 < stopped_at < 48
     fresh = tmp_path / "b"  # another machine: an empty local folder
-    resumed = run_train(*_command(fresh, mnist_root, url), env=env)
+    resumed = run_train(*_command(fresh, mnist_root, url), env=env, fork=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from {url}/last.json at step {stopped_at}" in resumed.stdout
     assert_same_weights(_weights(f"{url}/last.json"), _weights("s3://runs/straight/last.json"))
@@ -162,7 +162,7 @@ def test_sigkills_during_async_uploads_leave_a_loadable_last_and_resume_bitwise(
         mid_upload += bool(_uncommitted(url))
     assert committed == sorted(committed) and committed[-1] < 48, committed
     assert mid_upload  # some kills left an upload without its commit record (never resumed)
-    finished = run_train(*command, env=offline_env(**s3.env))
+    finished = run_train(*command, env=offline_env(**s3.env), fork=True)
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert f"resumed from {url}" in finished.stdout
     assert_same_weights(_weights(f"{url}/last.json"), _weights("s3://runs/straight/last.json"))
@@ -330,7 +330,7 @@ SHARDS = ("+exp=folder", "data=webdataset", "data.image_size=16", "data.batch_si
 
 def _train(run_dir: Path, root: str, s3: S3, *keys: str, status: int = 0) -> None:
     result = run_train(f"hydra.run.dir={run_dir}", f"data.root={root}", *keys,
-                       env=offline_env(OMP_NUM_THREADS="1", **s3.env))
+                       env=offline_env(OMP_NUM_THREADS="1", **s3.env), fork=True)
     assert result.returncode == status, result.stderr[-3000:]
 
 
