@@ -96,7 +96,7 @@ def _caller_state_restored() -> Iterator[None]:
     """Put back what torch's agent changes for the launch and never restores: the handlers of
     SIGTERM, SIGINT, SIGHUP and SIGQUIT, and :data:`SIGNALS_ENV`. In a notebook kernel or a
     sweep they would outlive it, the variable passed on to every process it starts later."""
-    before = {}  # the agent installs handlers only from the main thread
+    before: dict[int, Any] = {}  # the agent installs handlers only from the main thread
     if threading.current_thread() is threading.main_thread():
         before = {signum: signal.getsignal(signum) for signum in signal.valid_signals()}
     variable = os.environ.get(SIGNALS_ENV)
