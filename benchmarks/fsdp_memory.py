@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 import torch
@@ -67,9 +66,10 @@ def _one_step(strategy: str, width: int, depth: int, runtime: Any) -> dict[str, 
 
 def _sides(args: argparse.Namespace) -> dict[str, list[dict[str, int]]]:
     """Per strategy, each rank's counts, from one torchrun job (both sides in one group)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={WORLD}", "-m", "benchmarks.fsdp_memory", "--worker",
-               "--width", str(args.width), "--depth", str(args.depth)]
+    from trainkit.distributed.torchrun import torchrun_command
+
+    command = torchrun_command(["--worker", "--width", str(args.width), "--depth", str(args.depth)],
+                               nproc=WORLD, module="benchmarks.fsdp_memory")
     _, out = run_process(command)
     return json.loads(out.strip().splitlines()[-1])
 

@@ -126,7 +126,9 @@ def offline_env(**extra: str) -> dict[str, str]:
 
 
 _zygotes: list[Zygote] = []  # this process's, started by the first run that can use it
-_env_zygotes: list[Zygote] = []  # one per other environment a module's runs asked to fork in
+# one per other environment a module's runs asked to fork in, and the session's zygote left
+# behind when the test process's environment changed
+_env_zygotes: list[Zygote] = []
 _forked_runs = itertools.count()
 
 
@@ -143,7 +145,8 @@ def _zygote_closed() -> Iterator[None]:
 @pytest.fixture(autouse=True, scope="module")
 def _env_zygotes_closed() -> Iterator[None]:
     """The zygotes of other environments (``fork``) end with the module that asked for them:
-    its environments are its own (a bucket's address, a cache folder)."""
+    its environments are its own (a bucket's address, a cache folder). So does a session zygote
+    left behind, once the runs it started in the module have ended."""
     yield
     while _env_zygotes:
         _env_zygotes.pop().close()
@@ -155,19 +158,24 @@ def _zygote(env: dict[str, str] | None, fresh: bool, fork: bool) -> Zygote | Non
     run_env = env or offline_env()
     if fresh or (env is not None and not fork):
         return None
-    if env is None:  # the session's own zygote, while the environment is still its
+    if env is None:  # the session's own zygote, in the test process's environment as it is now
+        if _zygotes and not _zygotes[0].serves(run_env):
+            # The environment changed (torch sets variables of its own, as a compiled kernel's
+            # load or elastic_launch does; a module sets its service's): a zygote imports in
+            # the new one, and the old one ends with the module, after the runs it started.
+            _env_zygotes.append(_zygotes.pop())
         if not _zygotes:
-            _zygotes.append(_new_zygote(run_env, ""))
-        return _zygotes[0] if _zygotes[0].serves(run_env) else None
+            _zygotes.append(_new_zygote(run_env))
+        return _zygotes[0]
     zygote = next((z for z in _zygotes + _env_zygotes if z.serves(run_env)), None)
     if zygote is None:
-        zygote = _new_zygote(run_env, f"-env{next(_forked_runs)}")
+        zygote = _new_zygote(run_env)
         _env_zygotes.append(zygote)
     return zygote
 
 
-def _new_zygote(env: dict[str, str], suffix: str) -> Zygote:
-    folder = Path(tempfile.gettempdir()) / f"trainkit-runs-{os.getpid()}{suffix}"
+def _new_zygote(env: dict[str, str]) -> Zygote:
+    folder = Path(tempfile.gettempdir()) / f"trainkit-runs-{os.getpid()}-{next(_forked_runs)}"
     return Zygote(env, REPO, folder / "zygote.err")
 
 

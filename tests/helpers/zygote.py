@@ -148,16 +148,9 @@ def main() -> None:
     os._exit(_run_as_main(request["module"]))
 
 
-# Set in the test process by others, per test or per process, and read by no import: pytest's
-# name of the current test, and the address Inductor's C++ wrappers read, which torch sets in
-# os.environ at each load of a compiled kernel (every process sets its own before the read).
-# A test that compiles in process would otherwise end forking for the rest of the session.
-_UNSTEADY = frozenset({"PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"})
-
-
 def _steady(env: dict[str, str]) -> dict[str, str]:
-    """``env`` less what changes in the test process without changing what a run imports."""
-    return {key: value for key, value in env.items() if key not in _UNSTEADY}
+    """``env`` less what pytest changes from test to test."""
+    return {key: value for key, value in env.items() if key != "PYTEST_CURRENT_TEST"}
 
 
 class Forked:
